@@ -1,0 +1,575 @@
+"""Transformer step-time benchmark: full-size random-weight bf16 DiTs, plain diffusers vs omni_accel configs.
+
+    # on one H200 (no weights are downloaded: each model is built from its config dict on the GPU)
+    python benchmarks/bench_transformer.py --out benchmarks/results/bench_transformer_h200.json
+    # smoke test of the same code on tiny configs on the CPU (seconds)
+    python benchmarks/bench_transformer.py --device cpu --tiny --out /tmp/bench_tiny.json
+
+Models (batch 1): FLUX.1-dev-shaped at 1024² (4096 image + 512 text tokens), Qwen-Image-shaped at 1024²
+(4096 image + 256 text tokens, true CFG: one forward per branch, two per step) and Wan-2.1-14B-shaped at
+480x832 with 21 frames (6 latent frames, 9360 tokens; CFG: two forwards per step) and 512 text tokens.
+
+Configs per model, most important first: plain diffusers eager (default SDPA, no omni_accel), then
+``accelerate(attention="auto", compile=True)`` (the lossless stack), ``accelerate(attention="auto")``,
+``accelerate(attention="sdpa", compile=True)`` (compile alone), and for FLUX ``accelerate(offload="block")``.
+``accelerate()`` patches ``pipe.transformer`` in place, so the forwards are timed on the transformer directly
+(inside a real diffusers pipeline object with no VAE / text encoders); ``omni_accel.restore(pipe)`` runs between
+configs and every config's output is compared with plain eager's on the same inputs.
+
+Timing: CUDA events around each forward, after warm-up (the first call, which includes compilation, is timed
+on its own and reported as ``cold_start_s``), median of ``--iters`` forwards, under ``torch.no_grad``.
+TFLOP/s = analytic FLOPs / time: linear 2 x tokens x params of the block linears (the per-sample modulation
+linears see one token and are left out) + attention 4 x Nq x Nkv x (heads x head_dim) per attention layer.
+MFU is against an 8192³ bf16 GEMM measured in the same run. The JSON is rewritten after every row, and the run
+stops starting rows when ``--time-budget`` seconds are spent (skipped rows are listed in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+T_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T_START:7.1f}s] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- model specs
+def flux_spec(tiny: bool) -> dict:
+    if tiny:
+        cfg = dict(in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                   joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+        lat_h = lat_w = 8  # packed 2x2 latent grid -> 64 image tokens
+        n_txt = 16
+    else:
+        cfg = dict(in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+                   joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                   axes_dims_rope=(16, 56, 56))
+        lat_h = lat_w = 64  # 1024 / 8 (VAE) / 2 (packing)
+        n_txt = 512
+    n_img = lat_h * lat_w
+    return dict(model="flux", cls="FluxTransformer2DModel", pipe="FluxPipeline", cfg=cfg, lat=(lat_h, lat_w),
+                n_img=n_img, n_txt=n_txt, forwards_per_step=1,
+                shape=f"{'tiny' if tiny else '1024x1024'}: {n_img} img + {n_txt} txt tokens, batch 1")
+
+
+def qwen_spec(tiny: bool) -> dict:
+    if tiny:
+        cfg = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, in_channels=64,
+                   out_channels=16, axes_dims_rope=(4, 6, 6))
+        lat_h = lat_w = 8
+        n_txt = 16
+    else:
+        cfg = dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                   in_channels=64, out_channels=16, axes_dims_rope=(16, 56, 56))
+        lat_h = lat_w = 64
+        n_txt = 256
+    n_img = lat_h * lat_w
+    return dict(model="qwen_image", cls="QwenImageTransformer2DModel", pipe="QwenImagePipeline", cfg=cfg,
+                lat=(lat_h, lat_w), n_img=n_img, n_txt=n_txt, forwards_per_step=2,
+                shape=f"{'tiny' if tiny else '1024x1024'}: {n_img} img + {n_txt} txt tokens, batch 1, "
+                      "true CFG (2 forwards/step)")
+
+
+def wan_spec(tiny: bool) -> dict:
+    if tiny:
+        cfg = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, in_channels=16,
+                   out_channels=16, text_dim=32, freq_dim=16, patch_size=(1, 2, 2), cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+        frames, lat_f, lat_h, lat_w, n_txt = 5, 2, 8, 8, 16
+        size = "tiny"
+    else:
+        cfg = dict(num_layers=40, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, in_channels=16,
+                   out_channels=16, text_dim=4096, freq_dim=256, patch_size=(1, 2, 2), cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+        frames, lat_f, lat_h, lat_w, n_txt = 21, 6, 60, 104, 512  # 480x832 / 8; (21 - 1) / 4 + 1 = 6
+        size = "480x832x21f"
+    n_img = lat_f * (lat_h // 2) * (lat_w // 2)
+    return dict(model="wan", cls="WanTransformer3DModel", pipe="WanPipeline", cfg=cfg, lat=(lat_f, lat_h, lat_w),
+                n_img=n_img, n_txt=n_txt, forwards_per_step=2,
+                shape=f"{size}: {frames} frames -> {lat_f} latent frames, {n_img} video + {n_txt} txt tokens, "
+                      "batch 1, CFG (2 forwards/step)")
+
+
+SPECS = {"flux": flux_spec, "qwen_image": qwen_spec, "wan": wan_spec}
+
+
+def analytic_flops(spec: dict) -> dict:
+    """FLOPs of one transformer forward: block linears (2 x tokens x params) + attention (4 x Nq x Nkv x D)."""
+    cfg, n_img, n_txt = spec["cfg"], spec["n_img"], spec["n_txt"]
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    n = n_img + n_txt
+    if spec["model"] in ("flux", "qwen_image"):
+        # dual-stream block, per stream: qkv 3D² + out D² + MLP 2 x 4D² = 12D²; each token passes its own stream.
+        # FLUX single block: qkv 3D² + proj_mlp 4D² + proj_out 5D² = 12D² over all tokens. Same count.
+        blocks = cfg["num_layers"] + cfg.get("num_single_layers", 0)
+        linear = blocks * 2 * n * 12 * d * d
+        attention = blocks * 4 * n * n * d
+    else:  # wan: self-attn 4D², cross-attn q/o 2D² over video tokens and k/v 2D² over text tokens, FFN 2DF
+        f = cfg["ffn_dim"]
+        blocks = cfg["num_layers"]
+        linear = blocks * 2 * (n_img * (4 * d * d + 2 * d * d + 2 * d * f) + n_txt * 2 * d * d)
+        attention = blocks * (4 * n_img * n_img * d + 4 * n_img * n_txt * d)
+    return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+def build_transformer(spec: dict, device: torch.device, dtype: torch.dtype):
+    import diffusers
+
+    cls = getattr(diffusers, spec["cls"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(**spec["cfg"])
+    model = model.to(dtype).eval().requires_grad_(False)
+    # what from_pretrained(torch_dtype=bf16) does: keep the class's _keep_in_fp32_modules in float32 (Wan: rope,
+    # time embedder, modulation tables, norms)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if keep and any(k in name.split(".") for k in keep) and tensor.is_floating_point():
+            tensor.data = tensor.data.float()
+    return model
+
+
+def build_pipeline(spec: dict, transformer):
+    import diffusers
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
+    cls = getattr(diffusers, spec["pipe"])
+    if spec["model"] == "flux":
+        return cls(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                   tokenizer_2=None, transformer=transformer)
+    if spec["model"] == "qwen_image":
+        return cls(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
+    return cls(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
+
+
+def make_inputs(spec: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    cfg = spec["cfg"]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    t = torch.tensor([0.7], device=device, dtype=dtype)  # sigma in (0, 1]: what the pipelines pass (t / 1000)
+    if spec["model"] == "flux":
+        h, w = spec["lat"]
+        img_ids = torch.zeros(h, w, 3)
+        img_ids[..., 1] = torch.arange(h)[:, None]
+        img_ids[..., 2] = torch.arange(w)[None, :]
+        return dict(hidden_states=randn(1, h * w, cfg["in_channels"]),
+                    encoder_hidden_states=randn(1, spec["n_txt"], cfg["joint_attention_dim"]),
+                    pooled_projections=randn(1, cfg["pooled_projection_dim"]), timestep=t,
+                    img_ids=img_ids.reshape(-1, 3).to(device=device, dtype=dtype),
+                    txt_ids=torch.zeros(spec["n_txt"], 3, device=device, dtype=dtype),
+                    guidance=torch.tensor([3.5], device=device, dtype=torch.float32), return_dict=False)
+    if spec["model"] == "qwen_image":
+        h, w = spec["lat"]
+        # encoder_hidden_states_mask=None: QwenImagePipeline drops an all-ones mask for batch 1 too
+        return dict(hidden_states=randn(1, h * w, cfg["in_channels"]),
+                    encoder_hidden_states=randn(1, spec["n_txt"], cfg["joint_attention_dim"]),
+                    encoder_hidden_states_mask=None, timestep=t, img_shapes=[[(1, h, w)]], return_dict=False)
+    f, h, w = spec["lat"]
+    return dict(hidden_states=randn(1, cfg["in_channels"], f, h, w), timestep=t * 1000,
+                encoder_hidden_states=randn(1, spec["n_txt"], cfg["text_dim"]), return_dict=False)
+
+
+def count_linear_flops(transformer, blocks, inputs) -> float:
+    """One eager forward with hooks on every nn.Linear inside the blocks: sum of 2 x tokens x in x out."""
+    total = [0.0]
+
+    def hook(mod, args, out):
+        x = args[0]
+        total[0] += 2.0 * (x.numel() // x.shape[-1]) * mod.in_features * mod.out_features
+
+    handles = [m.register_forward_hook(hook) for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.no_grad():
+            transformer(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return total[0]
+
+
+# ------------------------------------------------------------------------------------------------- timing
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def first_tensor(out):
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    if hasattr(out, "sample"):
+        out = out.sample
+    return out
+
+
+def time_forwards(fn, device: torch.device, iters: int, warmup: int) -> dict:
+    sync(device)
+    t0 = time.perf_counter()
+    out = first_tensor(fn())
+    sync(device)
+    cold = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times), "cold_start_s": cold,
+            "peak_mem_gib": peak, "out": out}
+
+
+def measure_gemm_tflops(device: torch.device, tiny: bool) -> float | None:
+    n = 512 if tiny else 8192
+    dtype = torch.bfloat16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps = 3 if tiny else 20
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            a @ b
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def measure_h2d_gbps(device: torch.device, tiny: bool) -> float | None:
+    if device.type != "cuda":
+        return None
+    nbytes = (64 if tiny else 1024) * 2**20
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(2):
+        dev.copy_(host, non_blocking=True)
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dev.copy_(host, non_blocking=True)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del host, dev
+    return nbytes / statistics.median(times) / 1e9
+
+
+# --------------------------------------------------------------------------------------- adapters stand-in
+def ensure_adapters() -> str:
+    """Use the real adapters; if some family module cannot be imported yet, stand in for the three we need."""
+    from omni_accel import pipelines as P
+
+    try:
+        P.supported_families()
+        return "real"
+    except Exception as exc:  # noqa: BLE001 -- a missing/broken adapter module of another family
+        log(f"adapters: supported_families() failed ({exc!r}); using stand-in adapters where needed")
+    import importlib
+
+    from omni_accel.pipelines.base import ModelAdapter, SequenceInput
+
+    P._ADAPTERS.clear()
+    for family, module_name in P.FAMILY_MODULES.items():
+        try:
+            P._ADAPTERS[family] = importlib.import_module(f"omni_accel.pipelines.{module_name}").ADAPTER
+        except Exception:  # noqa: BLE001
+            pass
+    stand_ins = {
+        "flux": ModelAdapter("flux", "stand-in", ("FluxTransformer2DModel",), ("FluxPipeline",),
+                             ("transformer_blocks", "single_transformer_blocks"),
+                             (SequenceInput("hidden_states", 1, "image"),), "distilled"),
+        "qwen_image": ModelAdapter("qwen_image", "stand-in", ("QwenImageTransformer2DModel",),
+                                   ("QwenImagePipeline",), ("transformer_blocks",),
+                                   (SequenceInput("hidden_states", 1, "image"),), "true_cfg"),
+        "wan": ModelAdapter("wan", "stand-in", ("WanTransformer3DModel",), ("WanPipeline",), ("blocks",),
+                            (SequenceInput("hidden_states", 1, "image"),), "batched_cfg"),
+    }
+    used = []
+    for family, adapter in stand_ins.items():
+        if family not in P._ADAPTERS:
+            P._ADAPTERS[family] = adapter
+            used.append(family)
+    return "stand-in for " + ",".join(used) if used else "real (loaded one by one)"
+
+
+# --------------------------------------------------------------------------------------------------- main
+CONFIGS = {
+    # name: (accelerate kwargs or None for plain diffusers, lossless?, rough cost in seconds on the H200)
+    "eager": (None, True, 10),
+    "auto+compile": (dict(attention="auto", compile=True), True, 90),
+    "auto": (dict(attention="auto"), True, 10),
+    "compile": (dict(attention="sdpa", compile=True), True, 90),
+    "offload_block": (dict(attention="auto", offload="block"), True, 60),
+    "auto+compile_max": (dict(attention="auto", compile="max"), True, 300),
+}
+MODEL_CONFIGS = {
+    "flux": ["eager", "auto+compile", "auto", "compile", "offload_block"],
+    "qwen_image": ["eager", "auto+compile", "auto", "compile"],
+    "wan": ["eager", "auto+compile", "auto", "compile"],
+}
+MODEL_BUILD_COST = {"flux": 15, "qwen_image": 25, "wan": 20}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test)")
+    ap.add_argument("--models", default="flux,qwen_image,wan")
+    ap.add_argument("--configs", default=None, help="comma list to keep (default: all per model)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compile configs (fast CPU smoke test)")
+    ap.add_argument("--with-max", action="store_true", help="add compile='max' for FLUX (long cold start)")
+    ap.add_argument("--iters", type=int, default=None, help="timed forwards per config (default 10; tiny 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up forwards incl. the cold one (default 3)")
+    ap.add_argument("--time-budget", type=float, default=480.0, help="seconds; rows that would start later skip")
+    ap.add_argument("--out", default="bench_transformer.json")
+    ap.add_argument("--plot", default=None, help="PNG bar chart path (default: next to --out)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no GPU; use --device cpu --tiny", file=sys.stderr)
+        return 2
+    iters = args.iters or (2 if args.tiny else 10)
+    warmup = args.warmup or (1 if args.tiny else 3)
+    dtype = torch.bfloat16
+
+    import diffusers
+
+    import omni_accel
+
+    adapters = ensure_adapters()
+    log(f"adapters: {adapters}")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    env = {"gpu": gpu, "torch": torch.__version__, "diffusers": diffusers.__version__,
+           "omni_accel": omni_accel.__version__, "python": platform.python_version(), "adapters": adapters}
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    gemm = measure_gemm_tflops(device, args.tiny)
+    h2d = measure_h2d_gbps(device, args.tiny)
+    log(f"env {env}; bf16 GEMM {gemm:.1f} TFLOP/s; pinned H2D {h2d and round(h2d, 2)} GB/s")
+    result = {"env": env, "gemm_bf16_tflops": gemm, "h2d_pinned_gbps": h2d, "iters": iters, "warmup": warmup,
+              "rows": [], "skipped": [], "errors": [], "flops": {}}
+
+    def write() -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    write()
+    budget = args.time_budget
+    elapsed = lambda: time.perf_counter() - T_START  # noqa: E731
+
+    for model_name in [m for m in args.models.split(",") if m]:
+        spec = SPECS[model_name](args.tiny)
+        names = list(MODEL_CONFIGS[model_name])
+        if args.with_max and model_name == "flux":
+            names.append("auto+compile_max")
+        if args.configs:
+            keep = set(args.configs.split(","))
+            names = [n for n in names if n in keep or n == "eager"]
+        if args.no_compile:
+            names = [n for n in names if "compile" not in n]
+        scale = 0.05 if args.tiny else 1.0
+        if elapsed() + scale * (MODEL_BUILD_COST[model_name] + CONFIGS["eager"][2]) > budget:
+            result["skipped"] += [f"{model_name}/{n}" for n in names]
+            log(f"time budget: skipping {model_name}")
+            write()
+            continue
+        flops = analytic_flops(spec)
+        transformer = pipe = ref = None
+        mem_before = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        if mem_before:
+            log(f"{model_name}: {mem_before:.2f} GiB still allocated before building it")
+        try:
+            t0 = time.perf_counter()
+            transformer = build_transformer(spec, device, dtype)
+            sync(device)
+            build_s = time.perf_counter() - t0
+            n_params = sum(p.numel() for p in transformer.parameters())
+            t_bytes = sum(p.numel() * p.element_size() for p in transformer.parameters())
+            pipe = build_pipeline(spec, transformer)
+            inputs = make_inputs(spec, device, dtype)
+            adapter = omni_accel.pipelines.adapter_for(pipe)
+            blocks = [b for _, b in adapter.blocks_of(transformer)]
+            hooked = count_linear_flops(transformer, blocks, inputs)
+            flops["linear_hooked"] = hooked
+            result["flops"][model_name] = flops
+            log(f"{model_name}: {n_params / 1e9:.2f} B params ({t_bytes / 2**30:.1f} GiB) built in {build_s:.1f}s; "
+                f"analytic {flops['total'] / 1e12:.2f} TFLOP/forward (linear {flops['linear'] / 1e12:.2f}, hooked "
+                f"linear {hooked / 1e12:.2f}, attention {flops['attention'] / 1e12:.2f})")
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            result["errors"].append(f"{model_name}: build failed: {exc!r}")
+            result["skipped"] += [f"{model_name}/{n}" for n in names]
+            write()
+            transformer = pipe = None
+            names = []
+        unoffloaded_peak = None
+        for name in names:
+            kwargs, lossless, cost = CONFIGS[name]
+            if elapsed() + scale * cost > budget:
+                result["skipped"].append(f"{model_name}/{name}")
+                log(f"time budget: skipping {model_name}/{name} (elapsed {elapsed():.0f}s)")
+                write()
+                continue
+            accelerated = False
+            try:
+                if kwargs is not None:
+                    omni_accel.accelerate(pipe, **kwargs)
+                    accelerated = True
+                    applied = [p["pass"] for p in pipe.omni_accel.report()["applied"]]
+                    backend = next((p.get("backend") for p in pipe.omni_accel.report()["applied"]
+                                    if p["pass"] == "attention"), None)
+                else:
+                    applied, backend = [], "diffusers default (SDPA)"
+                with torch.no_grad():
+                    timing = time_forwards(lambda: pipe.transformer(**inputs), device, iters, warmup)
+                out = timing.pop("out").float()
+                if ref is None:
+                    ref = out
+                diff = (out - ref).abs()
+                max_abs = diff.max().item()
+                rel = (diff.norm() / ref.norm().clamp_min(1e-12)).item()
+                finite = bool(torch.isfinite(out).all())
+                fps = spec["forwards_per_step"]
+                ms_step = timing["ms"] * fps
+                tflops = flops["total"] / (timing["ms"] / 1e3) / 1e12
+                row = {"model": model_name, "config": name, "world_size": 1, "ms_per_step": round(ms_step, 3),
+                       "ms_per_forward": round(timing["ms"], 3), "forwards_per_step": fps,
+                       "tflops": round(tflops, 2), "mfu": round(tflops / gemm, 4) if gemm else None,
+                       "peak_mem_gib": None if timing["peak_mem_gib"] is None else round(timing["peak_mem_gib"], 3),
+                       "gpu": env["gpu"], "torch": env["torch"], "diffusers": env["diffusers"], "shape": spec["shape"],
+                       "accelerate_kwargs": kwargs, "applied": applied, "attention_backend": backend,
+                       "max_abs_err": max_abs, "rel_err": rel, "finite": finite,
+                       "rel_err_ok": bool(finite and rel < 2e-2), "cold_start_s": round(timing["cold_start_s"], 3),
+                       "ms_min": round(timing["ms_min"], 3), "ms_max": round(timing["ms_max"], 3),
+                       "tflop_per_forward": round(flops["total"] / 1e12, 3), "params_b": round(n_params / 1e9, 3),
+                       "transformer_gib": round(t_bytes / 2**30, 3),
+                       "mem_before_build_gib": None if mem_before is None else round(mem_before, 3)}
+                if name == "auto":
+                    unoffloaded_peak = row["peak_mem_gib"]
+                if name == "offload_block":
+                    if h2d:
+                        bound_ms = t_bytes / (h2d * 1e9) * 1e3
+                        row["h2d_bound_ms_per_step"] = round(bound_ms * fps, 3)
+                        row["h2d_pinned_gbps"] = round(h2d, 3)
+                        row["ms_over_h2d_bound"] = round(ms_step / (bound_ms * fps), 3)
+                    ref_peak = unoffloaded_peak or next((r["peak_mem_gib"] for r in result["rows"]
+                                                         if r["model"] == model_name), None)
+                    if ref_peak and row["peak_mem_gib"] is not None:
+                        row["peak_mem_vs_unoffloaded"] = round(row["peak_mem_gib"] / ref_peak, 4)
+                result["rows"].append(row)
+                log(f"{model_name:10s} {name:16s} {ms_step:9.2f} ms/step ({timing['ms']:.2f} ms/fwd) "
+                    f"{tflops:7.1f} TFLOP/s mfu {row['mfu']} peak {row['peak_mem_gib']} GiB cold "
+                    f"{timing['cold_start_s']:.1f}s max_abs {max_abs:.3g} rel {rel:.3g} [{backend}]")
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                result["errors"].append(f"{model_name}/{name}: {exc!r}")
+            finally:
+                if accelerated:
+                    try:
+                        omni_accel.restore(pipe)
+                    except Exception as exc:  # noqa: BLE001
+                        traceback.print_exc()
+                        result["errors"].append(f"{model_name}/{name}: restore failed: {exc!r}")
+                write()
+        del transformer, pipe, ref
+        # dynamo first: its caches hold the compiled blocks, and a module with hooks sits in reference cycles, so
+        # only a gc.collect() *after* the reset frees its weights (the 2026-12-02 H200 run collected before the
+        # reset, and the Qwen-Image rows' peak memory still counted the 22.2 GiB of FLUX weights)
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["total_s"] = round(elapsed(), 1)
+    write()
+    print_table(result)
+    plot_path = args.plot or os.path.splitext(args.out)[0] + ".png"
+    try:
+        plot(result, plot_path)
+    except Exception as exc:  # noqa: BLE001 -- matplotlib missing: the JSON is what matters
+        log(f"plot skipped: {exc!r}")
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{'model':10s} {'config':16s} {'ms/step':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} "
+          f"{'max_abs':>9s} {'rel':>8s} {'cold s':>7s}")
+    for r in result["rows"]:
+        print(f"{r['model']:10s} {r['config']:16s} {r['ms_per_step']:9.2f} {r['tflops']:8.1f} "
+              f"{(r['mfu'] or 0):6.3f} {str(r['peak_mem_gib']):>9s} {r['max_abs_err']:9.3g} {r['rel_err']:8.3g} "
+              f"{r['cold_start_s']:7.1f}")
+    if result["skipped"]:
+        print("skipped:", ", ".join(result["skipped"]))
+    if result["errors"]:
+        print("errors:", *result["errors"], sep="\n  ")
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in result["rows"] if r["model"] == model]
+        bars = ax.bar([r["config"] for r in rows], [r["ms_per_step"] for r in rows],
+                      color=["#888" if r["config"] == "eager" else "#3a7" for r in rows])
+        for bar, r in zip(bars, rows):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{r['ms_per_step']:.0f}", ha="center",
+                    va="bottom", fontsize=8)
+        ax.set_title(f"{model} ({rows[0]['shape'].split(':')[0]})", fontsize=9)
+        ax.set_ylabel("ms / denoising step")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.suptitle(f"transformer step time, bf16, {result['env']['gpu']}, torch {result['env']['torch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""CachePass: the ``cache=`` knob. Picks the backend, validates cache_config, applies, records one undo."""
+
+from __future__ import annotations
+
+from ..errors import AccelError
+from ..pass_base import AccelPass, PassContext
+from .base import CacheBackend
+from .cache_dit_backend import CacheDitBackend, FbCacheBackend
+from .tea_cache import TeaCacheBackend
+
+BACKENDS: dict[str, CacheBackend] = {
+    "tea_cache": TeaCacheBackend(),
+    "cache_dit": CacheDitBackend(),
+    "fb_cache": FbCacheBackend(),
+}
+
+
+class CachePass(AccelPass):
+    name = "cache"
+
+    def wanted(self, config) -> bool:
+        return config.cache is not None
+
+    def _backend(self, ctx: PassContext) -> CacheBackend:
+        backend = BACKENDS.get(ctx.config.cache)
+        if backend is None:  # config.validate already refuses unknown names; keep the message if it ever drifts
+            raise AccelError(f"cache={ctx.config.cache!r} is not known. Use one of: {', '.join(BACKENDS)}.")
+        return backend
+
+    def check(self, ctx: PassContext) -> None:
+        backend = self._backend(ctx)
+        if ctx.config.compile:
+            raise AccelError(
+                f"cache={ctx.config.cache!r} with compile={ctx.config.compile!r} is not supported together yet "
+                "(the cache hooks decide per step in Python inside the compiled blocks); drop one of them."
+            )
+        opts = backend.resolve(ctx)
+        backend.check(ctx, opts)
+
+    def apply(self, ctx: PassContext) -> None:
+        backend = self._backend(ctx)
+        opts = backend.resolve(ctx)
+        undo, details, controller = backend.apply(ctx, opts)
+        ctx.state.cache_controller = controller  # TeaCache controller (tests, calibration); None for cache-dit
+        ctx.state.record("cache", undo, **details)

@@ -1,0 +1,91 @@
+"""Small helpers over diffusers' hook registry, so every pass hooks module boundaries the same way.
+
+All our hooks are named ``omni_accel.<what>`` so ``restore`` can remove exactly ours and leave a user's own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+PREFIX = "omni_accel."
+
+
+def add_hook(module: torch.nn.Module, name: str, hook: ModelHook) -> Callable[[], None]:
+    """Register ``hook`` on ``module`` under ``omni_accel.<name>``; return the function that removes it."""
+    full_name = PREFIX + name
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    registry.register_hook(hook, full_name)
+
+    def remove() -> None:
+        registry.remove_hook(full_name, recurse=False)
+
+    return remove
+
+
+class CallbackHook(ModelHook):
+    """Calls ``before()`` ahead of the forward and ``after(output)`` once it returns; the output is unchanged."""
+
+    def __init__(self, before: Callable[[], Any] | None = None, after: Callable[[Any], None] | None = None):
+        super().__init__()
+        self._before = before
+        self._after = after
+
+    def pre_forward(self, module, *args, **kwargs):
+        if self._before is not None:
+            self._before()
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        if self._after is not None:
+            self._after(output)
+        return output
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for queued GPU work so a host clock reading means something; free on CPU."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Accumulates wall time of a region, synchronising the device at both ends (stage granularity only)."""
+
+    def __init__(self, device_fn: Callable[[], Any]):
+        self._device_fn = device_fn
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def start(self) -> None:
+        synchronize(self._device_fn())
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._started is not None:
+            synchronize(self._device_fn())
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+
+def wrap_method(obj: Any, name: str, make_wrapper: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Shadow ``obj.name`` with an instance attribute built from the bound original; return the undo.
+
+    Used where no hook point exists (a pipeline's ``encode_prompt``, a VAE's ``decode``): the instance
+    attribute wins over the class's method, and deleting it brings the method back untouched.
+    """
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    original = getattr(obj, name)
+    object.__setattr__(obj, name, make_wrapper(original))
+
+    def undo() -> None:
+        if had_own:
+            object.__setattr__(obj, name, previous)
+        else:
+            object.__delattr__(obj, name)
+
+    return undo

@@ -1,0 +1,146 @@
+"""What a model adapter declares. Adapters describe; passes act.
+
+An adapter is plain data about one family of diffusers pipelines: where its transformer blocks are, which
+forward inputs carry the sequence, how it runs classifier-free guidance, which components it has. Passes read
+it and hook module boundaries; nothing outside ``omni_accel/pipelines/`` names a model class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SequenceKind = Literal["image", "text", "rope", "mask"]
+CfgStyle = Literal["true_cfg", "batched_cfg", "distilled"]
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """A tensor argument that carries tokens along ``dim``.
+
+    ``where`` is "transformer" for the transformer's forward kwargs and "block" for the kwargs every block of
+    ``block_lists`` receives (rotary embeddings are usually computed inside the transformer and reach blocks only).
+    For a rotary embedding that spans text and image tokens, ``order`` says which part comes first.
+    """
+
+    name: str
+    dim: int
+    kind: SequenceKind
+    where: Literal["transformer", "block"] = "transformer"
+    order: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheRegion:
+    """A block list that step caches skip as a whole, and the format of its blocks' return value.
+
+    ``outputs`` names, in return order, the block *arguments* each returned element replaces (a block maps
+    ``hidden_states, encoder_hidden_states -> (encoder_hidden_states, hidden_states)``: outputs =
+    ("encoder_hidden_states", "hidden_states")); one name = the block returns a bare tensor. Arguments are
+    matched by name through the block's forward signature, so positional calls (Wan, Z-Image) work too."""
+
+    block_list: str
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TeaCacheSpec:
+    """How TeaCache reads a family: the module whose output is the first block's modulated input.
+
+    ``modulated_args`` / ``modulated_kwargs`` are the arguments of the first block of the first region that the
+    module takes (by the block's argument names): TeaCache calls the module *ahead* of that block with them, so it
+    can decide before the block runs. Empty args and kwargs = the module runs before the blocks in the
+    transformer's forward (Wan's condition embedder) and its output is captured by a forward hook instead.
+    ``modulation`` (optional): an AdaLN modulation module below the transformer fed with the block argument
+    ``modulation_arg``; its output split in ``modulation_chunks`` gives shift (chunk 0) and scale (chunk 1), and
+    the modulated input is ``out * (1 + scale) + shift`` (Qwen-Image modulates inline). ``output_index``: the
+    element taken when the module returns a tuple. ``regions``: what is skipped on a reused step (default: every
+    block list of the adapter, with (encoder_hidden_states, hidden_states) outputs)."""
+
+    modulated_input: str  # dotted path below the transformer, e.g. "transformer_blocks.0.norm1"
+    coefficients: tuple[float, ...] = ()  # published rescale polynomial, highest power first; () = calibrate
+    modulated_args: tuple[str, ...] = ("hidden_states",)
+    modulated_kwargs: tuple[tuple[str, str], ...] = ()  # (module keyword, block argument)
+    output_index: int = 0
+    modulation: str = ""
+    modulation_arg: str = "temb"
+    modulation_chunks: int = 6
+    regions: tuple[CacheRegion, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShardArg:
+    """A block argument that sequence parallelism splits: by keyword ``name`` or, when the block is called
+    positionally, by ``position``. ``stream`` is the token stream it carries ("image", "text" or "joint" -- one
+    sequence the model already concatenated); a tensor that covers several streams concatenated (a rotary table
+    over [text, image]) names them in ``order``. ``item`` picks one element of a tuple argument (otherwise every
+    tensor of a tuple is split). ``every_block``: the value is computed once in the transformer and passed to every
+    block (rotary tables, masks), so it is split at every block, not only at the first."""
+
+    name: str
+    dim: int = 1
+    stream: str = "image"
+    order: tuple[str, ...] = ()
+    item: int | None = None
+    every_block: bool = False
+    position: int | None = None
+    ndim: int | None = None  # split only tensors of this rank (Wan's temb is per token only when 4-D)
+
+
+@dataclass(frozen=True)
+class SequenceRegion:
+    """One block list run on sequence shards: ``args`` split at its blocks, the block outputs gathered after its
+    last block (``outputs``: the stream of each element of the block's return value; None = not a sequence).
+    ``local_attention``: attention submodules of a block (relative names) whose keys are not split, i.e.
+    cross-attention to an unsplit context -- they run locally on the query shard."""
+
+    block_list: str
+    args: tuple[ShardArg, ...]
+    outputs: tuple[str | None, ...]
+    local_attention: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    family: str
+    description: str
+    transformer_classes: tuple[str, ...]
+    pipeline_classes: tuple[str, ...]
+    block_lists: tuple[str, ...]
+    sequence_inputs: tuple[SequenceInput, ...]
+    cfg: CfgStyle
+    # Call kwargs that switch true CFG on: the scale and its threshold ("> 1" runs the negative branch).
+    cfg_scale_arg: str | None = None
+    negative_prompt_arg: str | None = "negative_prompt"
+    transformer_names: tuple[str, ...] = ("transformer",)
+    text_encoder_names: tuple[str, ...] = ("text_encoder",)
+    vae_name: str = "vae"
+    # True when every attention of the transformer goes through diffusers' attention dispatcher, so
+    # ``set_attention_backend`` reaches it; False means the pass wraps forward in ``sdpa_kernel`` instead.
+    attention_via_dispatcher: bool = True
+    edit_pipelines: tuple[str, ...] = ()
+    teacache: TeaCacheSpec | None = None
+    # sequence parallelism: the block lists that run on sequence shards (empty = sp not supported)
+    sequence_parallel: tuple[SequenceRegion, ...] = ()
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def transformers_of(self, pipe) -> list[tuple[str, object]]:
+        """The (name, module) transformers the pipeline actually holds (Wan 2.2 may have two, or one)."""
+        found = []
+        for name in self.transformer_names:
+            module = getattr(pipe, name, None)
+            if module is not None:
+                found.append((name, module))
+        return found
+
+    def blocks_of(self, transformer) -> list[tuple[str, object]]:
+        """Every repeated block, as (dotted name, module), in execution order."""
+        blocks = []
+        for list_name in self.block_lists:
+            for index, block in enumerate(getattr(transformer, list_name, None) or ()):
+                blocks.append((f"{list_name}.{index}", block))
+        return blocks
+
+    def is_edit_pipeline(self, pipe) -> bool:
+        return type(pipe).__name__ in self.edit_pipelines

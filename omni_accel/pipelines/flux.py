@@ -1,0 +1,87 @@
+"""FLUX.1 (dev / schnell / Kontext / Fill / Control): FluxTransformer2DModel, an MMDiT of dual-stream blocks followed
+by single-stream blocks, with FLUX-style 3-axis RoPE over the concatenated [text, image] sequence."""
+
+from .base import CacheRegion, ModelAdapter, SequenceInput, SequenceRegion, ShardArg, TeaCacheSpec
+
+ADAPTER = ModelAdapter(
+    family="flux",
+    description="FLUX.1 text-to-image and editing (FluxTransformer2DModel: dual-stream then single-stream blocks)",
+    transformer_classes=("FluxTransformer2DModel",),
+    pipeline_classes=(
+        "FluxPipeline",
+        "FluxImg2ImgPipeline",
+        "FluxInpaintPipeline",
+        "FluxKontextPipeline",
+        "FluxKontextInpaintPipeline",
+        "FluxFillPipeline",
+        "FluxControlPipeline",
+        "FluxControlImg2ImgPipeline",
+        "FluxControlInpaintPipeline",
+        "FluxControlNetPipeline",
+        "FluxControlNetImg2ImgPipeline",
+        "FluxControlNetInpaintPipeline",
+    ),
+    # FluxTransformer2DModel.forward runs every dual-stream block, then every single-stream block.
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    sequence_inputs=(
+        # transformer forward (FluxTransformer2DModel._cp_plan splits the same four)
+        SequenceInput("hidden_states", dim=1, kind="image"),  # (B, S_img, C) packed 2x2 latents
+        SequenceInput("encoder_hidden_states", dim=1, kind="text"),  # (B, S_txt, joint_attention_dim), T5
+        SequenceInput("img_ids", dim=0, kind="rope", order=("image",)),  # (S_img, 3) positions of image tokens
+        SequenceInput("txt_ids", dim=0, kind="rope", order=("text",)),  # (S_txt, 3) positions of text tokens
+        # block forward: both block kinds take the two streams separately (the single-stream block concatenates
+        # [text, image] inside and splits again on return); the rotary embedding is computed once in the
+        # transformer from cat(txt_ids, img_ids), so it covers text first, then image.
+        SequenceInput("hidden_states", dim=1, kind="image", where="block"),
+        SequenceInput("encoder_hidden_states", dim=1, kind="text", where="block"),
+        SequenceInput("image_rotary_emb", dim=0, kind="rope", where="block", order=("text", "image")),  # (cos, sin)
+    ),
+    # FLUX.1-dev / Kontext are guidance-distilled (guidance_scale is embedded, one forward per step); FluxPipeline
+    # and the img2img/inpaint/Kontext/ControlNet variants also run true CFG (a second, separate forward on the
+    # negative prompt) when true_cfg_scale > 1 and a negative prompt is given.
+    cfg="distilled",
+    cfg_scale_arg="true_cfg_scale",
+    negative_prompt_arg="negative_prompt",
+    text_encoder_names=("text_encoder", "text_encoder_2"),  # CLIP (pooled) + T5 (sequence)
+    # FluxAttnProcessor and FluxIPAdapterAttnProcessor both call dispatch_attention_fn.
+    attention_via_dispatcher=True,
+    edit_pipelines=("FluxKontextPipeline", "FluxKontextInpaintPipeline"),
+    # AdaLayerNormZero of the first dual-stream block: its output[0] is the timestep-modulated image input
+    # (the quantity TeaCache measures); coefficients are the published FLUX.1 rescale polynomial.
+    teacache=TeaCacheSpec(
+        modulated_input="transformer_blocks.0.norm1",
+        coefficients=(498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861),
+        modulated_args=("hidden_states",),
+        modulated_kwargs=(("emb", "temb"),),  # AdaLayerNormZero(x, emb=temb) -> (modulated x, gates...)
+        regions=(
+            CacheRegion("transformer_blocks", outputs=("encoder_hidden_states", "hidden_states")),
+            CacheRegion("single_transformer_blocks", outputs=("encoder_hidden_states", "hidden_states")),
+        ),
+    ),
+    # sp: both block lists take the two streams separately and return (text, image); the rotary table is
+    # computed once from cat(txt_ids, img_ids) and passed to every block.
+    sequence_parallel=tuple(
+        SequenceRegion(
+            block_list=blocks,
+            args=(
+                ShardArg("hidden_states", dim=1, stream="image"),
+                ShardArg("encoder_hidden_states", dim=1, stream="text"),
+                ShardArg("image_rotary_emb", dim=0, order=("text", "image"), every_block=True),
+            ),
+            outputs=("text", "image"),
+        )
+        for blocks in ("transformer_blocks", "single_transformer_blocks")
+    ),
+    notes=(
+        "Kontext appends the reference-image tokens after the generated image tokens in hidden_states/img_ids "
+        "(img_ids of the reference carry first coordinate 1), so the image part of the sequence is "
+        "[target, reference] there. Fill and Control use in_channels 384/128 (the condition is concatenated on the "
+        "channel dim, not the sequence). True CFG runs only when true_cfg_scale > 1 AND a negative prompt "
+        "(or negative_prompt_embeds + negative_pooled_prompt_embeds) is given. The text length is "
+        "max_sequence_length (T5 pads to it)."
+    ),
+    # cache-dit: both block lists take (hidden_states, encoder_hidden_states, temb, ...) and return (text, image),
+    # so cache-dit caches them as one list (Fn/Bn count over all blocks) -- see omni_accel/cache/cache_dit_backend.py
+    extra={"cfg_threshold": 1.0, "text_seq_arg": "max_sequence_length",
+           "cache_dit_unify": ("transformer_blocks", "single_transformer_blocks")},
+)

@@ -1,0 +1,86 @@
+"""Qwen-Image (QwenImageTransformer2DModel): a 60-block double-stream MMDiT fed by Qwen2.5-VL."""
+
+from .base import CacheRegion, SequenceRegion, ShardArg, ModelAdapter, SequenceInput, TeaCacheSpec
+
+ADAPTER = ModelAdapter(
+    family="qwen_image",
+    description="Qwen-Image text-to-image and editing (MMDiT, Qwen2.5-VL text encoder, Wan-style VAE)",
+    transformer_classes=("QwenImageTransformer2DModel",),
+    pipeline_classes=(
+        "QwenImagePipeline",
+        "QwenImageImg2ImgPipeline",
+        "QwenImageInpaintPipeline",
+        "QwenImageEditPipeline",
+        "QwenImageEditInpaintPipeline",
+        "QwenImageEditPlusPipeline",
+        "QwenImageControlNetPipeline",
+        "QwenImageControlNetInpaintPipeline",
+        "QwenImageLayeredPipeline",
+    ),
+    block_lists=("transformer_blocks",),
+    sequence_inputs=(
+        # transformer forward: packed 2x2 latent patches [B, S_img, C] and Qwen2.5-VL states [B, S_txt, D]
+        SequenceInput("hidden_states", dim=1, kind="image"),
+        SequenceInput("encoder_hidden_states", dim=1, kind="text"),
+        SequenceInput("encoder_hidden_states_mask", dim=1, kind="mask"),
+        # every block: the two streams, the text mask, and the rotary tuple (img_freqs [S_img, d/2],
+        # txt_freqs [S_txt, d/2]) -- complex, token axis 0, image part first
+        SequenceInput("hidden_states", dim=1, kind="image", where="block"),
+        SequenceInput("encoder_hidden_states", dim=1, kind="text", where="block"),
+        SequenceInput("encoder_hidden_states_mask", dim=1, kind="mask", where="block"),
+        SequenceInput("image_rotary_emb", dim=0, kind="rope", where="block", order=("image", "text")),
+        # zero_cond_t models (Edit-2511): per image token 0 = generated, 1 = reference image; follows the image
+        SequenceInput("modulate_index", dim=1, kind="image", where="block"),
+    ),
+    cfg="true_cfg",
+    cfg_scale_arg="true_cfg_scale",
+    negative_prompt_arg="negative_prompt",
+    transformer_names=("transformer",),
+    text_encoder_names=("text_encoder",),
+    vae_name="vae",
+    attention_via_dispatcher=True,  # QwenDoubleStreamAttnProcessor2_0 calls dispatch_attention_fn
+    edit_pipelines=("QwenImageEditPipeline", "QwenImageEditInpaintPipeline", "QwenImageEditPlusPipeline"),
+    teacache=TeaCacheSpec(
+        modulated_input="transformer_blocks.0.img_norm1",
+        coefficients=(-450.0, 280.0, -45.0, 3.2, -0.02),
+        modulated_args=("hidden_states",),
+        # img_norm1(x) * (1 + scale) + shift, shift/scale = chunks 0/1 of img_mod(temb) (QwenImageTransformerBlock)
+        modulation="transformer_blocks.0.img_mod",
+        modulation_arg="temb",
+        modulation_chunks=6,
+        regions=(CacheRegion("transformer_blocks", outputs=("encoder_hidden_states", "hidden_states")),),
+    ),
+    # sp: every block takes the two streams, the text mask, the rotary tuple (img_freqs, txt_freqs) and, for
+    # zero_cond_t models, the per-image-token modulate_index; it returns (text, image).
+    sequence_parallel=(
+        SequenceRegion(
+            block_list="transformer_blocks",
+            args=(
+                ShardArg("hidden_states", dim=1, stream="image"),
+                ShardArg("encoder_hidden_states", dim=1, stream="text"),
+                ShardArg("encoder_hidden_states_mask", dim=1, stream="text", every_block=True),
+                ShardArg("image_rotary_emb", dim=0, stream="image", item=0, every_block=True),
+                ShardArg("image_rotary_emb", dim=0, stream="text", item=1, every_block=True),
+                ShardArg("modulate_index", dim=1, stream="image", every_block=True),
+            ),
+            outputs=("text", "image"),
+        ),
+    ),
+    notes=(
+        "True CFG: with true_cfg_scale > 1 and a negative prompt the pipeline runs the transformer twice per step "
+        "(cond, then uncond, batch B each); guidance_scale is only the distilled-guidance embedding and is ignored "
+        "by guidance_embeds=False checkpoints. "
+        "Edit pipelines append the reference image latents to hidden_states (S_img = generated + reference "
+        "tokens; img_shapes lists each part) and the prompt states hold the image's vision tokens. "
+        "TeaCache: the first block's modulated input is img_norm1(x) * (1 + scale) + shift computed inline in "
+        "QwenImageTransformerBlock._modulate, so no single module outputs it; img_norm1 is the token tensor being "
+        "modulated (it changes with the latent), and the shift/scale come from transformer_blocks.0.img_mod "
+        "(its output [B, 6*dim]: shift, scale, gate of norm1, then of norm2) -- see extra."
+    ),
+    extra={
+        "teacache_modulation": "transformer_blocks.0.img_mod",  # shift, scale = first two dim-chunks of its output
+        "rope_module": "pos_embed",  # returns (img_freqs, txt_freqs)
+        "vae_scale_factor_attr": "vae_scale_factor",
+        "latent_packing": 2,
+    },
+)

@@ -1,0 +1,69 @@
+"""Wan 2.1 / 2.2 video DiT (WanTransformer3DModel), UMT5 text encoder, causal 3D VAE."""
+
+from .base import CacheRegion, SequenceRegion, ShardArg, ModelAdapter, SequenceInput, TeaCacheSpec
+
+ADAPTER = ModelAdapter(
+    family="wan",
+    description="Wan 2.1 / 2.2 text- and image-to-video (self-attn + cross-attn DiT, UMT5, AutoencoderKLWan)",
+    transformer_classes=("WanTransformer3DModel",),
+    pipeline_classes=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"),
+    block_lists=("blocks",),
+    sequence_inputs=(
+        # transformer forward: the 5D latent video [B, C, F, H, W] (tokens are F x H/2 x W/2 after patchify;
+        # dim 2 is the frame axis, the outermost token axis), UMT5 states [B, 512, D], and for 2.1 I2V the CLIP
+        # image tokens [B, 257, 1280] -- cross-attention context like the text, never split
+        SequenceInput("hidden_states", dim=2, kind="image"),
+        SequenceInput("encoder_hidden_states", dim=1, kind="text"),
+        SequenceInput("encoder_hidden_states_image", dim=1, kind="text"),
+        # every block: patchified tokens [B, S, dim], the context [B, (257+)512, D], and
+        # rotary_emb = (freqs_cos, freqs_sin), each [1, S, 1, head_dim], video tokens only
+        SequenceInput("hidden_states", dim=1, kind="image", where="block"),
+        SequenceInput("encoder_hidden_states", dim=1, kind="text", where="block"),
+        SequenceInput("rotary_emb", dim=1, kind="rope", where="block", order=("image",)),
+    ),
+    cfg="true_cfg",
+    cfg_scale_arg="guidance_scale",
+    negative_prompt_arg="negative_prompt",
+    transformer_names=("transformer", "transformer_2"),
+    text_encoder_names=("text_encoder",),
+    vae_name="vae",
+    attention_via_dispatcher=True,  # WanAttnProcessor: both self- and cross-attention via dispatch_attention_fn
+    edit_pipelines=(),
+    # time_proj runs in the transformer's forward before the blocks: no ahead call, its output is captured.
+    teacache=TeaCacheSpec(
+        modulated_input="condition_embedder.time_proj",
+        coefficients=(),
+        modulated_args=(),
+        regions=(CacheRegion("blocks", outputs=("hidden_states",)),),
+    ),
+    # sp: blocks are called positionally (hidden_states, encoder_hidden_states, temb, rotary_emb); the
+    # cross-attention attn2 reads the unsplit text context, so it runs locally on the query shard. temb is
+    # per token ([B, S, 6, D]) only for Wan 2.2 TI2V (expand_timesteps).
+    sequence_parallel=(
+        SequenceRegion(
+            block_list="blocks",
+            args=(
+                ShardArg("hidden_states", dim=1, stream="image", position=0),
+                ShardArg("temb", dim=1, stream="image", position=2, every_block=True, ndim=4),
+                ShardArg("rotary_emb", dim=1, stream="image", position=3, every_block=True),
+            ),
+            outputs=("image",),
+            local_attention=("attn2",),
+        ),
+    ),
+    notes=(
+        "CFG: with guidance_scale > 1 the pipeline calls the transformer twice per step (cond, then uncond, "
+        "batch B each). Wan 2.2 A14B holds two experts: transformer for t >= boundary_ratio * num_train_timesteps "
+        "(high noise) and transformer_2 below it, each with its own guidance scale (guidance_scale_2); exactly "
+        "one runs per step. Wan 2.2 TI2V-5B has only transformer (expand_timesteps=True: a per-token timestep "
+        "[B, S]). "
+        "TeaCache: Wan modulates inline inside each block (scale_shift_table + timestep_proj), so no submodule "
+        "outputs the modulated input; condition_embedder.time_proj outputs timestep_proj, the 6*dim modulation "
+        "every block adds to its scale_shift_table (the e0 TeaCache4Wan2.1 measures). Coefficients are "
+        "calibrated per model (2.1 / 2.2, T2V / I2V, each expert). "
+        "The 2.1 I2V attention splits the context at 512 text tokens (hardcoded in WanAttnProcessor): text "
+        "sequences must stay padded to 512 there."
+    ),
+    extra={"cfg_needs_negative": False,  # an absent negative prompt encodes ""
+           "boundary_arg": "boundary_ratio", "rope_module": "rope", "patch_size": (1, 2, 2)},
+)

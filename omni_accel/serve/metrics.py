@@ -1,0 +1,56 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+KNOWN_PATHS = ("/v1/images/generations", "/v1/images/edits", "/v1/models", "/health", "/metrics")
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("omni_accel_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("omni_accel_request_latency_seconds", "HTTP request latency by endpoint",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("omni_accel_queue_depth", "requests waiting for the worker", registry=r)
+        self.running = Gauge("omni_accel_running_requests", "requests in the pipeline call now", registry=r)
+        self.pipeline_calls = Counter("omni_accel_pipeline_calls", "pipeline calls (batches)", registry=r)
+        self.batch_requests = Histogram("omni_accel_batch_requests", "requests per pipeline call",
+                                        buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r)
+        self.images = Counter("omni_accel_images_generated", "images generated", registry=r)
+        self.pipeline_seconds = Histogram("omni_accel_pipeline_call_seconds", "duration of one pipeline call",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.forwards = Counter("omni_accel_transformer_forwards",
+                                "transformer forwards run (from pipe.omni_accel.report())", registry=r)
+        self.cancelled = Counter("omni_accel_cancelled_requests", "requests cancelled (client gone or timeout)",
+                                 ["stage", "reason"], registry=r)
+        self.rejected = Counter("omni_accel_rejected_requests", "requests refused with 429 (queue full)",
+                                registry=r)
+
+    @staticmethod
+    def endpoint(path: str) -> str:
+        if path in KNOWN_PATHS:
+            return path
+        if path.startswith("/v1/images/files/"):
+            return "/v1/images/files"
+        return "other"
+
+    def observe_request(self, path: str, status: int, seconds: float) -> None:
+        ep = self.endpoint(path)
+        self.requests.labels(ep, str(status)).inc()
+        self.latency.labels(ep).observe(seconds)
+
+    def observe_batch(self, model, requests: int, images: int, seconds: float) -> None:
+        self.pipeline_calls.inc()
+        self.batch_requests.observe(requests)
+        self.images.inc(images)
+        self.pipeline_seconds.observe(seconds)
+        state = vars(model.pipe).get("omni_accel")
+        if state is not None and state.last_call is not None:
+            self.forwards.inc(state.last_call.transformer_forwards)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,208 @@
+"""``omni-accel serve``: arguments, model loading, and the uvicorn (rank 0) / follower (other ranks) entry."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+logger = logging.getLogger("omni_accel.serve")
+
+MB = 2**20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import DTYPES, add_acceleration_arguments
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=os.environ.get("OMNI_ACCEL_MODEL"),
+                   help="local diffusers pipeline folder (env OMNI_ACCEL_MODEL); default: the built-in model")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: omni-accel-builtin, or the folder name of --model)")
+    g.add_argument("--dtype", choices=DTYPES, default=os.environ.get("OMNI_ACCEL_DTYPE"),
+                   help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--device", default=os.environ.get("OMNI_ACCEL_DEVICE"),
+                   help="cpu or cuda[:N] (default cuda if available; under torchrun cuda:LOCAL_RANK)")
+    g.add_argument("--default-size", default=None, metavar="WxH",
+                   help="size of a request without 'size' (default: the model's native size)")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up call at start-up")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8091, help="port (default 8091; 0 = any free port)")
+    s.add_argument("--api-key", default=os.environ.get("OMNI_ACCEL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env OMNI_ACCEL_API_KEY)")
+    s.add_argument("--max-concurrency", type=int, default=4,
+                   help="requests of the same shape batched into one pipeline call (default 4)")
+    s.add_argument("--max-batch-images", type=int, default=8, help="images per pipeline call at most (default 8)")
+    s.add_argument("--max-queue", type=int, default=32,
+                   help="requests waiting beyond the running batch; more -> 429 with Retry-After (default 32)")
+    s.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds a request may take, queue included; longer -> 504 (default 300)")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-n", type=int, default=4, help="images per request at most (default 4)")
+    lim.add_argument("--max-steps", type=int, default=100, help="num_inference_steps at most (default 100)")
+    lim.add_argument("--max-size", type=int, default=2048, help="largest image side in pixels (default 2048)")
+    lim.add_argument("--max-body-mb", type=float, default=20.0, help="request body at most, MiB (default 20)")
+    lim.add_argument("--max-upload-mb", type=float, default=20.0, help="one uploaded image at most, MiB (default 20)")
+    lim.add_argument("--max-input-pixels", type=int, default=4096 * 4096,
+                     help="decoded pixels of one uploaded image at most (default 4096*4096)")
+    lim.add_argument("--url-cache", type=int, default=64,
+                     help="images kept in memory for response_format=url (default 64)")
+    add_acceleration_arguments(p)
+
+
+def _model_id(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        from .engine import BUILTIN_ID
+
+        return BUILTIN_ID
+    return os.path.basename(os.path.normpath(os.path.expanduser(args.model))) or "model"
+
+
+def _check_args(args) -> None:
+    from ..cli import CliError
+
+    for name in ("max_concurrency", "max_batch_images", "max_queue", "max_n", "max_steps", "max_size",
+                 "max_input_pixels", "url_cache"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be >= 1.")
+    for name in ("request_timeout", "max_body_mb", "max_upload_mb"):
+        if getattr(args, name) <= 0:
+            raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be > 0.")
+    if not 0 <= args.port < 65536:
+        raise CliError(f"--port {args.port} is not a port number.")
+
+
+def load_model(args):
+    """(LoadedModel, accel config) from the parsed arguments; the pipeline is accelerated."""
+    import torch
+
+    import omni_accel
+
+    from ..cli import CliError, _accel_config, _check_attention_early, _load_pipeline, _resolve_device, _torch_dtype
+    from .engine import LoadedModel
+    from .schemas import parse_size
+
+    device = args.device
+    if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    device = _resolve_device(device)
+    dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
+    config = _accel_config(args, device)
+    _check_attention_early(args.attention, device, dtype)
+    pipe, defaults, source = _load_pipeline(args, device, dtype)
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    native = None
+    if args.default_size:
+        try:
+            native = parse_size(args.default_size)
+        except ValueError as exc:
+            raise CliError(f"--default-size: {exc}")
+    omni_accel.accelerate(pipe, config=config)
+    model = LoadedModel.from_pipeline(pipe, _model_id(args), defaults, native)
+    w, h = model.native_size
+    if w % model.size_multiple or h % model.size_multiple:
+        raise CliError(f"--default-size {w}x{h}: both sides must be multiples of {model.size_multiple}.")
+    logger.info("omni_accel.serve: loaded %s as %r (%s, native %dx%d)", source, model.id, model.pipeline_class, w, h)
+    return model
+
+
+def _warmup(model) -> None:
+    """One small call so the first request does not pay for lazy initialisation (and compile, when on)."""
+    from .engine import run_spec
+
+    m = model.size_multiple
+    spec = {"op": "generate", "prompts": ["warm-up"], "negative_prompts": None, "seeds": [0], "width": m * 2,
+            "height": m * 2, "steps": 1, "guidance_scale": model.defaults.get("guidance_scale"),
+            "true_cfg_scale": None, "images": []}
+    if model.can_edit:
+        from PIL import Image
+
+        spec["op"], spec["images"] = "edit", [Image.new("RGB", (m * 2, m * 2), (128, 128, 128))]
+    try:
+        run_spec(model, spec)
+    except Exception as exc:  # noqa: BLE001 -- a failing warm-up is logged; requests will report the error
+        logger.warning("omni_accel.serve: warm-up call failed: %r", exc)
+
+
+def build_server(args, model, *, leader=None, world_size: int = 1):
+    """(uvicorn.Server, engine) for rank 0 / a single process."""
+    import uvicorn
+
+    from .app import create_app
+    from .engine import Engine, Limits
+    from .metrics import ServeMetrics
+
+    limits = Limits(max_n=args.max_n, max_steps=args.max_steps, max_size=args.max_size,
+                    max_pixels=args.max_size * args.max_size, max_body_bytes=int(args.max_body_mb * MB),
+                    max_upload_bytes=int(args.max_upload_mb * MB), max_input_pixels=args.max_input_pixels,
+                    request_timeout_s=args.request_timeout)
+    metrics = ServeMetrics()
+    from .distributed import PING_S
+
+    engine = Engine(model, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
+                    max_batch_images=args.max_batch_images, metrics=metrics,
+                    executor=leader.execute if leader else None, on_idle=leader.ping if leader else None,
+                    idle_s=PING_S, can_abort=leader is None)
+    app = create_app(model, engine, limits=limits, api_key=args.api_key, metrics=metrics, url_cache=args.url_cache,
+                     world_size=world_size)
+    log_level = "warning" if getattr(args, "verbose", 0) == 0 else "info"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=False,
+                            limit_concurrency=args.max_queue + args.max_concurrency + 64,
+                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
+    return uvicorn.Server(config), engine
+
+
+def run(args) -> int:
+    from ..cli import CliError
+
+    try:
+        import fastapi  # noqa: F401
+        import multipart  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise CliError(f"omni-accel serve needs the serve extra ({exc.name} is missing): "
+                       "pip install 'omni-accel[serve]'")
+    _check_args(args)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world > 1:
+        from .. import distributed as odist
+
+        odist.init()
+        rank = odist.rank()
+    try:
+        model = load_model(args)
+        if not args.no_warmup:
+            _warmup(model)  # every rank: the same local call, no collectives outside the pipeline's own
+        if rank != 0:
+            from .distributed import follower_loop
+
+            follower_loop(model)
+            return 0
+        leader = None
+        if world > 1:
+            from .distributed import Leader
+
+            leader = Leader(model)
+        server, engine = build_server(args, model, leader=leader, world_size=world)
+        engine.start()
+        print(f"omni-accel serve: {model.id} ({model.pipeline_class}) on http://{args.host}:{args.port} "
+              f"(world size {world})", file=sys.stderr, flush=True)
+        try:
+            server.run()
+        finally:
+            engine.stop()
+            if leader is not None:
+                leader.stop()
+        return 0
+    finally:
+        if world > 1:
+            from .. import distributed as odist
+
+            odist.shutdown()

@@ -1,0 +1,198 @@
+"""Worker for tests/test_parallel.py, launched by torchrun (gloo, CPU): each rank builds every tiny pipeline,
+computes the single-process reference *before* accelerate, then the parallel output, and writes its results to
+``$OUT_DIR/<suite>.rank<R>.json`` (the pytest side asserts per case).
+
+    torchrun --standalone --nproc_per_node=2 tests/parallel_worker.py SUITE OUT_DIR
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+os.environ.setdefault("OMNI_ACCEL_PG_TIMEOUT", "60")  # a collective out of step fails in a minute, not ten
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import omni_accel  # noqa: E402
+from omni_accel import AccelError  # noqa: E402
+from omni_accel.testing import TINY_BUILDERS, run, tiny_pipeline  # noqa: E402
+
+ODD = {  # overrides giving an odd image token count per family (the default text lengths are odd already)
+    "flux": dict(height=48, width=80), "flux_kontext": dict(height=48, width=80), "flux2": dict(height=48, width=80),
+    "qwen_image": dict(height=24, width=40),
+    "z_image": dict(height=48, width=80), "sd3": dict(height=12, width=20),
+    "wan": dict(num_frames=9, height=48, width=16),
+}
+
+
+def available(family: str) -> bool:
+    return importlib.util.find_spec(f"omni_accel.testing.{TINY_BUILDERS[family]}") is not None
+
+
+def case(name, family, knobs, overrides=None, tol=1e-4, restore=False, vae_attention=False, call=None):
+    return dict(name=name, family=family, knobs=knobs, overrides=overrides or {}, tol=tol, restore=restore,
+                vae_attention=vae_attention, call=call or {})
+
+
+def suite_2():
+    cases = []
+    for fam in ("flux", "flux2", "qwen_image", "qwen_image_edit", "z_image", "sd3", "wan", "wan_i2v", "wan22",
+                "flux_kontext"):
+        cases.append(case(f"ulysses-{fam}", fam, dict(sp=2), restore=fam == "flux"))
+        if fam in ODD:
+            cases.append(case(f"ulysses-{fam}-odd", fam, dict(sp=2), ODD.get(fam)))
+    for fam in ("flux", "flux2", "qwen_image", "z_image", "sd3", "wan"):
+        cases.append(case(f"ring-{fam}-odd", fam, dict(ring=2), ODD.get(fam)))
+    for fam in ("qwen_image", "qwen_image_edit", "wan", "wan22"):
+        cases.append(case(f"cfg-{fam}", fam, dict(cfg_parallel=2), dict(num_inference_steps=3), restore=True))
+    for fam in ("flux", "flux2", "qwen_image"):
+        cases.append(case(f"tp-{fam}", fam, dict(tp=2), restore=fam == "flux"))
+    for fam in ("flux", "z_image", "sd3", "flux2"):
+        cases.append(case(f"vae-{fam}-odd", fam, dict(vae_parallel=2), ODD.get(fam)))
+    cases.append(case("vae-flux-attention", "flux", dict(vae_parallel=2), ODD["flux"], vae_attention=True,
+                      restore=True))
+    cases.append(case("ulysses-flux-compile", "flux", dict(sp=2, compile=True), ODD["flux"], tol=1e-3))
+    return cases
+
+
+def suite_4():
+    return [
+        case("usp-flux-odd", "flux", dict(ulysses=2, ring=2), ODD["flux"]),
+        case("sp2xcfg2-qwen_image-odd", "qwen_image", dict(sp=2, cfg_parallel=2), dict(ODD["qwen_image"],
+                                                                                     num_inference_steps=3)),
+        case("tp2xring2-flux", "flux", dict(tp=2, ring=2)),
+        case("vae4-flux", "flux", dict(vae_parallel=4), dict(height=64, width=48)),
+    ]
+
+
+def errors_2():
+    """Bad input: each must raise AccelError on this rank (every rank runs the same checks: no hang)."""
+    out = []
+
+    def expect(name, fn):
+        try:
+            fn()
+        except AccelError as exc:
+            out.append(dict(name=name, raised=True, message=str(exc)))
+        except Exception as exc:  # the wrong error type
+            out.append(dict(name=name, raised=False, message=f"{type(exc).__name__}: {exc}"))
+        else:
+            out.append(dict(name=name, raised=False, message="no error"))
+
+    pipe, kw = tiny_pipeline("flux")
+    expect("degrees-vs-world", lambda: omni_accel.accelerate(pipe, ring=4))
+    expect("degrees-vs-world-product", lambda: omni_accel.accelerate(pipe, sp=2, tp=2))
+    expect("cfg-without-true-cfg", lambda: omni_accel.accelerate(pipe, cfg_parallel=2))
+    one_head, _ = tiny_pipeline("flux", num_attention_heads=1, attention_head_dim=16)
+    expect("ulysses-vs-heads", lambda: omni_accel.accelerate(one_head, sp=2))
+    expect("tp-vs-heads", lambda: omni_accel.accelerate(one_head, tp=2))
+    assert "omni_accel" not in vars(pipe) and "omni_accel" not in vars(one_head)
+    qpipe, qkw = tiny_pipeline("qwen_image")
+    omni_accel.accelerate(qpipe, cfg_parallel=2)
+    no_negative = {k: v for k, v in qkw.items() if k != "negative_prompt"}
+    expect("cfg-call-without-negative", lambda: run(qpipe, no_negative))
+    # the pipeline still works afterwards (the refused call left no state behind)
+    ref_ok = run(qpipe, qkw).shape
+    out.append(dict(name="cfg-after-refusal", raised=True, message=str(tuple(ref_ok))))
+    omni_accel.restore(qpipe)
+    return out
+
+
+def run_case(c) -> dict:
+    t0 = time.perf_counter()
+    fam = c["family"]
+    if not available(fam):
+        return dict(name=c["name"], status="skipped", reason=f"no tiny builder for {fam} yet")
+    pipe, kwargs = tiny_pipeline(fam, **c["overrides"])
+    if c["vae_attention"]:
+        from diffusers import AutoencoderKL
+
+        torch.manual_seed(0)
+        pipe.vae = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            latent_channels=pipe.vae.config.latent_channels, norm_num_groups=4, sample_size=32,
+            use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True,
+            shift_factor=0.0609, scaling_factor=1.5035).eval()
+    kwargs = dict(kwargs, **c["call"])
+    captured = []  # every transformer output of a call: the end-to-end image of some tiny models barely moves
+
+    def capture(module, args, output):
+        t = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
+        t = t[0] if isinstance(t, (tuple, list)) else t
+        captured.append(t)
+
+    handles = [getattr(pipe, n).register_forward_hook(capture) for n in ("transformer", "transformer_2")
+               if getattr(pipe, n, None) is not None]
+    ref = run(pipe, kwargs)
+    ref_preds, captured[:] = [t.detach().clone() for t in captured], []
+    try:
+        omni_accel.accelerate(pipe, **c["knobs"])
+    except Exception as exc:
+        exc.omni_stage = "accelerate"
+        raise
+    try:
+        try:
+            out = run(pipe, kwargs)
+            preds = [t.detach().clone() for t in captured]
+        except Exception as exc:
+            exc.omni_stage = "accelerated"
+            raise
+        report = pipe.omni_accel.report()
+        counters = pipe.omni_accel.last_call.counters
+        from omni_accel.parallel import sequence
+
+        sp_calls = sum(x.calls for x in sequence._CONTEXTS)
+    finally:
+        omni_accel.restore(pipe)
+        for h in handles:
+            h.remove()
+    pred_diff = max((float((a.float() - b.float()).abs().max()) for a, b in zip(preds, ref_preds)), default=0.0)
+    pred_scale = max((float(b.float().abs().max()) for b in ref_preds), default=0.0)
+    res = dict(name=c["name"], status="ran", tol=c["tol"], shape=list(out.shape),
+               max_abs_diff=float((out - ref).abs().max()), sp_attention_calls=sp_calls,
+               counters=dict(counters), applied=[a["pass"] for a in report["applied"]],
+               checksum=float(out.double().sum()), transformer_max_abs_diff=pred_diff,
+               transformer_scale=pred_scale, transformer_calls=[len(ref_preds), len(preds)])
+    if c["restore"]:
+        res["restore_exact"] = bool(torch.equal(run(pipe, kwargs), ref))
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def main():
+    suite, out_dir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(1)
+    only = os.environ.get("OMNI_ACCEL_PARALLEL_CASES")
+    results = []
+    cases = {"two": suite_2, "four": suite_4}.get(suite, lambda: [])()
+    if only:
+        cases = [c for c in cases if c["name"] in only.split(",")]
+    for c in cases:
+        try:
+            results.append(run_case(c))
+        except Exception as exc:
+            stage = getattr(exc, "omni_stage", "reference")
+            results.append(dict(name=c["name"], status="error", stage=stage, error=f"{type(exc).__name__}: {exc}",
+                                traceback=traceback.format_exc()[-3000:]))
+            if not isinstance(exc, AccelError) and stage == "accelerated":
+                break  # a collective may now be out of step: stop this launch
+        print(f"rank {rank}: {results[-1]['name']} {results[-1]['status']} "
+              f"{results[-1].get('max_abs_diff', results[-1].get('error', ''))}", flush=True)
+    errors = errors_2() if suite == "two" and not only else []
+    with open(os.path.join(out_dir, f"{suite}.rank{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, results=results, errors=errors), f, indent=1)
+    omni_accel.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    import omni_accel.distributed  # noqa: F401
+
+    main()

@@ -1,0 +1,71 @@
+"""Lossless passes across every family's tiny pipeline: outputs equal to the plain pipeline, restore exact."""
+
+import pytest
+import torch
+
+import omni_accel
+from omni_accel.testing import TINY_BUILDERS, run, tiny_pipeline
+
+FAMILIES = sorted(TINY_BUILDERS)
+LOSSLESS = [
+    pytest.param(dict(attention="auto"), 1e-4, id="attention-auto"),
+    pytest.param(dict(offload="model"), 1e-4, id="offload-model"),
+    pytest.param(dict(offload="block"), 1e-4, id="offload-block"),
+    pytest.param(dict(vae_slicing=True, attention="sdpa"), 1e-4, id="vae-slicing"),
+]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_pipe(request):
+    pipe, kwargs = tiny_pipeline(request.param)
+    return request.param, pipe, kwargs, run(pipe, kwargs)
+
+
+@pytest.mark.parametrize("knobs, tolerance", LOSSLESS)
+def test_lossless_pass_matches_plain_and_restores(family_pipe, knobs, tolerance):
+    family, pipe, kwargs, plain = family_pipe
+    omni_accel.accelerate(pipe, **knobs)
+    try:
+        out = run(pipe, kwargs)
+        report = pipe.omni_accel.report()
+    finally:
+        omni_accel.restore(pipe)
+    assert out.shape == plain.shape
+    assert (out - plain).abs().max().item() <= tolerance, f"{family} {knobs}"
+    assert report["last_call"]["transformer_forwards"] >= kwargs["num_inference_steps"]
+    assert torch.equal(run(pipe, kwargs), plain), f"{family}: restore() did not bring the plain output back"
+
+
+def test_block_offload_reports_groups_per_component():
+    pipe, kwargs = tiny_pipeline("flux")
+    omni_accel.accelerate(pipe, offload="block")
+    try:
+        applied = pipe.omni_accel.report()["applied"]
+    finally:
+        omni_accel.restore(pipe)
+    components = {a["component"] for a in applied if a["pass"] == "offload"}
+    assert {"transformer", "vae", "text_encoder", "text_encoder_2"} <= components
+    assert all(a["mode"] == "block" for a in applied if a["pass"] == "offload")
+
+
+def test_compile_does_not_recompile_across_calls_with_the_same_shapes():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, compile=True)
+    try:
+        first = run(pipe, kwargs)
+        graphs_after_first = counters["stats"]["unique_graphs"]
+        assert graphs_after_first > 0, "compile=True compiled nothing"
+        second = run(pipe, kwargs)
+        assert counters["stats"]["unique_graphs"] == graphs_after_first, "a second call with the same shapes recompiled"
+        applied = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"]
+    finally:
+        omni_accel.restore(pipe)
+    assert (first - plain).abs().max().item() <= 1e-3
+    assert torch.equal(first, second)
+    assert applied[0]["blocks"] == len(list(pipe.transformer.transformer_blocks)) + len(
+        list(pipe.transformer.single_transformer_blocks))
+    assert torch.equal(run(pipe, kwargs), plain)

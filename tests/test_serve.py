@@ -1,0 +1,407 @@
+"""omni-accel serve: the real server (uvicorn) on loopback, driven by the official openai client, raw HTTP,
+schemathesis, and torchrun (2 CPU ranks on gloo, fan-out from rank 0)."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("multipart")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from PIL import Image  # noqa: E402
+
+from omni_accel.testing import tiny_pipeline  # noqa: E402
+
+API_KEY = "test-key-123"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> dict:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stderr.read() if proc.stderr else ''}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not become healthy in {timeout}s")
+
+
+def png_size(b64: str) -> tuple[int, int]:
+    data = base64.b64decode(b64)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.format == "PNG"
+        return im.size
+
+
+def png_bytes(w=48, h=32, color=(200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_bomb(w=40000, h=40000) -> bytes:
+    """A tiny PNG whose header claims w*h pixels (the data is never decoded if the server checks first)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + \
+        chunk(b"IEND", b"")
+
+
+def assert_error(r, status: int, param: str | None = "?", code: str | None = "?"):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param != "?":
+        assert body["error"]["param"] == param, body
+    if code != "?":
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    out = {}
+    for family in ("flux", "flux_kontext"):
+        pipe, _ = tiny_pipeline(family)
+        path = tmp_path_factory.mktemp(family) / family
+        pipe.save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    """`omni-accel serve` in a subprocess (the real CLI path) on the tiny FLUX (text-to-image only) pipeline."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "omni_accel", "serve", "--model", tiny_dirs["flux"], "--port", str(port),
+           "--api-key", API_KEY, "--default-size", "48x32", "--max-size", "256", "--max-steps", "8", "--max-n", "3",
+           "--attention", "sdpa", "--max-queue", "64"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+class ThreadServer:
+    """A real uvicorn server in a thread of this process (the app built exactly as the CLI builds it)."""
+
+    def __init__(self, model, argv=(), executor=None):
+        from omni_accel.cli import build_parser
+        from omni_accel.serve.server import build_server
+
+        self.port = free_port()
+        args = build_parser().parse_args(["serve", "--port", str(self.port), *argv])
+        self.server, self.engine = build_server(args, model)
+        if executor is not None:
+            self.engine.executor = executor
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.engine.start()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_healthy(self.url, timeout=30)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def kontext_model():
+    import omni_accel
+    from omni_accel.serve.engine import LoadedModel
+
+    pipe, _ = tiny_pipeline("flux_kontext")
+    omni_accel.accelerate(pipe, attention="sdpa")
+    return LoadedModel.from_pipeline(pipe, "tiny-kontext", {"max_sequence_length": 11}, (48, 32))
+
+
+@pytest.fixture(scope="module")
+def edit_server(kontext_model):
+    with ThreadServer(kontext_model, ["--max-size", "256", "--max-steps", "8", "--max-upload-mb", "1",
+                                      "--max-input-pixels", "1000000"]) as s:
+        yield s.url
+
+
+def client(url, key=API_KEY):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------- happy paths
+def test_generate_with_openai_client_pngs_of_requested_size(server):
+    c = client(server)
+    r = c.images.generate(model="flux", prompt="a red fox", n=2, size="64x32", response_format="b64_json",
+                          extra_body={"seed": 7, "num_inference_steps": 2})
+    assert len(r.data) == 2
+    assert [png_size(d.b64_json) for d in r.data] == [(64, 32), (64, 32)]
+    # n images get seeds seed, seed+1; the second alone with seed 8 is the same image (batching keeps seeds)
+    again = c.images.generate(prompt="a red fox", size="64x32", extra_body={"seed": 8, "num_inference_steps": 2})
+    assert again.data[0].b64_json == r.data[1].b64_json
+    assert r.data[0].b64_json != r.data[1].b64_json
+    # no size -> the native (here --default-size) size; no model -> the served model
+    d = c.images.generate(prompt="a blue square", extra_body={"num_inference_steps": 1})
+    assert png_size(d.data[0].b64_json) == (48, 32)
+
+
+def test_url_response_format_and_models(server):
+    c = client(server)
+    r = c.images.generate(prompt="a fox", size="32x32", response_format="url",
+                          extra_body={"num_inference_steps": 1})
+    got = httpx.get(r.data[0].url, timeout=10)
+    assert got.status_code == 200 and got.headers["content-type"] == "image/png"
+    assert Image.open(io.BytesIO(got.content)).size == (32, 32)
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["flux"]
+    card = httpx.get(server + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]
+    assert card["capabilities"] == ["generations"] and card["size_multiple"] == 16
+
+
+def test_concurrent_same_shape_requests_are_batched(server):
+    def metric(name):
+        text = httpx.get(server + "/metrics").text
+        return sum(float(v) for v in re.findall(rf"^{name} (\S+)$", text, re.M))
+
+    calls0 = metric("omni_accel_pipeline_calls_total")
+    c = client(server)
+
+    def one(i):
+        return c.images.generate(prompt=f"fox {i}", size="128x128", extra_body={"seed": i, "num_inference_steps": 4})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert all(png_size(r.data[0].b64_json) == (128, 128) for r in results)
+    calls = metric("omni_accel_pipeline_calls_total") - calls0
+    assert 1 <= calls < 8, f"8 same-shape requests took {calls} pipeline calls: no batching"
+
+
+def test_edit_with_openai_client(edit_server):
+    c = client(edit_server, key="unused")
+    r = c.images.edit(image=("in.png", png_bytes(48, 32), "image/png"), prompt="make it blue", size="48x32",
+                      extra_body={"seed": 1, "num_inference_steps": 2})
+    assert png_size(r.data[0].b64_json) == (48, 32)
+    # no size: the size of the input image, rounded down to the multiple of 16 (and within the native area)
+    r = c.images.edit(image=("in.png", png_bytes(50, 20), "image/png"), prompt="blue", n=2,
+                      extra_body={"num_inference_steps": 1})
+    assert [png_size(d.b64_json) for d in r.data] == [(48, 16)] * 2
+    card = httpx.get(edit_server + "/v1/models").json()["data"][0]
+    assert card["capabilities"] == ["generations", "edits"]
+
+
+def test_metrics_exposes_requests_latency_queue_and_forwards(server):
+    c = client(server)
+    c.images.generate(prompt="a fox", size="32x32", extra_body={"num_inference_steps": 3})
+    text = httpx.get(server + "/metrics").text
+    assert re.search(r'omni_accel_requests_total\{endpoint="/v1/images/generations",status="200"\} [1-9]', text)
+    assert "omni_accel_request_latency_seconds_bucket" in text
+    assert re.search(r"^omni_accel_queue_depth \d", text, re.M)
+    forwards = float(re.search(r"^omni_accel_transformer_forwards_total (\S+)$", text, re.M).group(1))
+    assert forwards >= 3
+
+
+# ---------------------------------------------------------------------------------------------- bad requests
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GEN = "/v1/images/generations"
+
+
+@pytest.mark.parametrize("case", [
+    dict(name="missing prompt", json={"n": 1}, status=400, param="prompt", code="missing_required_parameter"),
+    dict(name="size abc", json={"prompt": "x", "size": "abc"}, status=400, param="size"),
+    dict(name="size not a multiple", json={"prompt": "x", "size": "50x50"}, status=400, param="size",
+         code="invalid_size"),
+    dict(name="size too large", json={"prompt": "x", "size": "4096x4096"}, status=400, param="size"),
+    dict(name="n=0", json={"prompt": "x", "n": 0}, status=400, param="n"),
+    dict(name="n above server limit", json={"prompt": "x", "n": 4}, status=400, param="n"),
+    dict(name="steps=100000", json={"prompt": "x", "num_inference_steps": 100000}, status=400,
+         param="num_inference_steps"),
+    dict(name="steps above server limit", json={"prompt": "x", "num_inference_steps": 9}, status=400,
+         param="num_inference_steps"),
+    dict(name="unknown model", json={"prompt": "x", "model": "dall-e-9"}, status=404, param="model",
+         code="model_not_found"),
+    dict(name="bad response_format", json={"prompt": "x", "response_format": "gif"}, status=400,
+         param="response_format"),
+    dict(name="malformed JSON", content=b'{"prompt": "x",', status=400, param=None, code="invalid_json"),
+    dict(name="wrong API key", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}, status=401,
+         code="invalid_api_key"),
+    dict(name="no API key", json={"prompt": "x"}, headers={}, status=401, code="invalid_api_key"),
+    dict(name="unknown path", path="/v1/nothing", json={"prompt": "x"}, status=404),
+    dict(name="edits on a model that cannot edit", path="/v1/images/edits", files={"image": png_bytes()},
+         data={"prompt": "x"}, status=400, code="edits_not_supported"),
+    dict(name="50 MB upload", path="/v1/images/edits", files={"image": b"\0" * (50 * 2**20)}, data={"prompt": "x"},
+         status=413, code="request_too_large"),
+], ids=lambda c: c["name"])
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, case):
+    headers = case.get("headers", AUTH)
+    kwargs = {k: case[k] for k in ("json", "content", "files", "data") if k in case}
+    if "content" in kwargs:
+        headers = {**headers, "Content-Type": "application/json"}
+    r = httpx.post(server + case.get("path", GEN), headers=headers, timeout=60, **kwargs)
+    assert_error(r, case["status"], case.get("param", "?"), case.get("code", "?"))
+    ok = client(server).images.generate(prompt="still alive", size="32x32", extra_body={"num_inference_steps": 1})
+    assert png_size(ok.data[0].b64_json) == (32, 32)
+
+
+@pytest.mark.parametrize("case", [
+    dict(name="non-image upload", files={"image": ("a.png", b"this is not an image", "image/png")}, status=400,
+         code="invalid_image"),
+    dict(name="decompression bomb", files={"image": ("b.png", png_bomb(), "image/png")}, status=400,
+         code="image_too_large"),
+    dict(name="upload above --max-upload-mb", files={"image": ("c.png", b"\x89PNG" + b"\0" * (2 * 2**20),
+                                                               "image/png")}, status=413, code="upload_too_large"),
+    dict(name="missing image", files=None, status=400, param="image"),
+    dict(name="mask", files={"image": ("a.png", png_bytes(), "image/png"), "mask": ("m.png", png_bytes(),
+                                                                                    "image/png")}, status=400,
+         param="mask"),
+], ids=lambda c: c["name"])
+def test_bad_uploads(edit_server, case):
+    r = httpx.post(edit_server + "/v1/images/edits", data={"prompt": "x"}, files=case["files"], timeout=60)
+    assert_error(r, case["status"], case.get("param", "?"), case.get("code", "?"))
+    ok = client(edit_server).images.edit(image=("i.png", png_bytes(32, 32), "image/png"), prompt="y",
+                                         extra_body={"num_inference_steps": 1})
+    assert png_size(ok.data[0].b64_json) == (32, 32)
+
+
+# ---------------------------------------------------------------------------------------------- queue
+class SlowExecutor:
+    """Stands in for the pipeline: sleeps, counts calls, returns grey images."""
+
+    def __init__(self, seconds):
+        self.seconds, self.calls, self.prompts = seconds, 0, []
+
+    def __call__(self, spec, should_abort=None):
+        self.calls += 1
+        self.prompts += spec["prompts"]
+        t0 = time.time()
+        while time.time() - t0 < self.seconds:
+            time.sleep(0.02)
+        return [Image.new("RGB", (spec["width"], spec["height"]), (90, 90, 90)) for _ in spec["prompts"]]
+
+
+def test_overload_429_timeout_504_and_disconnect_cancels_pending(kontext_model):
+    slow = SlowExecutor(1.5)
+    argv = ["--max-queue", "1", "--max-concurrency", "1", "--request-timeout", "5"]
+    with ThreadServer(kontext_model, argv, executor=slow) as s:
+        body = {"prompt": "p", "size": "32x32"}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            first = pool.submit(httpx.post, s.url + GEN, json={**body, "prompt": "first"}, timeout=30)
+            time.sleep(0.4)  # first is running
+            second = pool.submit(httpx.post, s.url + GEN, json={**body, "prompt": "second"}, timeout=30)
+            time.sleep(0.3)  # second is queued: the queue (1) is full
+            third = httpx.post(s.url + GEN, json={**body, "prompt": "third"}, timeout=30)
+            err = assert_error(third, 429, code="queue_full")
+            assert int(third.headers["Retry-After"]) >= 1 and err["type"] == "rate_limit_error"
+            assert first.result().status_code == 200 and second.result().status_code == 200
+        assert slow.prompts == ["first", "second"]
+
+        # a client that gives up while its request is still queued: the request never runs
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, s.url + GEN, json={**body, "prompt": "running"}, timeout=30)
+            time.sleep(0.4)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + GEN, json={**body, "prompt": "impatient"}, timeout=0.5)
+            assert running.result().status_code == 200
+        time.sleep(0.5)
+        assert "impatient" not in slow.prompts
+        text = httpx.get(s.url + "/metrics").text
+        assert re.search(r'omni_accel_cancelled_requests_total\{reason="disconnect",stage="queued"\} 1\.0', text)
+
+    slow = SlowExecutor(3.0)
+    with ThreadServer(kontext_model, ["--request-timeout", "1"], executor=slow) as s:
+        r = httpx.post(s.url + GEN, json={"prompt": "slow", "size": "32x32"}, timeout=30)
+        assert_error(r, 504, code="request_timeout")
+        assert httpx.get(s.url + "/health").json()["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------- schemathesis
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def st_schema(server):
+    return schemathesis.openapi.from_url(server + "/openapi.json")
+
+
+st = schemathesis.pytest.from_fixture("st_schema")
+
+
+@st.parametrize()
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_openapi_fuzz_no_5xx(case, server):
+    response = case.call(base_url=server, headers=AUTH, timeout=60)
+    assert response.status_code < 500, (case.method, case.path, response.status_code, response.text[:500])
+    if response.status_code >= 400:
+        body = response.json()
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------------------------------------- torchrun
+def test_torchrun_two_ranks_rank0_serves_and_fans_out(tiny_dirs, tmp_path):
+    port = free_port()
+    env = dict(os.environ, OMNI_ACCEL_SERVE_PING_S="1", OMP_NUM_THREADS="1")
+    log = tmp_path / "torchrun.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "omni_accel", "-v", "serve", "--model", tiny_dirs["flux"], "--port", str(port), "--default-size",
+           "32x32", "--no-warmup"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_healthy(url, proc)["world_size"] == 2
+        c = client(url, key="unused")
+        r = c.images.generate(prompt="fan out", n=2, size="48x32", extra_body={"seed": 3, "num_inference_steps": 2})
+        assert [png_size(d.b64_json) for d in r.data] == [(48, 32)] * 2
+        time.sleep(2.5)  # idle: rank 0 pings the follower
+        r = c.images.generate(prompt="again", size="32x32", extra_body={"num_inference_steps": 1})
+        assert png_size(r.data[0].b64_json) == (32, 32)
+        assert_error(httpx.post(url + GEN, json={"prompt": "x", "size": "abc"}), 400, param="size")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert len(re.findall(r"rank 1 ran batch", text)) == 2, text[-3000:]
