@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .ar_bridge.text_encoder import TextEncoderPass
 from .cache import CachePass
 from .compiler import CompilePass
 from .config import AccelConfig
@@ -38,7 +39,7 @@ PASSES: tuple[AccelPass, ...] = (
     CfgParallelPass(),
     VaeParallelPass(),
     VaePass(),
-    PlannedPass("text_encoder", "text_encoder", lambda c: c.text_encoder is not None, "issue #7 (ar_bridge)"),
+    TextEncoderPass(),
     CachePass(),
     OffloadPass(),
     CompilePass(),

@@ -267,11 +267,25 @@ def format_report(report: dict, saved: dict, wall_s: float) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from . import distributed
+
+    t0 = time.perf_counter()
+    launched = distributed.torchrun_env() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched:  # before any .to("cuda"): init pins this rank to its own GPU (LOCAL_RANK)
+        distributed.init()
+    try:
+        return _generate(args, t0)
+    finally:
+        if launched:
+            distributed.shutdown()
+
+
+def _generate(args: argparse.Namespace, t0: float) -> int:
     import torch
 
     import omni_accel
+    from .distributed import is_main_process
 
-    t0 = time.perf_counter()
     device = _resolve_device(args.device)
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     _check_sampling_args(args)
@@ -284,6 +298,8 @@ def run_generate(args: argparse.Namespace) -> int:
     logger.info("calling %s with %s", type(pipe).__name__, {k: v for k, v in kwargs.items() if k != "generator"})
     with torch.inference_mode():
         result = pipe(**kwargs)
+    if not is_main_process():  # every rank holds the same images; only rank 0 writes and reports
+        return EXIT_OK
     saved = save_output(result, args.output)
     report = pipe.omni_accel.report()
     if args.report == "json":

@@ -57,6 +57,7 @@ def suite_2():
         cases.append(case(f"vae-{fam}-odd", fam, dict(vae_parallel=2), ODD.get(fam)))
     cases.append(case("vae-flux-attention", "flux", dict(vae_parallel=2), ODD["flux"], vae_attention=True,
                       restore=True))
+    cases.append(case("ulysses+vae-flux-odd", "flux", dict(sp=2, vae_parallel=2), ODD["flux"], restore=True))
     cases.append(case("ulysses-flux-compile", "flux", dict(sp=2, compile=True), ODD["flux"], tol=1e-3))
     return cases
 
@@ -68,6 +69,8 @@ def suite_4():
                                                                                      num_inference_steps=3)),
         case("tp2xring2-flux", "flux", dict(tp=2, ring=2)),
         case("vae4-flux", "flux", dict(vae_parallel=4), dict(height=64, width=48)),
+        case("tp2xulysses2-flux-odd", "flux", dict(tp=2, sp=2), dict(ODD["flux"], num_attention_heads=4)),
+        case("tp4-flux", "flux", dict(tp=4), dict(num_attention_heads=4)),
     ]
 
 
@@ -101,6 +104,51 @@ def errors_2():
     ref_ok = run(qpipe, qkw).shape
     out.append(dict(name="cfg-after-refusal", raised=True, message=str(tuple(ref_ok))))
     omni_accel.restore(qpipe)
+    return out
+
+
+def diffusers_compare() -> list[dict]:
+    """Ours vs diffusers' own context parallelism (transformer.enable_parallelism(ContextParallelConfig(
+    ulysses_degree=2))) on the tiny FLUX.1 pipeline: an even case (12 text + 6 image tokens) and the default odd
+    text length (11). Whatever diffusers does (result or exception) is recorded, not asserted."""
+    from diffusers import ContextParallelConfig
+
+    out = []
+    for label, over in (("even-12txt-6img", dict(max_sequence_length=12)), ("odd-11txt-6img", {}),
+                        ("odd-image-12txt-15img", dict(max_sequence_length=12, height=48, width=80))):
+        row = dict(case=label)
+        pipe, kw = tiny_pipeline("flux", **over)
+        ref = run(pipe, kw)
+        omni_accel.accelerate(pipe, sp=2)
+        t0 = time.perf_counter()
+        ours = run(pipe, kw)
+        row["ours_s"] = round(time.perf_counter() - t0, 3)
+        omni_accel.restore(pipe)
+        row["ours_max_abs_diff"] = float((ours - ref).abs().max())
+        try:
+            pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+            row["diffusers_as_is"] = "enabled"
+        except Exception as exc:
+            row["diffusers_as_is"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            # diffusers computes rank % torch.accelerator.device_count(), 0 without a GPU: pretend one device
+            pipe, kw = tiny_pipeline("flux", **over)
+            real = torch.accelerator.device_count
+            torch.accelerator.device_count = lambda: 1
+            try:
+                pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+            except Exception as exc2:
+                row["diffusers_workaround"] = f"{type(exc2).__name__}: {str(exc2)[:300]}"
+            finally:
+                torch.accelerator.device_count = real
+        if "diffusers_workaround" not in row:
+            try:
+                t0 = time.perf_counter()
+                theirs = run(pipe, kw)
+                row["diffusers_s"] = round(time.perf_counter() - t0, 3)
+                row["diffusers_max_abs_diff"] = float((theirs - ref).abs().max())
+            except Exception as exc:
+                row["diffusers_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        out.append(row)
     return out
 
 
@@ -186,9 +234,17 @@ def main():
                 break  # a collective may now be out of step: stop this launch
         print(f"rank {rank}: {results[-1]['name']} {results[-1]['status']} "
               f"{results[-1].get('max_abs_diff', results[-1].get('error', ''))}", flush=True)
+    if suite == "diffusers":
+        rows = diffusers_compare()
+        with open(os.path.join(out_dir, f"diffusers.rank{rank}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(json.dumps(rows, indent=1), flush=True)
+        omni_accel.distributed.shutdown()
+        return
     errors = errors_2() if suite == "two" and not only else []
+    compare = diffusers_compare() if suite == "two" and not only else []
     with open(os.path.join(out_dir, f"{suite}.rank{rank}.json"), "w") as f:
-        json.dump(dict(rank=rank, results=results, errors=errors), f, indent=1)
+        json.dump(dict(rank=rank, results=results, errors=errors, diffusers=compare), f, indent=1)
     omni_accel.distributed.shutdown()
 
 

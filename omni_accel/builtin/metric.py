@@ -3,7 +3,8 @@
 From an image (PIL or HxWx3 uint8 / float array) estimate
   * the background color: per-channel median of the border pixels -> nearest named color,
   * the shape pixels: pixels whose RGB distance from that median exceeds a threshold,
-  * the shape color: per-channel median of the shape pixels -> nearest named color,
+  * the shape color: per-channel median of the shape pixels farthest from the background -> nearest
+    named color,
   * the position: centroid of the shape pixels -> 3x3 cell,
   * the size: shape area / reference area of the captioned shape -> small or large,
   * the shape: best IoU of the shape mask against the five rendered templates.
@@ -41,13 +42,15 @@ def nearest_color(rgb) -> str:
 _REF_AREA: dict[str, float] = {}
 
 
-def _templates(size: int, cx: float, cy: float, r: float) -> np.ndarray:
+def _templates(size: int, cx: float, cy: float, r) -> np.ndarray:
+    """Masks of all shapes (n, size, size) centred at (cx, cy); r: one radius or one per shape."""
     n = len(ds.SHAPES)
     coords = (torch.arange(size, dtype=torch.float32) + 0.5) / size
     py = (coords.view(1, size, 1) - cy).expand(n, size, size)
     px = (coords.view(1, 1, size) - cx).expand(n, size, size)
-    rr = torch.full((n, 1, 1), r)
-    d = ds._sdf(torch.arange(n).view(n, 1, 1), px, py, rr)
+    rr = torch.as_tensor(r, dtype=torch.float32).reshape(-1, 1, 1).expand(n, 1, 1)
+    with torch.no_grad():
+        d = ds._sdf(torch.arange(n).view(n, 1, 1), px, py, rr)
     return ((0.5 - d * size).clamp(0, 1) > 0.5).numpy()
 
 
@@ -74,8 +77,9 @@ def analyze(image) -> dict:
     if mask.sum() < MIN_PIXELS_FRAC * h * w:
         out.update(color=None, position=None, centroid=None)
         return out
-    # shape color from the pixels clearly away from the background (drops anti-aliased edges)
-    core = dist > max(FG_THRESHOLD, 0.6 * float(np.percentile(dist[mask], 90)))
+    # shape color from the quarter of the shape pixels farthest from the background: drops anti-aliased
+    # edges and, in blurry generated images, the halo where shape and background colors mix
+    core = mask & (dist >= float(np.percentile(dist[mask], 75)))
     out["color"] = nearest_color(np.median(a[core], axis=0))
     ys, xs = np.nonzero(mask)
     cx, cy = (xs.mean() + 0.5) / w, (ys.mean() + 0.5) / h
@@ -91,9 +95,10 @@ def classify_shape(info: dict) -> str | None:
     h = mask.shape[0]
     cx, cy = info["centroid"]
     best, best_iou = None, -1.0
+    radii = [float(np.sqrt(info["area"] / ref_area(s))) for s in ds.SHAPES]
+    temps = _templates(h, cx, cy, radii)
     for i, s in enumerate(ds.SHAPES):
-        r = float(np.sqrt(info["area"] / ref_area(s)))
-        t = _templates(h, cx, cy, r)[i]
+        t = temps[i]
         iou = float((t & mask).sum() / max(1, (t | mask).sum()))
         if iou > best_iou:
             best, best_iou = s, iou

@@ -4,13 +4,6 @@ cache_config={...})``; see docs/caching.md."""
 
 from .base import CacheBackend, load_profile, shipped_profiles
 from .cache_pass import BACKENDS, CachePass
-
-
-def calibrate(*args, **kwargs):
-    """Fit a TeaCache profile for a pipeline; see omni_accel.cache.calibrate_impl.calibrate."""
-    from .calibrate import calibrate as _calibrate
-
-    return _calibrate(*args, **kwargs)
-
+from .calibrate import calibrate  # noqa: E402 -- binds the function over the same-named submodule attribute
 
 __all__ = ["BACKENDS", "CacheBackend", "CachePass", "calibrate", "load_profile", "shipped_profiles"]

@@ -29,8 +29,8 @@ from .base import CacheBackend
 
 logger = logging.getLogger(__name__)
 
-# Defaults chosen on the built-in model (benchmarks/bench_cache.py, docs/caching.md): Fn=1 Bn=0 with TaylorSeer
-# order 1, rdt 0.24, 2 warm-up steps, final step computed.
+# Defaults chosen on the built-in model (benchmarks/bench_cache.py, docs/caching.md): Fn=1 Bn=0, rdt 0.24,
+# 2 warm-up steps; cache_dit adds TaylorSeer order 1, fb_cache is plain first-block residual reuse.
 DEFAULTS = {
     "Fn_compute_blocks": 1,
     "Bn_compute_blocks": 0,
@@ -42,7 +42,7 @@ DEFAULTS = {
 FB_DEFAULTS = {
     "Fn_compute_blocks": 1,
     "Bn_compute_blocks": 0,
-    "residual_diff_threshold": 0.12,
+    "residual_diff_threshold": 0.24,
     "max_warmup_steps": 2,
     "taylorseer": False,
     "taylorseer_order": 1,
@@ -68,7 +68,7 @@ class _quiet:
 def _disable(target, forwards) -> None:
     import cache_dit
 
-    for t, had, fwd in forwards:
+    for t, had, fwd, order in forwards:
         if hasattr(t, "_original_forward"):
             del t._original_forward
             if had:
@@ -77,6 +77,13 @@ def _disable(target, forwards) -> None:
                 del t.forward
     with _quiet():
         cache_dit.disable_cache(target)
+    for t, _, _, order in forwards:
+        # cache-dit swaps block lists in and out with unittest.mock.patch.object on every forward; restoring a
+        # submodule re-inserts it at the end of _modules, which reorders named_children() (diffusers'
+        # FirstBlockCache / MagCache pick head and tail blocks by that order): put the order back
+        mods = t._modules
+        t._modules = type(mods)([(k, mods[k]) for k in order if k in mods] +
+                                [(k, v) for k, v in mods.items() if k not in order])
 
 
 def _dbcache_fields() -> dict:
@@ -188,7 +195,8 @@ class CacheDitBackend(CacheBackend):
         target = pipe
         # the transformers' own forward attributes (diffusers' hook registry installs a functools.partial, which
         # cache-dit's disable_cache cannot re-bind): put back by us before disable_cache runs
-        forwards = [(t, "forward" in vars(t), vars(t).get("forward")) for _, t in ctx.adapter.transformers_of(pipe)]
+        forwards = [(t, "forward" in vars(t), vars(t).get("forward"), list(t._modules))
+                    for _, t in ctx.adapter.transformers_of(pipe)]
         try:
             if unify:
                 transformers = [t for _, t in ctx.adapter.transformers_of(pipe)]

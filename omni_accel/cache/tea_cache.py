@@ -90,6 +90,8 @@ class _BranchState:
         self.inputs: dict[int, dict[str, Any]] = {}
         self.residuals: dict[int, dict[str, torch.Tensor | None]] = {}
         self.none_outputs: dict[int, set] = {}
+        self.prev_out: torch.Tensor | None = None  # calibration only
+        self.last_rel_in: float | None = None
 
 
 class _TransformerCache:
@@ -124,6 +126,8 @@ class TeaCacheController:
         self.final = int(options["final_steps"])
         self.caches: dict[str, _TransformerCache] = {}
         self._coef_t: dict[tuple, torch.Tensor] = {}
+        # calibration: when a list, every forward appends {transformer, branch, step, rel_in, rel_out}
+        self.recorder: list | None = None
         self.reset()
 
     # -- per call ---------------------------------------------------------------------------------------
@@ -204,6 +208,11 @@ class TeaCacheController:
             or step >= total - self.final or self.threshold <= 0
         )
         reuse = False
+        if self.recorder is not None:
+            st.last_rel_in = None
+            if st.prev is not None and st.prev.shape == m.shape:
+                prev = st.prev.float()
+                st.last_rel_in = float((m.float() - prev).abs().mean() / (prev.abs().mean() + 1e-8))
         if not force:
             prev = st.prev
             means = torch.stack([(m - prev).abs().mean(), prev.abs().mean()]).float()
@@ -288,8 +297,27 @@ class _TransformerHook(ModelHook):
         return args, kwargs
 
     def post_forward(self, module, output):
-        self.tc.mode = None
+        tc, rec = self.tc, self.controller.recorder
+        if rec is not None and tc.current is not None and tc.mode is not None:
+            st = tc.current
+            o = _first_tensor(output, 0).detach().float()
+            rel_out = None
+            if st.prev_out is not None and st.prev_out.shape == o.shape:
+                rel_out = float((o - st.prev_out).abs().mean() / (st.prev_out.abs().mean() + 1e-8))
+            rec.append({"transformer": tc.name, "branch": tc.branch, "step": self.controller.step_index,
+                        "rel_in": st.last_rel_in, "rel_out": rel_out, "reused": tc.mode == "reuse"})
+            st.prev_out = o
+        tc.mode = None
         return output
+
+
+def _is_builtin(pipe) -> bool:
+    import os
+
+    from ..builtin import builtin_model_path
+
+    path = str(getattr(getattr(pipe, "config", None), "_name_or_path", "") or "")
+    return bool(path) and os.path.realpath(path) == os.path.realpath(builtin_model_path())
 
 
 class TeaCacheBackend(CacheBackend):
@@ -321,6 +349,8 @@ class TeaCacheBackend(CacheBackend):
     def settings(self, ctx: PassContext, opts: dict) -> tuple[tuple, float, str]:
         """(coefficients, threshold, where they came from)."""
         profile = load_profile(opts["profile"]) if opts["profile"] is not None else None
+        if profile is None and opts["coefficients"] is None and _is_builtin(ctx.pipe):
+            profile = load_profile("builtin")  # the shipped profile of the project's own trained model
         if profile is not None and profile.get("family") not in (None, ctx.adapter.family):
             raise AccelError(
                 f"cache_config profile is for family {profile.get('family')!r}, this pipeline is "
@@ -367,6 +397,11 @@ class TeaCacheBackend(CacheBackend):
 
     def apply(self, ctx: PassContext, opts: dict):
         coef, thr, source = self.settings(ctx, opts)
+        if opts["profile"] is not None or source == "profile":  # its warm-up / final steps unless given
+            profile = load_profile(opts["profile"] if opts["profile"] is not None else "builtin")
+            given = ctx.config.cache_config or {}
+            opts = dict(opts, **{k: int(profile[k]) for k in ("warmup_steps", "final_steps")
+                                 if k in profile and k not in given})
         if source == "identity":
             logger.warning(
                 "tea_cache: family %r has no fitted rescale coefficients; using the identity rescale (the "

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=50, help="largest steps on the slider (default 50)")
     p.add_argument("--max-size", type=int, default=1024, help="largest side on the size sliders (default 1024)")
     p.add_argument("--default-size", default=None, metavar="WxH", help="initial size (default: native)")
+    p.add_argument("--default-steps", type=int, default=None, help="initial steps (default: the model's)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up call (without it the first plain run pays for lazy initialisation)")
 
 
 def psnr(a, b) -> float:
@@ -109,9 +112,12 @@ class DemoBackend:
         for key, value in self.defaults.items():
             if key not in kwargs and key in accepted and key not in ("height", "width", "num_inference_steps"):
                 kwargs[key] = value
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        scale = kwargs.get("true_cfg_scale")
+        self.branches = 2 if scale is not None and scale > 1 and kwargs.get("negative_prompt") is not None else 1
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.pipe(**{k: v for k, v in kwargs.items() if k in accepted})
+            out = self.pipe(**kwargs)
         return _to_pil_list(out.images[:1])[0], time.perf_counter() - t0
 
     def generate(self, prompt: str, width: int, height: int, steps: int, seed: int, settings: Settings,
@@ -145,11 +151,11 @@ class DemoBackend:
                 out["error"] = f"{exc.__class__.__name__}: {exc}"
         if out["image"] is not None and out["plain_image"] is not None:
             out["psnr"] = psnr(out["plain_image"], out["image"])
-        out["summary"] = self.summary(out, steps)
+        out["summary"] = self.summary(out, steps, getattr(self, "branches", 1))
         return out
 
     @staticmethod
-    def summary(out: dict, steps: int) -> str:
+    def summary(out: dict, steps: int, branches: int = 1) -> str:
         lines = []
         if out.get("error"):
             lines.append(f"**Error:** {out['error']}")
@@ -164,8 +170,9 @@ class DemoBackend:
         last = (out.get("report") or {}).get("last_call") or {}
         if last:
             fwd = last.get("transformer_forwards")
-            lines.append(f"**Transformer forwards:** {fwd} (steps: {int(steps)}; saved: "
-                         f"{max(0, int(steps) - int(fwd or 0))})")
+            full = int(steps) * branches  # what the plain pipeline runs (x2 with true CFG)
+            lines.append(f"**Transformer forwards:** {fwd} of {full} without caching (saved: "
+                         f"{max(0, full - int(fwd or 0))})")
             passes = [p["pass"] + (f"({p['backend']})" if "backend" in p else "")
                       for p in out["report"].get("applied", [])]
             lines.append("**Applied:** " + (", ".join(dict.fromkeys(passes)) or "nothing"))
@@ -209,8 +216,9 @@ def build_demo(backend: DemoBackend, *, max_steps: int = 50, max_size: int = 102
             with gr.Column(scale=2):
                 summary = gr.Markdown("Nothing yet.", elem_id="summary")
                 with gr.Row():
-                    image = gr.Image(label="Accelerated", type="pil", elem_id="accelerated-image", format="png")
-                    plain = gr.Image(label="Plain", type="pil", elem_id="plain-image", format="png")
+                    image = gr.Image(label="Accelerated", type="pil", elem_id="accelerated-image", format="png",
+                                     height=320)
+                    plain = gr.Image(label="Plain", type="pil", elem_id="plain-image", format="png", height=320)
                 report = gr.JSON(label="pipe.omni_accel.report()", elem_id="report")
 
         def on_generate(p, w, h, s, sd, a, c, ca, t, cmp):
@@ -255,7 +263,17 @@ def run(args) -> int:
             native = parse_size(args.default_size)
         except ValueError as exc:
             raise CliError(f"--default-size: {exc}")
+    if args.default_steps is not None:
+        if args.default_steps < 1:
+            raise CliError(f"--default-steps {args.default_steps} is invalid: it must be >= 1.")
+        defaults["num_inference_steps"] = args.default_steps
     backend = DemoBackend.from_pipeline(pipe, defaults, device, native)
+    if not args.no_warmup:
+        m = backend.size_multiple
+        try:
+            backend._call("warm-up", m * 2, m * 2, 1, 0)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("omni_accel.demo: warm-up failed: %r", exc)
     demo = build_demo(backend, max_steps=args.max_steps, max_size=args.max_size)
     print(f"omni-accel demo: {source} on http://{args.host}:{args.port}", flush=True)
     demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port, share=False,

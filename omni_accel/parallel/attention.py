@@ -30,6 +30,7 @@ class SequenceContext:
     local_depth: int = 0  # > 0 inside an attention whose keys are not split (cross-attention to unsplit text)
     inside: bool = False  # inside our own attention (the inner call must not be split again)
     calls: int = 0  # sequence-parallel attention calls so far (tests assert the pass really ran)
+    slot: int = 0  # index of the current attention call within the current block
     _lengths: dict = field(default_factory=dict)
 
     @property
@@ -40,19 +41,25 @@ class SequenceContext:
         self.region = None
         self.local_depth = 0
         self.inside = False
+        self.slot = 0
         self._lengths.clear()
 
-    def lengths(self, name: str, local: int, device) -> list[int]:
-        """Local sequence lengths of every rank of group ``name`` (all-gathered once per distinct local length)."""
+    def lengths(self, name: str, local: tuple[int, ...], device) -> list[tuple[int, ...]]:
+        """Local lengths (a tuple: query and key length) of every rank of group ``name``.
+
+        All-gathered once per attention slot of a region per forward: the cache key (group, region, slot) is the
+        same on every rank -- a key built from the local length would not be, since shards differ in length, and a
+        rank that found its key cached would skip a collective the others enter.
+        """
         ranks = self.mesh.group_ranks(name)
         if len(ranks) == 1:
             return [local]
-        key = (name, local)
+        key = (name, getattr(self.region, "name", None), self.slot)
         if key not in self._lengths:
-            t = torch.tensor([local], dtype=torch.int64, device=device)
+            t = torch.tensor(list(local), dtype=torch.int64, device=device)
             bufs = [torch.empty_like(t) for _ in ranks]
             dist.all_gather(bufs, t, group=self.mesh.group(name))
-            self._lengths[key] = [int(b.item()) for b in bufs]
+            self._lengths[key] = [tuple(int(x) for x in b.tolist()) for b in bufs]
         return self._lengths[key]
 
 
@@ -127,7 +134,7 @@ def ring_attention(q, k, v, bias, scale, ctx: SequenceContext) -> torch.Tensor:
     ranks = mesh.group_ranks("ring")
     n = len(ranks)
     me = ranks.index(mesh.rank)
-    sizes = ctx.lengths("ring", k.shape[1], k.device)
+    sizes = [s[1] for s in ctx.lengths("ring", (q.shape[1], k.shape[1]), k.device)]
     longest = max(sizes)
     b = q.shape[0]
     if bias is None and any(s != longest for s in sizes):
@@ -181,8 +188,8 @@ def sequence_parallel_attention(q, k, v, attn_mask, inner: Callable, scale: floa
     if mesh.ulysses > 1:
         group = mesh.group("ulysses")
         me = mesh.group_ranks("ulysses").index(mesh.rank)
-        q_sizes = ctx.lengths("ulysses", q.shape[1], q.device)
-        k_sizes = q_sizes if k.shape[1] == q.shape[1] else ctx.lengths("ulysses", k.shape[1], k.device)
+        both = ctx.lengths("ulysses", (q.shape[1], k.shape[1]), q.device)
+        q_sizes, k_sizes = [s[0] for s in both], [s[1] for s in both]
         if q.shape == k.shape == v.shape:
             qkv = torch.stack([q, k, v], dim=0)  # one all-to-all for the three
             # heads stay grouped per destination: chunk(U) on dim 2 then splits heads, not q/k/v

@@ -160,6 +160,7 @@ class CfgParallelPass(AccelPass):
         pipe, acc = ctx.pipe, ctx.state
 
         def on_call() -> None:
+            state.active = False  # until this call is known to run true CFG
             kwargs = acc.call_kwargs
             scale_arg = style["cfg_scale_arg"]
             scale = kwargs.get(scale_arg, _default(pipe, scale_arg)) if scale_arg else None

@@ -16,10 +16,8 @@ before sequence-global operations; block boundaries are where every family is pu
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +62,7 @@ def _make_dispatch(original):
             return sequence_parallel_attention(query, key, value, attn_mask, inner, scale, ctx)
         finally:
             ctx.inside = False
+            ctx.slot += 1
 
     dispatch_attention_fn._omni_accel_original = original
     return dispatch_attention_fn
@@ -91,12 +90,14 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                                           attn_mask, inner, scale, ctx)
     finally:
         ctx.inside = False
+        ctx.slot += 1
     return out.transpose(1, 2)
 
 
 # -- splitting and gathering ---------------------------------------------------------------------------------
 @dataclass
 class RegionState:
+    name: str = ""  # the block list
     lengths: dict = field(default_factory=dict)  # stream -> full length
     sizes: dict = field(default_factory=dict)  # stream -> per-shard lengths
 
@@ -174,7 +175,8 @@ class _RegionHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         ctx = self.ctx
         if self.first:
-            ctx.region = RegionState()
+            ctx.region = RegionState(name=self.region.block_list)
+        ctx.slot = 0
         state = ctx.region
         if state is None:  # the first block did not run through our hook (should not happen): run unsplit
             return args, kwargs

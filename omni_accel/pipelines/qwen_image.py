@@ -82,5 +82,14 @@ ADAPTER = ModelAdapter(
         "rope_module": "pos_embed",  # returns (img_freqs, txt_freqs)
         "vae_scale_factor_attr": "vae_scale_factor",
         "latent_packing": 2,
+        # ar_bridge text-encoder stage (text path only): the method it shadows and the pipeline's prompt template,
+        # whose first drop_idx tokens are cut from the last-layer states (the pipeline's own attributes win).
+        "text_encoder_bridge": {
+            "style": "qwen_image", "method": "_get_qwen_prompt_embeds", "pipelines": ("QwenImagePipeline",),
+            "layer": -1, "drop_idx": 34, "max_length": 1024,
+            "template": "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+                        "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+                        "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+        },
     },
 )

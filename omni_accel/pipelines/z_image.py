@@ -80,5 +80,11 @@ ADAPTER = ModelAdapter(
         "modulated_block_lists": ("noise_refiner", "layers"),
         "unified_order": {"default": ("image", "text"), "ZImageOmniPipeline": ("text", "image", "siglip")},
         "seq_multiple_of": 32,
+        # ar_bridge text-encoder stage: the method it shadows; the user turn in the chat template (thinking on),
+        # hidden_states[-2] (the next-to-last layer's output, no final norm), unpadded per prompt.
+        "text_encoder_bridge": {
+            "style": "z_image", "method": "_encode_prompt", "pipelines": ("ZImagePipeline",), "layer": -2,
+            "chat_kwargs": {"enable_thinking": True},
+        },
     },
 )

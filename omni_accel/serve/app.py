@@ -229,6 +229,10 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
         steps = min(steps, limits.max_steps)
         if guidance is None:
             guidance = model.defaults.get("guidance_scale")
+        if true_cfg is None:  # the model's defaults (the built-in model runs true CFG with an empty negative)
+            true_cfg = model.defaults.get("true_cfg_scale")
+        if negative is None:
+            negative = model.defaults.get("negative_prompt")
         return Job(op=op, prompt=prompt, n=n, width=w, height=h, steps=steps,
                    seed=seed if seed is not None else random_seed(), guidance_scale=guidance,
                    true_cfg_scale=true_cfg, negative_prompt=negative, images=list(images))

@@ -111,11 +111,13 @@ def build_call_kwargs(model: LoadedModel, spec: dict) -> dict:
     for key, value in model.defaults.items():
         if key not in ("height", "width", "num_inference_steps", "guidance_scale") and key not in wanted:
             wanted[key] = value
+    # FLUX.1 Kontext rescales the output to max_area (default 1024^2) and snaps references to its preferred
+    # resolutions unless told not to: keep exactly the requested size, for generations and edits alike
+    wanted["max_area"] = spec["height"] * spec["width"]
+    wanted["_auto_resize"] = False
     if spec["op"] == "edit":
         images = spec["images"]
         wanted["image"] = images[0] if len(images) == 1 else list(images)
-        wanted["max_area"] = spec["height"] * spec["width"]  # Kontext: keep the requested size
-        wanted["_auto_resize"] = False
     kwargs = {k: v for k, v in wanted.items() if v is not None and k in model.accepted}
     kwargs["generator"] = [torch.Generator("cpu").manual_seed(int(s)) for s in spec["seeds"]]
     return kwargs
@@ -137,7 +139,12 @@ def run_spec(model: LoadedModel, spec: dict, should_abort: Callable[[], bool] | 
         out = model.pipe(**kwargs)
     from ..cli import _to_pil_list
 
-    return _to_pil_list(out.images)
+    images = _to_pil_list(out.images)
+    want = (spec["width"], spec["height"])
+    if len(images) != len(spec["prompts"]) or any(im.size != want for im in images):
+        raise RuntimeError(f"the pipeline returned {len(images)} image(s) of {[im.size for im in images][:3]} "
+                           f"for {len(spec['prompts'])} of {want}")
+    return images
 
 
 def png_bytes(image) -> bytes:

@@ -21,7 +21,9 @@ def decode_upload(data: bytes, *, max_bytes: int, max_pixels: int, param: str = 
         raise bad_request(f"{param}: the upload is empty; send a PNG, JPEG or WebP image", param, "invalid_image")
     try:
         im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError as exc:  # PIL's own guard (> 2 x Image.MAX_IMAGE_PIXELS)
+        raise bad_request(f"{param}: {exc}", param, "image_too_large")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise bad_request(f"{param}: not a PNG, JPEG or WebP image", param, "invalid_image")
     w, h = im.size
     if w < 1 or h < 1 or w * h > max_pixels:

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8091, help="port (default 8091; 0 = any free port)")
     s.add_argument("--api-key", default=os.environ.get("OMNI_ACCEL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (env OMNI_ACCEL_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics, the docs and "
+                        "/files/images (env OMNI_ACCEL_API_KEY, which keeps the key out of the process list)")
     s.add_argument("--max-concurrency", type=int, default=4,
                    help="requests of the same shape batched into one pipeline call (default 4)")
     s.add_argument("--max-batch-images", type=int, default=8, help="images per pipeline call at most (default 8)")
@@ -152,7 +153,7 @@ def build_server(args, model, *, leader=None, world_size: int = 1):
                      world_size=world_size)
     log_level = "warning" if getattr(args, "verbose", 0) == 0 else "info"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=False,
-                            limit_concurrency=args.max_queue + args.max_concurrency + 64,
+                            limit_concurrency=4 * (args.max_queue + args.max_concurrency) + 64,
                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
     return uvicorn.Server(config), engine
 

