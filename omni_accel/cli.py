@@ -384,6 +384,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
               *_lazy_subcommand("omni_accel.serve.server")),
     "demo": ("a Gradio web demo: generate, toggle accelerations, compare plain vs accelerated "
              "(pip install 'omni-accel[demo]')", *_lazy_subcommand("omni_accel.demo.app")),
+    "calibrate": ("fit a TeaCache profile (coefficients + threshold) that meets a PSNR target",
+                  *_lazy_subcommand("omni_accel.cache.cli")),
 }
 
 

@@ -54,27 +54,11 @@ def save_tiny_llm(path: str | os.PathLike, arch: str = "qwen2", seed: int = 0, *
 
 
 def tiny_qwen25_vl(tokenizer, seed: int = 0, num_layers: int = 2):
-    """A Qwen2.5-VL text encoder of width 64 (2 heads x 32), as Qwen-Image holds."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """A Qwen2.5-VL text encoder of width 64 (2 heads x 32: vLLM needs head size >= 32), as Qwen-Image holds."""
+    from ..testing.tiny_qwen_image import tiny_qwen25_vl as build
 
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "hidden_size": WIDTH, "intermediate_size": 128, "num_hidden_layers": num_layers,
-            "num_attention_heads": HEADS, "num_key_value_heads": 1, "vocab_size": VOCAB,
-            "max_position_embeddings": 2048,
-            "rope_scaling": {"mrope_section": [4, 6, 6], "rope_type": "default", "type": "default"},
-            "rope_theta": 1000000.0, "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": WIDTH},
-        vocab_size=VOCAB, bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
-    )
-    torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
+    return build(tokenizer, seed, width=WIDTH, heads=HEADS, kv_heads=1, intermediate=128, num_layers=num_layers,
+                 vocab=VOCAB, mrope_section=(4, 6, 6))
 
 
 def tiny_qwen3(tokenizer, seed: int = 0, num_layers: int = 3):

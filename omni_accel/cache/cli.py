@@ -22,6 +22,11 @@ DEFAULT_PROMPTS = [
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("calibrate", help="fit a TeaCache profile (coefficients + threshold) for a model")
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="diffusers pipeline folder (or 'builtin')")
     p.add_argument("--target-psnr", type=float, default=30.0, help="PSNR (dB) against uncached output to meet")
     p.add_argument("--prompts", default=None, help="text file, one prompt per line (default: 8 generic prompts; "
@@ -34,7 +39,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default=None)
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
-    return p
 
 
 def run(args) -> int:

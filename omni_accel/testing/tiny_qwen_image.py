@@ -55,27 +55,33 @@ def _processor(tokenizer):
                                          chat_template=tokenizer.chat_template)
 
 
-def _text_encoder(tokenizer, seed: int):
+def tiny_qwen25_vl(tokenizer, seed: int = 0, width: int = TEXT_DIM, heads: int = 2, kv_heads: int = 2,
+                   intermediate: int = 32, num_layers: int = 1, vocab: int = 300,
+                   mrope_section: tuple[int, int, int] = (1, 1, 2)):
+    """A tiny random Qwen2.5-VL (text tower + a one-layer vision tower), as Qwen-Image holds.
+
+    ``mrope_section`` must add up to half the head size (``width // heads // 2``).
+    """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     config = Qwen2_5_VLConfig(
         text_config={
-            "hidden_size": TEXT_DIM,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "vocab_size": 300,
+            "hidden_size": width,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "vocab_size": vocab,
             "max_position_embeddings": 2048,
-            "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+            "rope_scaling": {"mrope_section": list(mrope_section), "rope_type": "default", "type": "default"},
             "rope_theta": 1000000.0,
             "bos_token_id": None,
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
         },
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": TEXT_DIM},
-        vocab_size=300,
+                       "out_hidden_size": width},
+        vocab_size=vocab,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -141,7 +147,7 @@ def build(family: str = "qwen_image", seed: int = 0, **overrides: Any):
     torch.manual_seed(seed)
     scheduler = FlowMatchEulerDiscreteScheduler()
     tokenizer = tiny_tokenizer("qwen2", model_max_length=2048)
-    text_encoder = _text_encoder(tokenizer, seed)
+    text_encoder = tiny_qwen25_vl(tokenizer, seed)
     components = dict(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder,
                       tokenizer=tokenizer)
     if family == "qwen_image":
