@@ -41,31 +41,25 @@ def main():
             x = x @ w
         return x
 
-    for read in (True, False):  # decision alone
-        for _ in range(10):
-            decision(read)
+    def ms_per_call(fn, warmup: int, iters: int) -> float:
+        """Mean milliseconds of ``fn()`` after ``warmup`` calls, the GPU synchronised around the timed loop."""
+        for _ in range(warmup):
+            fn()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in range(200):
-            decision(read)
+        for _ in range(iters):
+            fn()
         torch.cuda.synchronize()
-        res[f"decision_only_ms_{'read' if read else 'no_read'}"] = (time.perf_counter() - t) / 200 * 1e3
+        return (time.perf_counter() - t) / iters * 1e3
+
+    for read in (True, False):  # decision alone
+        res[f"decision_only_ms_{'read' if read else 'no_read'}"] = ms_per_call(lambda: decision(read), 10, 200)
     for n in (8, 64):  # queued step work of n matmuls, then the decision
         for read in (True, False):
-            for _ in range(3):
-                work(n); decision(read)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(30):
-                work(n); decision(read)
-            torch.cuda.synchronize()
-            res[f"step_{n}_matmuls_ms_{'read' if read else 'no_read'}"] = (time.perf_counter() - t) / 30 * 1e3
+            res[f"step_{n}_matmuls_ms_{'read' if read else 'no_read'}"] = ms_per_call(
+                lambda: (work(n), decision(read)), 3, 30)
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(30):
-            work(n)
-        torch.cuda.synchronize()
-        res[f"step_{n}_matmuls_ms_no_decision"] = (time.perf_counter() - t) / 30 * 1e3
+        res[f"step_{n}_matmuls_ms_no_decision"] = ms_per_call(lambda: work(n), 0, 30)
     res = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
     print(json.dumps(res, indent=1))
     if out:

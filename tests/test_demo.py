@@ -6,13 +6,13 @@ Needs /usr/bin/chromium (Debian: apt-get install -y chromium) -- skipped only wh
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from conftest import stop_process_group
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,9 +101,5 @@ def test_demo_in_headless_chromium(tmp_path):
             page.screenshot(path=os.path.join(ROOT, "docs", "demo.png"), full_page=True)
             browser.close()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc, 15)
         log.close()

@@ -25,6 +25,7 @@ import openai  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from omni_accel.testing import tiny_pipeline  # noqa: E402
+from conftest import stop_process_group  # noqa: E402
 
 API_KEY = "test-key-123"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -413,11 +414,7 @@ def test_torchrun_two_ranks_rank0_serves_and_fans_out(tiny_dirs, tmp_path):
         assert png_size(r.data[0].b64_json) == (32, 32)
         assert_error(httpx.post(url + GEN, json={"prompt": "x", "size": "abc"}), 400, param="size")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc, 30)
     text = log.read_text()
     assert len(re.findall(r"rank 1 ran batch", text)) == 2, text[-3000:]
 
