@@ -1,11 +1,16 @@
 """Caption adherence of the built-in model on 100 held-out captions (CPU, default settings).
 
     python benchmarks/bench_builtin_adherence.py [--n 100] [--model PATH] [--out benchmarks/results/builtin_adherence.json]
+    python benchmarks/bench_builtin_adherence.py --vae-recon 200 [--vae PATH] [--out benchmarks/results/builtin_vae_recon.json]
 
 Captions come from the procedural caption space with a seed the training never used (2026); 30 of
 them use the (color, shape, background) triples excluded from training (dataset.HELDOUT_TRIPLES).
 Each image is generated alone, at omni_accel.builtin.BUILTIN_DEFAULTS, and scored with
 omni_accel.builtin.metric (background color, shape color, position/size where given, shape).
+
+--vae-recon N scores instead the VAE's reconstructions of N dataset images (seed 123, size and position
+stated): the ceiling of anything the transformer can draw; with a confusion matrix of the shape color,
+the color accuracy by size and the mean pixel error on background / shape pixels.
 """
 from __future__ import annotations
 
@@ -35,6 +40,43 @@ def captions(n: int, n_heldout: int) -> list[tuple[str, bool]]:
     return [(c, True) for c in held] + [(c, False) for c in rest]
 
 
+def vae_recon(n: int, vae_dir: str, out: str) -> dict:
+    import numpy as np
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(vae_dir, torch_dtype=torch.float32).eval()
+    p = ds.sample_params(n, torch.Generator().manual_seed(123), exclude_heldout=False, p_omit_size=0, p_omit_position=0)
+    x, alpha = ds.render(p, BUILTIN_DEFAULTS["height"], return_alpha=True)
+    with torch.no_grad():
+        rec = torch.cat([vae.decode(vae.encode(x[i:i + 50] * 2 - 1).latent_dist.mode()).sample for i in range(0, n, 50)])
+    imgs, gt = ds.to_uint8((rec + 1) / 2), ds.to_uint8(x)
+    caps = ds.captions_of(p)
+    agg, by_size = collections.defaultdict(list), collections.defaultdict(list)
+    names = ds.COLOR_NAMES + ["none"]
+    conf = np.zeros((len(ds.COLOR_NAMES), len(names)), dtype=int)
+    for i in range(n):
+        s = M.score(imgs[i], caps[i])
+        for k, v in s.items():
+            agg[k].append(v)
+        by_size[ds.SIZES[int(p["size"][i])]].append(s["color"])
+        got = M.analyze(imgs[i])["color"]
+        conf[int(p["color"][i]), names.index(got or "none")] += 1
+    err = np.abs(imgs.astype(np.float32) - gt.astype(np.float32)).mean(-1)
+    shape_px = alpha[:, 0].numpy() > 0.5
+    res = {"vae": os.path.abspath(vae_dir), "n_images": n, "image_seed": 123,
+           "fraction_right": {k: round(sum(v) / len(v), 4) for k, v in agg.items()},
+           "color_by_size": {k: round(sum(v) / len(v), 4) for k, v in by_size.items()},
+           "color_confusion": {"rows_true": ds.COLOR_NAMES, "cols_predicted": names, "counts": conf.tolist()},
+           "mean_abs_error_uint8": {"background_pixels": round(float(err[~shape_px].mean()), 2),
+                                    "shape_pixels": round(float(err[shape_px].mean()), 2)},
+           "torch": torch.__version__, "diffusers": __import__("diffusers").__version__, "platform": platform.platform()}
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({k: res[k] for k in ("fraction_right", "color_by_size", "mean_abs_error_uint8")}))
+    return res
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100)
@@ -45,9 +87,14 @@ def main(argv=None) -> dict:
                     help="override a generation setting, e.g. --set num_inference_steps=10")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "builtin_adherence.json"))
     ap.add_argument("--samples", default=os.path.join("benchmarks", "results", "builtin_adherence_samples.png"))
+    ap.add_argument("--vae-recon", type=int, default=0, metavar="N", help="score VAE reconstructions of N dataset images")
+    ap.add_argument("--vae", default=None, help="with --vae-recon: an AutoencoderKL folder (default: the model's vae/)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.vae_recon:
+        out = args.out if args.out != ap.get_default("out") else os.path.join("benchmarks", "results", "builtin_vae_recon.json")
+        return vae_recon(args.vae_recon, args.vae or os.path.join(args.model or builtin_model_path(), "vae"), out)
     settings = dict(BUILTIN_DEFAULTS)
     for kv in args.set:
         k, v = kv.split("=", 1)

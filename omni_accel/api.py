@@ -13,12 +13,14 @@ from .compiler import CompilePass
 from .config import AccelConfig
 from .errors import AccelError
 from .kernels.attention import AttentionPass
+from .kernels.fused_pass import KernelsPass
+from .kernels.quant import QuantPass
 from .offload import OffloadPass
 from .parallel.cfg import CfgParallelPass
 from .parallel.sequence import SequenceParallelPass
 from .parallel.tp import TensorParallelPass
 from .parallel.vae import VaeParallelPass
-from .pass_base import AccelPass, PassContext, PlannedPass
+from .pass_base import AccelPass, PassContext
 from .pipelines import adapter_for
 from .state import AccelState
 from .stats import StatsPass
@@ -31,8 +33,8 @@ logger = logging.getLogger(__name__)
 # (compile must see the final forward; offload must move quantized weights, not the originals).
 PASSES: tuple[AccelPass, ...] = (
     StatsPass(),
-    PlannedPass("quant", "quant", lambda c: c.quant is not None, "issue #6 (kernels and FP8)"),
-    PlannedPass("kernels", "kernels", lambda c: c.kernels, "issue #6 (kernels and FP8)"),
+    QuantPass(),
+    KernelsPass(),
     AttentionPass(),
     TensorParallelPass(),
     SequenceParallelPass(),
@@ -86,6 +88,7 @@ def accelerate(
     cache_config: dict | None = None,
     offload: str | None = None,
     quant: str | None = None,
+    quant_config: dict | None = None,
     attention: str = "auto",
     compile: bool | str = False,
     text_encoder: str | None = None,
@@ -104,7 +107,8 @@ def accelerate(
     """
     knobs = dict(
         sp=sp, ulysses=ulysses, ring=ring, cfg_parallel=cfg_parallel, tp=tp, vae_parallel=vae_parallel,
-        cache=cache, cache_config=cache_config, offload=offload, quant=quant, attention=attention,
+        cache=cache, cache_config=cache_config, offload=offload, quant=quant, quant_config=quant_config,
+        attention=attention,
         compile=compile, text_encoder=text_encoder, kernels=kernels, vae_tiling=vae_tiling,
         vae_slicing=vae_slicing, device=device,
     )

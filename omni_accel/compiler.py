@@ -47,12 +47,41 @@ class CompilePass(AccelPass):
         options = compile_options(ctx.config.compile, ctx.device)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             blocks = ctx.adapter.blocks_of(transformer)
-            for _, block in blocks:
-                block.compile(**options)
+            undos = [_compile_block(block, options) for _, block in blocks]
 
-            def undo(blocks=blocks) -> None:
-                for _, block in blocks:
-                    block._compiled_call_impl = None  # what nn.Module.compile() set; None = eager again
+            def undo(undos=undos) -> None:
+                for u in undos:
+                    u()
 
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), **options)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
+
+
+def _compile_block(block: torch.nn.Module, options: dict):
+    """Compile ``block``'s own forward, *under* every diffusers hook on it; return the undo.
+
+    Why under the hooks: the passes' hooks make per-step Python decisions (TeaCache computes or replays the block,
+    sp splits and gathers, cfg_parallel exchanges). Compiled into the graph they would guard on that state (a
+    recompile whenever a step switches between computed and reused) or break it; outside it the compiled region is
+    the same pure block forward every step. The innermost link of diffusers' hook chain (``_fn_refs[0]``, the first
+    hook registered) holds the block's forward: it is swapped for the compiled one. Without hooks:
+    ``nn.Module.compile`` as before.
+    """
+    registry = getattr(block, "_diffusers_hook", None)
+    refs = getattr(registry, "_fn_refs", None)
+    if not refs:
+        block.compile(**options)
+
+        def undo_plain() -> None:
+            block._compiled_call_impl = None  # what nn.Module.compile() set; None = eager again
+
+        return undo_plain
+    ref = refs[0]
+    attr = "original_forward" if ref.original_forward is not None else "forward"
+    eager = getattr(ref, attr)
+    setattr(ref, attr, torch.compile(eager, **options))
+
+    def undo_hooked() -> None:
+        setattr(ref, attr, eager)
+
+    return undo_hooked

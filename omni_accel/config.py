@@ -44,6 +44,7 @@ class AccelConfig:
     cache_config: dict | None = None
     offload: str | None = None
     quant: str | None = None
+    quant_config: dict | None = None
     attention: str = "auto"
     compile: bool | str = False
     text_encoder: str | None = None
@@ -72,6 +73,11 @@ class AccelConfig:
             _one_of("offload", self.offload, OFFLOAD_MODES)
         if self.quant is not None:
             _one_of("quant", self.quant, QUANT_MODES)
+        if self.quant_config is not None:
+            if not isinstance(self.quant_config, dict):
+                raise AccelError(f"quant_config={self.quant_config!r} must be a dict, e.g. {{'skip': ['*.ff.*']}}.")
+            if self.quant is None:
+                raise AccelError("quant_config was given without quant=...; add quant='fp8' or 'fp8_weight_only'.")
         if not isinstance(self.attention, str) or not self.attention:
             raise AccelError(f"attention={self.attention!r} must be a backend name such as 'auto'.")
         if self.compile not in COMPILE_MODES or not isinstance(self.compile, (bool, str)):

@@ -66,6 +66,9 @@ class AccelState:
         # The process mesh when a parallel pass is applied (omni_accel.parallel.ParallelMesh), else None.
         # A cache must make identical decisions on every rank: reduce its metric with all_reduce_mean below.
         self.mesh = None
+        # Extra top-level report() entries, computed when report() is called (the cache pass adds "cache").
+        self.report_sections: dict[str, Callable[[], Any]] = {}
+        self.quantized: dict = {}  # transformer name -> module whose linears the quant pass replaced
         device_fn = lambda: self.device  # noqa: E731 -- the device may change after offload is applied
         self.encode_watch = Stopwatch(device_fn)
         self.decode_watch = Stopwatch(device_fn)
@@ -144,6 +147,7 @@ class AccelState:
             ],
             "calls": self.calls,
             "last_call": self.last_call.as_dict() if self.last_call else None,
+            **{name: section() for name, section in self.report_sections.items()},
         }
 
     def __repr__(self) -> str:

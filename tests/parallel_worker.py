@@ -35,9 +35,31 @@ def available(family: str) -> bool:
     return importlib.util.find_spec(f"omni_accel.testing.{TINY_BUILDERS[family]}") is not None
 
 
-def case(name, family, knobs, overrides=None, tol=1e-4, restore=False, vae_attention=False, call=None):
+def case(name, family, knobs, overrides=None, tol=1e-4, restore=False, vae_attention=False, call=None,
+         reference=None):
+    """``reference``: knobs of the single-process reference (default: the plain pipeline), e.g. the same cache."""
     return dict(name=name, family=family, knobs=knobs, overrides=overrides or {}, tol=tol, restore=restore,
-                vae_attention=vae_attention, call=call or {})
+                vae_attention=vae_attention, call=call or {}, reference=reference)
+
+
+TEA = dict(cache="tea_cache", cache_config={"threshold": 0.3})  # reuses some of 6 steps on every tiny family
+CACHE_STEPS = dict(num_inference_steps=6)
+
+
+def cache_cases():
+    """Cache with parallelism: output and per-step decisions equal to the same cache in one process."""
+    out = []
+    for fam in ("flux", "qwen_image", "wan", "z_image"):
+        out.append(case(f"cache-tea-ulysses-{fam}-odd", fam, dict(sp=2, **TEA), dict(ODD[fam], **CACHE_STEPS),
+                        reference=TEA, restore=fam == "flux"))
+    out.append(case("cache-tea-ring-sd3-odd", "sd3", dict(ring=2, **TEA), dict(ODD["sd3"], **CACHE_STEPS),
+                    reference=TEA))
+    for fam in ("qwen_image", "wan"):
+        out.append(case(f"cache-tea-cfg-{fam}", fam, dict(cfg_parallel=2, **TEA), CACHE_STEPS, reference=TEA))
+    for backend, label in (("cache_dit", "dit"), ("fb_cache", "fb")):  # cache-dit composes with tp (not sp/cfg)
+        knobs = dict(cache=backend, cache_config={"residual_diff_threshold": 0.3, "max_warmup_steps": 1})
+        out.append(case(f"cache-{label}-tp-flux", "flux", dict(tp=2, **knobs), CACHE_STEPS, reference=knobs))
+    return out
 
 
 def suite_2():
@@ -51,15 +73,19 @@ def suite_2():
         cases.append(case(f"ring-{fam}-odd", fam, dict(ring=2), ODD.get(fam)))
     for fam in ("qwen_image", "qwen_image_edit", "wan", "wan22"):
         cases.append(case(f"cfg-{fam}", fam, dict(cfg_parallel=2), dict(num_inference_steps=3), restore=True))
-    for fam in ("flux", "flux2", "qwen_image"):
-        cases.append(case(f"tp-{fam}", fam, dict(tp=2), restore=fam == "flux"))
+    for fam in ("flux", "flux2", "qwen_image", "wan", "sd3"):
+        cases.append(case(f"tp-{fam}", fam, dict(tp=2), restore=fam in ("flux", "wan")))
+    # SD3.5 layout: dual attention (attn2) in block 0, per-head RMS qk-norm
+    cases.append(case("tp-sd3_5", "sd3", dict(tp=2), dict(dual_attention_layers=(0,), qk_norm="rms_norm")))
+    # Z-Image: the FFN width int(dim / 3 * 8) must divide by tp (the default dim 32 gives 85): dim 48, 2 heads of 24
+    cases.append(case("tp-z_image", "z_image", dict(tp=2), dict(dim=48, axes_dims=[8, 8, 8])))
     for fam in ("flux", "z_image", "sd3", "flux2"):
         cases.append(case(f"vae-{fam}-odd", fam, dict(vae_parallel=2), ODD.get(fam)))
     cases.append(case("vae-flux-attention", "flux", dict(vae_parallel=2), ODD["flux"], vae_attention=True,
                       restore=True))
     cases.append(case("ulysses+vae-flux-odd", "flux", dict(sp=2, vae_parallel=2), ODD["flux"], restore=True))
     cases.append(case("ulysses-flux-compile", "flux", dict(sp=2, compile=True), ODD["flux"], tol=1e-3))
-    return cases
+    return cases + cache_cases()
 
 
 def suite_4():
@@ -95,6 +121,7 @@ def errors_2():
     one_head, _ = tiny_pipeline("flux", num_attention_heads=1, attention_head_dim=16)
     expect("ulysses-vs-heads", lambda: omni_accel.accelerate(one_head, sp=2))
     expect("tp-vs-heads", lambda: omni_accel.accelerate(one_head, tp=2))
+    expect("cache-dit-with-sp", lambda: omni_accel.accelerate(pipe, sp=2, cache="cache_dit"))
     assert "omni_accel" not in vars(pipe) and "omni_accel" not in vars(one_head)
     qpipe, qkw = tiny_pipeline("qwen_image")
     omni_accel.accelerate(qpipe, cfg_parallel=2)
@@ -178,7 +205,14 @@ def run_case(c) -> dict:
 
     handles = [getattr(pipe, n).register_forward_hook(capture) for n in ("transformer", "transformer_2")
                if getattr(pipe, n, None) is not None]
-    ref = run(pipe, kwargs)
+    ref_cache = None
+    if c["reference"]:
+        omni_accel.accelerate(pipe, **c["reference"])
+        ref = run(pipe, kwargs)
+        ref_cache = pipe.omni_accel.report().get("cache")
+        omni_accel.restore(pipe)
+    else:
+        ref = run(pipe, kwargs)
     ref_preds, captured[:] = [t.detach().clone() for t in captured], []
     try:
         omni_accel.accelerate(pipe, **c["knobs"])
@@ -207,8 +241,13 @@ def run_case(c) -> dict:
                max_abs_diff=float((out - ref).abs().max()), sp_attention_calls=sp_calls,
                counters=dict(counters), applied=[a["pass"] for a in report["applied"]],
                checksum=float(out.double().sum()), transformer_max_abs_diff=pred_diff,
-               transformer_scale=pred_scale, transformer_calls=[len(ref_preds), len(preds)])
-    if c["restore"]:
+               transformer_scale=pred_scale, transformer_calls=[len(ref_preds), len(preds)],
+               cache=report.get("cache"), reference_cache=ref_cache)
+    if c["restore"] and c["reference"]:  # after restore(), the same cache alone gives the reference again
+        omni_accel.accelerate(pipe, **c["reference"])
+        res["restore_exact"] = bool(torch.equal(run(pipe, kwargs), ref))
+        omni_accel.restore(pipe)
+    elif c["restore"]:
         res["restore_exact"] = bool(torch.equal(run(pipe, kwargs), ref))
     res["seconds"] = round(time.perf_counter() - t0, 2)
     return res

@@ -198,3 +198,86 @@ def test_engines_accept_config_options():
     run(pipe, kwargs)
     assert len(enc._cache) == 1
     omni_accel.restore(pipe)
+
+
+# ----------------------------------------------------------------------------- pipelines no engine can serve
+@pytest.mark.parametrize("family", ["flux2", "flux2_klein", "qwen_image_edit"])
+def test_vllm_refused_with_the_pipeline_and_fallback_named(family):
+    from omni_accel.testing.tiny_flux2 import build
+
+    pipe, kwargs = build(family) if family.startswith("flux2") else omni_accel.testing.tiny_pipeline(family)
+    cls = type(pipe).__name__
+    with pytest.raises(AccelError, match=rf"^text_encoder='vllm' is not available for {cls}: .* Fix: "
+                                         r"text_encoder='transformers' \(the pipeline's own transformers text "
+                                         r"encoder, left in place\), or leave text_encoder out\.$"):
+        omni_accel.accelerate(pipe, text_encoder="vllm")
+    assert "omni_accel" not in vars(pipe)  # refused before anything was patched
+    if family != "flux2_klein":
+        return  # one run of the fallback is enough (the Edit pipelines' megapixel VAE encode is slow)
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, text_encoder="transformers")
+    applied = {p["pass"]: p for p in pipe.omni_accel.report()["applied"]}["text_encoder"]
+    assert applied["engine"] == "transformers" and applied["mode"] == "in_place"
+    assert torch.equal(run(pipe, kwargs), plain)
+    omni_accel.restore(pipe)
+
+
+# ----------------------------------------------------------------------------- GPU memory share (no GPU needed)
+def test_auto_gpu_memory_utilization_leaves_room_for_the_dit():
+    from omni_accel.ar_bridge.text_encoder import GIB, auto_gpu_memory_utilization
+
+    # 80 GiB GPU, 40 GiB pipeline (DiT + VAE + the HF encoder), 16 GiB encoder: keep 40*1.25 + 1 = 51 GiB
+    assert auto_gpu_memory_utilization(40 * GIB, 80 * GIB, 16 * GIB) == 0.36  # floor(29/80, 2 places)
+    assert auto_gpu_memory_utilization(40 * GIB, 80 * GIB, 16 * GIB, reserve_bytes=0) == 0.37
+    assert auto_gpu_memory_utilization(1 * GIB, 80 * GIB, GIB) == 0.9  # capped: vLLM never takes all of it
+    with pytest.raises(AccelError, match=r"vLLM's share of the GPU would be 6\.40 GiB of 80\.00 GiB \(the pipeline "
+                                         r"keeps 73\.00 GiB.*less than the 16\.50 GiB.*offload='model'"):
+        auto_gpu_memory_utilization(57.6 * GIB, 80 * GIB, 16 * GIB)
+
+
+def test_gpu_memory_share_from_the_pipeline_bytes_and_option_validation(monkeypatch):
+    from omni_accel.ar_bridge.text_encoder import GIB, gpu_memory_share, pipeline_weight_bytes
+
+    pipe, _ = tiny_pipeline_for_vllm("z_image")
+    nbytes = sum(t.numel() * t.element_size() for m in (pipe.transformer, pipe.vae, pipe.text_encoder)
+                 for t in [*m.parameters(), *m.buffers()])
+    assert pipeline_weight_bytes(pipe) == nbytes
+    assert gpu_memory_share(pipe, {"gpu_memory_utilization": 0.25}) == (0.25, "given")
+    if not torch.cuda.is_available():
+        assert gpu_memory_share(pipe, {})[0] is None  # vLLM on the CPU: no share to set
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a pretend 2 GiB GPU
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 2 * GIB}))
+    assert gpu_memory_share(pipe, {"gpu_memory_reserve_gib": 0.5}) == (0.74, "auto")  # tiny pipeline: ~0.5 GiB kept
+    with pytest.raises(AccelError, match=r"share of the GPU would be"):
+        gpu_memory_share(pipe, {"gpu_memory_reserve_gib": 1.6})
+    bad = [({"gpu_memory_utilization": 1.5}, r"\['gpu_memory_utilization'\]=1\.5 must be 'auto'"),
+           ({"cache_size": -1}, r"\['cache_size'\]=-1 must be an int >= 0"),
+           ({"kv_cache": 1}, r"unknown keys \['kv_cache'\]; known: cache_size, ")]
+    for options, message in bad:
+        with pytest.raises(AccelError, match=message):
+            omni_accel.accelerate(pipe, config=AccelConfig(text_encoder="transformers",
+                                                           extra={"text_encoder_options": options}))
+        assert "omni_accel" not in vars(pipe)
+
+
+def test_flux2_refusal_reason_pad_rows_depend_on_the_key_mask():
+    """Why FLUX.2 is refused: its pipeline pads to max_sequence_length and keeps the pad rows, which transformers
+    computes with the pad keys masked; the same ids without that mask (what causal vLLM would compute) differ
+    there, and only there."""
+    from omni_accel.testing.tiny_flux2 import build
+
+    pipe, kwargs = build("flux2_klein")
+    te, tok, layers = pipe.text_encoder, pipe.tokenizer, kwargs["text_encoder_out_layers"]
+    with torch.no_grad():
+        embeds = pipe._get_qwen3_prompt_embeds(te, tok, "a red fox", max_sequence_length=40,
+                                               hidden_states_layers=layers)[0]
+        text = tok.apply_chat_template([{"role": "user", "content": "a red fox"}], tokenize=False,
+                                       add_generation_prompt=True, enable_thinking=False)
+        ids = tok(text, padding="max_length", max_length=40, return_tensors="pt").input_ids
+        n_real = len(tok(text).input_ids)
+        states = te(input_ids=ids, output_hidden_states=True).hidden_states  # no mask: pads attend to pads
+    unmasked = torch.cat([states[k][0] for k in layers], dim=-1)
+    assert n_real < 40
+    assert (embeds[:n_real] - unmasked[:n_real]).abs().max().item() < 1e-5
+    assert (embeds[n_real:] - unmasked[n_real:]).abs().max().item() > 0.25 * embeds[n_real:].abs().max().item()

@@ -19,6 +19,8 @@ CAPTIONS = [
     "a large yellow square in the center on a black background",
     "a large white ring in the bottom right on a green background",
     "a large orange triangle in the right on a purple background",
+    "a small green star on a white background",  # size given, position left out
+    "a purple square in the bottom on a yellow background",  # size left out
 ]
 
 
@@ -44,11 +46,14 @@ def test_generates_default_settings_and_follows_captions(pipe):
     assert len(out) == len(CAPTIONS)
     assert out[0].size == (BUILTIN_DEFAULTS["width"], BUILTIN_DEFAULTS["height"])
     scores = [M.score(im, c) for im, c in zip(out, CAPTIONS)]
-    # What the shipped (short-trained) model reliably does; see docs/builtin_model.md for the measured
-    # adherence: the background color is right, a shape is drawn, mostly in the right cell. The shape's
-    # color is not yet reliable, so it is not asserted here.
+    # What the shipped model does (docs/builtin_model.md; 100 held-out captions: background 100 %, shape
+    # color 98 %, position 99 %, size 93 %, shape 69 %). Here all six are right on background, color and
+    # position on this machine; one miss of color / position is allowed for other CPUs' float rounding.
+    # The shape class (69 %) is not asserted.
     assert all(s["bg_color"] for s in scores), scores
-    assert sum(s["position"] for s in scores) >= 2, scores
+    assert sum(s["color"] for s in scores) >= len(CAPTIONS) - 1, scores
+    with_pos = [s["position"] for s in scores if "position" in s]
+    assert len(with_pos) == 5 and sum(with_pos) >= len(with_pos) - 1, scores
     for im, c in zip(out, CAPTIONS):
         assert M.analyze(im)["area"] > 0.003, f"no shape drawn for {c!r}"
 
@@ -110,3 +115,31 @@ def test_metric_accepts_arrays():
     img, cap = ds.CaptionedShapes(seed=9, length=1)[0]
     arr = np.asarray(img)
     assert M.score(arr, cap) == M.score(img, cap) == M.score(arr.astype(np.float32) / 255, cap)
+
+
+def test_render_alpha_is_the_shape_coverage():
+    p = ds.sample_params(3, torch.Generator().manual_seed(1), exclude_heldout=False)
+    img, alpha = ds.render(p, 64, return_alpha=True)
+    assert torch.equal(img, ds.render(p, 64))
+    assert alpha.shape == (3, 1, 64, 64) and 0.002 < float(alpha.mean()) < 0.2
+    pal = torch.tensor([ds.COLORS[c] for c in ds.COLOR_NAMES], dtype=torch.float32)
+    fg = ((pal[p["color"]] + p["cj"].float()).clamp(0, 255) / 255)[..., None, None]
+    bg = ((pal[p["bg"]] + p["bj"].float()).clamp(0, 255) / 255)[..., None, None]
+    assert torch.allclose(img, bg * (1 - alpha) + fg * alpha, atol=1e-6)
+
+
+def test_shipped_vae_keeps_the_shape_color(pipe):
+    # The first model's VAE decoded shapes as blobs of the wrong color (reconstructions scored 14 % shape
+    # color), which capped the whole model; the shipped VAE must reconstruct dataset images faithfully.
+    from omni_accel.builtin.train import shape_weight
+
+    p = ds.sample_params(12, torch.Generator().manual_seed(11), exclude_heldout=False, p_omit_size=0, p_omit_position=0)
+    x, alpha = ds.render(p, 128, return_alpha=True)
+    w = shape_weight(alpha, 20.0)
+    assert float(w.min()) == 1.0 and float(w.max()) == 21.0 and bool((w[alpha > 0] == 21.0).all())
+    vae = pipe.vae
+    with torch.no_grad():
+        rec = vae.decode(vae.encode(x * 2 - 1).latent_dist.mode()).sample
+    imgs = ds.to_uint8((rec + 1) / 2)
+    scores = [M.score(im, c) for im, c in zip(imgs, ds.captions_of(p))]
+    assert all(s["color"] and s["bg_color"] and s["position"] for s in scores), scores

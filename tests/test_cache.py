@@ -182,7 +182,39 @@ def test_bad_values_refused_before_patching():
             omni_accel.accelerate(pipe, cache=cache, cache_config=cc)
         assert "omni_accel" not in vars(pipe)
     with pytest.raises(AccelError, match="not supported together yet"):
-        omni_accel.accelerate(pipe, cache="tea_cache", compile=True)
+        omni_accel.accelerate(pipe, cache="cache_dit", compile=True)
+    assert "omni_accel" not in vars(pipe)
+
+
+def test_tea_cache_with_compile_equal_and_no_recompiles():
+    """compile=True + tea_cache: the blocks' own forwards are compiled under the cache hooks, so computed and
+    reused steps run the same graphs (one per block type), with no graph break and no recompile; the output and
+    every decision equal tea_cache alone."""
+    from torch._dynamo.utils import counters
+
+    pipe, kwargs = tiny_pipeline("flux")  # 1 dual-stream + 1 single-stream block: 2 block types
+    kwargs = dict(kwargs, num_inference_steps=6)
+    tea = dict(cache="tea_cache", cache_config={"threshold": 0.3})
+    alone, report = _cached_run(pipe, kwargs, **tea)
+    torch._dynamo.reset()
+    counters.clear()
+    omni_accel.accelerate(pipe, compile=True, **tea)
+    try:
+        first = run(pipe, kwargs)
+        compiled = pipe.omni_accel.report()["cache"]
+        graphs = counters["stats"]["unique_graphs"]
+        second = run(pipe, kwargs)
+        assert counters["stats"]["unique_graphs"] == graphs, "the second call recompiled"
+    finally:
+        omni_accel.restore(pipe)
+    steps = report["cache"]["branches"]["transformer"]["all"]["steps"]
+    assert "R" in steps and "C" in steps[1:-1], steps  # reused and computed steps after the first
+    assert compiled["branches"] == report["cache"]["branches"]
+    assert graphs == 2, f"{graphs} graphs for 2 block types: a step recompiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert (first - alone).abs().max().item() <= 1e-4
+    assert torch.equal(first, second)
+    assert torch.equal(_cached_run(pipe, kwargs, **tea)[0], alone)  # restore() left tea_cache alone exact
 
 
 def test_cache_dit_defaults_clamped_to_block_counts():

@@ -104,13 +104,13 @@ def test_unsupported_transformer_lists_families_and_docs():
     "kwargs, pattern",
     [
         (dict(sp=2), r"need several processes: launch with torchrun"),
-        (dict(kernels=True), r"kernels=True is not available yet .*issue #6"),
-        (dict(quant="fp8"), r"quant='fp8' is not available yet .*issue #6"),
+        (dict(quant="fp8", quant_config={"skip": "*.ff.*"}), r"quant_config\['skip'\]='\*\.ff\.\*' must be a list"),
         (dict(text_encoder="vllm"), r"text_encoder='vllm' is not supported for flux pipelines yet"),
         (dict(attention="nope"), r"attention='nope' is not a known backend\. Available here: auto, sdpa"),
         (dict(attention="cudnn", device="cpu"), r"attention='cudnn' needs a CUDA GPU .* use attention='auto' or 'sdpa'"),
         # a valid pass first in the order, then a refused one: the valid one must not be applied either
-        (dict(compile=True, attention="math", quant="fp8_weight_only"), r"quant='fp8_weight_only' is not available yet"),
+        (dict(compile=True, attention="math", quant="fp8_weight_only", text_encoder="vllm"),
+         r"text_encoder='vllm' is not supported for flux"),
     ],
 )
 def test_refused_calls_leave_the_pipeline_untouched(flux, kwargs, pattern):

@@ -41,7 +41,7 @@ def _launch(suite: str, nproc: int, tmp: Path, timeout: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    return _launch("two", 2, tmp_path_factory.mktemp("par2"), timeout=420)
+    return _launch("two", 2, tmp_path_factory.mktemp("par2"), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +55,18 @@ CASES_2 = [
     *(f"ulysses-{f}-odd" for f in ("flux", "flux2", "qwen_image", "z_image", "sd3", "wan", "flux_kontext")),
     *(f"ring-{f}-odd" for f in ("flux", "flux2", "qwen_image", "z_image", "sd3", "wan")),
     *(f"cfg-{f}" for f in ("qwen_image", "qwen_image_edit", "wan", "wan22")),
-    *(f"tp-{f}" for f in ("flux", "flux2", "qwen_image")),
+    *(f"tp-{f}" for f in ("flux", "flux2", "qwen_image", "wan", "sd3", "sd3_5", "z_image")),
     *(f"vae-{f}-odd" for f in ("flux", "z_image", "sd3", "flux2")),
     "vae-flux-attention",
     "ulysses+vae-flux-odd",
     "ulysses-flux-compile",
+]
+CACHE_CASES_2 = [
+    *(f"cache-tea-ulysses-{f}-odd" for f in ("flux", "qwen_image", "wan", "z_image")),
+    "cache-tea-ring-sd3-odd",
+    *(f"cache-tea-cfg-{f}" for f in ("qwen_image", "wan")),
+    "cache-dit-tp-flux",
+    "cache-fb-tp-flux",
 ]
 CASES_4 = ["usp-flux-odd", "sp2xcfg2-qwen_image-odd", "tp2xring2-flux", "vae4-flux", "tp2xulysses2-flux-odd",
            "tp4-flux"]
@@ -100,8 +107,49 @@ def test_four_ranks(four, name):
     _check(four, name)
 
 
+@pytest.mark.parametrize("name", CACHE_CASES_2)
+def test_cache_with_parallelism(two, name):
+    """sp / ring / cfg_parallel / tp with a cache: output equal to the same cache in one process (<= 1e-4, fp32),
+    the same per-step decisions on every rank and as in one process, and report()["cache"] per branch right."""
+    results = [next(r for r in d["results"] if r["name"] == name) for d in two]
+    for r in results:
+        assert r["status"] == "ran", f"{name}: {r.get('error')}\n{r.get('traceback', '')}"
+        assert r["max_abs_diff"] <= r["tol"], f"{name}: image differs from the same cache alone by {r['max_abs_diff']}"
+        scale = max(1.0, r["transformer_scale"])
+        assert r["transformer_max_abs_diff"] <= r["tol"] * scale, f"{name}: {r['transformer_max_abs_diff']}"
+        if r.get("restore_exact") is not None:
+            assert r["restore_exact"], f"{name}: restore() + the same cache did not give the reference again"
+    assert len({r["checksum"] for r in results}) == 1, f"{name}: ranks returned different images"
+    if "ulysses" in name or "ring" in name:
+        assert all(r["sp_attention_calls"] > 0 for r in results), f"{name}: no sequence-parallel attention ran"
+    if "-tp-" in name:  # cache-dit: its own decisions; the block forwards must match one process on every rank
+        ref = results[0]["reference_cache"]["block_forwards"]
+        assert ref < 12, f"{name}: the cache skipped no block ({ref} of 12)"  # 2 blocks x 6 steps
+        assert [r["cache"]["block_forwards"] for r in results] == [ref] * len(results)
+        return
+    for rank, r in enumerate(results):
+        ref, got = r["reference_cache"]["branches"], r["cache"]["branches"]
+        assert ref.keys() == got.keys()
+        assert sum(b["reused"] for t in ref.values() for b in t.values()) > 0, f"{name}: nothing reused"
+        for tname, branches in ref.items():
+            assert got[tname].keys() == branches.keys()
+            for label, want in branches.items():
+                have = got[tname][label]
+                if "-cfg-" in name:  # each CFG rank runs one branch; the other only in the unsplit first step
+                    assert r["cache"]["rank_branch"] == ("cond", "uncond")[rank]
+                    if label == r["cache"]["rank_branch"]:
+                        assert have["steps"] == want["steps"], (rank, label, have, want)
+                        assert (have["computed"], have["reused"]) == (want["computed"], want["reused"])
+                    else:
+                        assert have["steps"] == "C" + "-" * (len(want["steps"]) - 1), (rank, label, have)
+                        assert have["other_rank"] == len(want["steps"]) - 1
+                else:  # sp: every rank takes every decision, the same as one process
+                    assert have == want, (rank, label, have, want)
+                    assert r["cache"]["decision_ranks"] == [0, 1]
+
+
 ERRORS = ["degrees-vs-world", "degrees-vs-world-product", "cfg-without-true-cfg", "ulysses-vs-heads", "tp-vs-heads",
-          "cfg-call-without-negative", "cfg-after-refusal"]
+          "cfg-call-without-negative", "cfg-after-refusal", "cache-dit-with-sp"]
 
 
 @pytest.mark.parametrize("name", ERRORS)

@@ -10,6 +10,8 @@ from .engine import Engine, TransformersEngine, VLLMEngine, make_engine, vllm_av
 from .enhancer import DEFAULT_TEMPLATE, PromptEnhancer
 from .stages import StagePipeline, StageStats
 from .testing import save_tiny_llm, tiny_pipeline_for_vllm
+from .speech import SpeechPipeline, SpeechResult, speech
 
 __all__ = ["Engine", "TransformersEngine", "VLLMEngine", "make_engine", "vllm_available", "PromptEnhancer",
-           "DEFAULT_TEMPLATE", "StagePipeline", "StageStats", "save_tiny_llm", "tiny_pipeline_for_vllm"]
+           "DEFAULT_TEMPLATE", "StagePipeline", "StageStats", "save_tiny_llm", "tiny_pipeline_for_vllm",
+           "SpeechPipeline", "SpeechResult", "speech"]

@@ -8,12 +8,16 @@ method name, template, tokens to drop, layer -- is data in its adapter (``extra[
 pipeline's own attributes win where it has them. Tokens are made with the pipeline's tokenizer, so the engine sees
 exactly the ids the pipeline would; all prompts of a call go to the engine in one batch; an LRU cache (by token
 ids) keeps recent encodings. Options: ``AccelConfig(extra={"text_encoder_options": {...}})`` with cache_size,
-gpu_memory_utilization, kv_cache_gib, max_model_len, max_num_seqs.
+gpu_memory_utilization ("auto": computed from the pipeline's weight bytes), gpu_memory_reserve_gib, kv_cache_gib,
+max_model_len, max_num_seqs, enforce_eager. Pipelines the adapter lists under ``in_place`` (their prompts need what
+no engine here gives, e.g. FLUX.2's padded rows) refuse "vllm" and keep their own encoder with "transformers".
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -32,6 +36,85 @@ logger = logging.getLogger(__name__)
 
 SPEC_KEY = "text_encoder_bridge"
 ENGINE_OPTIONS = ("gpu_memory_utilization", "kv_cache_gib", "max_model_len", "max_num_seqs", "enforce_eager")
+OPTIONS = ("cache_size", "gpu_memory_reserve_gib", *ENGINE_OPTIONS)
+GIB = 2**30
+# What the DiT needs beyond its weights while it denoises (activations, attention workspace, the VAE decode), as a
+# share of the pipeline's weight bytes; and the least vLLM must get besides its weights (a KV cache, activations).
+DIT_ACTIVATION_FRACTION = 0.25
+VLLM_MIN_EXTRA_BYTES = GIB // 2
+MAX_SHARE = 0.9
+
+
+def pipeline_weight_bytes(pipe: Any) -> int:
+    """Parameter + buffer bytes of the pipeline's torch modules that sit on a GPU (all of them if none does yet:
+    a pipeline still on the CPU is about to be moved). The HF text encoder counts: it stays where it is."""
+    modules = [m for m in getattr(pipe, "components", {}).values() if isinstance(m, torch.nn.Module)]
+
+    def nbytes(m: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in itertools.chain(m.parameters(), m.buffers()))
+
+    def on_gpu(m: torch.nn.Module) -> bool:
+        return any(t.device.type == "cuda" for t in itertools.chain(m.parameters(), m.buffers()))
+
+    placed = [m for m in modules if on_gpu(m)]
+    return sum(nbytes(m) for m in (placed or modules))
+
+
+def auto_gpu_memory_utilization(pipeline_bytes: int, total_bytes: int, encoder_bytes: int,
+                                reserve_bytes: int = GIB) -> float:
+    """vLLM's ``gpu_memory_utilization`` so that it and the diffusion pipeline share one GPU.
+
+    The pipeline keeps its weights plus ``DIT_ACTIVATION_FRACTION`` of them for activations, and ``reserve_bytes``
+    stay free (CUDA context, allocator slack); vLLM gets the rest, at most ``MAX_SHARE``, rounded down to 0.01.
+    Raises AccelError when that is less than vLLM needs (the encoder's weights + ``VLLM_MIN_EXTRA_BYTES``).
+    """
+    if total_bytes <= 0:
+        raise AccelError(f"total GPU memory {total_bytes} bytes is not positive; pass gpu_memory_utilization.")
+    keep = pipeline_bytes * (1 + DIT_ACTIVATION_FRACTION) + reserve_bytes
+    share = min(MAX_SHARE, math.floor((total_bytes - keep) / total_bytes * 100) / 100)
+    need = encoder_bytes + VLLM_MIN_EXTRA_BYTES
+    if share * total_bytes < need:
+        raise AccelError(
+            f"vLLM's share of the GPU would be {max(share, 0) * total_bytes / GIB:.2f} GiB of {total_bytes / GIB:.2f}"
+            f" GiB (the pipeline keeps {keep / GIB:.2f} GiB: {pipeline_bytes / GIB:.2f} GiB of weights + "
+            f"{DIT_ACTIVATION_FRACTION:.0%} for activations + {reserve_bytes / GIB:.2f} GiB reserve), less than the "
+            f"{need / GIB:.2f} GiB the text encoder needs on vLLM. Fix: offload the pipeline (offload='model'), "
+            "lower text_encoder_options['gpu_memory_reserve_gib'], pass text_encoder_options="
+            "{'gpu_memory_utilization': <share>} yourself, or use text_encoder='transformers'.")
+    return share
+
+
+def validate_options(options: dict) -> None:
+    """Refuse unknown text_encoder_options and bad values before anything is patched."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise AccelError(f"text_encoder_options has unknown keys {unknown}; known: {', '.join(OPTIONS)}.")
+    share = options.get("gpu_memory_utilization", "auto")
+    if share != "auto" and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+        raise AccelError(f"text_encoder_options['gpu_memory_utilization']={share!r} must be 'auto' (computed from "
+                         "the pipeline's weight bytes) or a share of the GPU in (0, 1], e.g. 0.3.")
+    for key, low in (("cache_size", 0), ("max_model_len", 1), ("max_num_seqs", 1)):
+        value = options.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise AccelError(f"text_encoder_options[{key!r}]={value!r} must be an int >= {low}.")
+    for key in ("kv_cache_gib", "gpu_memory_reserve_gib"):
+        value = options.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise AccelError(f"text_encoder_options[{key!r}]={value!r} must be a number of GiB >= 0.")
+
+
+def gpu_memory_share(pipe: Any, options: dict) -> tuple[float | None, str]:
+    """(gpu_memory_utilization for vLLM or None on a machine without a GPU, how it was chosen)."""
+    share = options.get("gpu_memory_utilization", "auto")
+    if share != "auto":
+        return float(share), "given"
+    if not torch.cuda.is_available():
+        return None, "no GPU (vLLM on the CPU sizes its KV cache with kv_cache_gib)"
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    te_bytes = sum(t.numel() * t.element_size() for t in pipe.text_encoder.parameters())
+    reserve = int(float(options.get("gpu_memory_reserve_gib", 1.0)) * GIB)
+    return auto_gpu_memory_utilization(pipeline_weight_bytes(pipe), total, te_bytes, reserve), "auto"
 
 
 class PromptEncoder:
@@ -113,6 +196,10 @@ def _z_image_wrapper(pipe: Any, spec: dict, encoder: PromptEncoder, count: Calla
 WRAPPERS = {"qwen_image": _qwen_image_wrapper, "z_image": _z_image_wrapper}
 
 
+def _pipeline_class(pipe: Any) -> str:
+    return getattr(type(pipe), "_omni_accel_original_class", type(pipe)).__name__  # accelerate() may subclass
+
+
 def _dtype_name(module: Any) -> str:
     return str(next(module.parameters()).dtype).replace("torch.", "")
 
@@ -130,6 +217,11 @@ def build_text_encoder_engine(pipe: Any, kind: str, layer: int, options: dict | 
         info.update(engine="transformers", model_path=None)
         return TransformersEngine(te, tokenizer, layer=layer, max_model_len=options.get("max_model_len")), info
     kwargs = {k: options[k] for k in ENGINE_OPTIONS if k in options}
+    kwargs.pop("gpu_memory_utilization", None)
+    share, how = gpu_memory_share(pipe, options)
+    if share is not None:
+        kwargs["gpu_memory_utilization"] = share
+        info.update(gpu_memory_utilization=share, gpu_memory_share=how)
     kwargs.setdefault("dtype", _dtype_name(te))
     source = getattr(te, "name_or_path", "") or getattr(te.config, "_name_or_path", "")
     if source and os.path.isfile(os.path.join(str(source), "config.json")):
@@ -162,25 +254,42 @@ class TextEncoderPass(AccelPass):
         if spec is None:
             raise AccelError(f"text_encoder={kind!r} is not supported for {ctx.adapter.family} pipelines yet "
                              f"(supported: {', '.join(WRAPPERS)}); leave text_encoder out.")
-        if type(pipe).__name__ not in spec["pipelines"]:
-            raise AccelError(f"text_encoder={kind!r} supports {', '.join(spec['pipelines'])}, not "
-                             f"{type(pipe).__name__} (its prompts carry images); leave text_encoder out.")
+        options = dict(ctx.config.extra.get("text_encoder_options", {}))
+        validate_options(options)
+        cls = _pipeline_class(pipe)
+        in_place = spec.get("in_place", {})
+        if cls in in_place:
+            if kind == "vllm":  # the adapter says why vLLM cannot give this pipeline its prompt_embeds
+                raise AccelError(f"text_encoder='vllm' is not available for {cls}: {in_place[cls]} Fix: "
+                                 "text_encoder='transformers' (the pipeline's own transformers text encoder, left "
+                                 "in place), or leave text_encoder out.")
+            return
+        if cls not in spec["pipelines"]:
+            raise AccelError(f"text_encoder={kind!r} supports {', '.join((*spec['pipelines'], *in_place))}, not "
+                             f"{cls}; leave text_encoder out.")
         te, tok = getattr(pipe, "text_encoder", None), getattr(pipe, "tokenizer", None)
         if te is None or tok is None:
             raise AccelError(f"text_encoder={kind!r} needs the pipeline's text_encoder and tokenizer; this one "
                              "was loaded without them (text_encoder=None). Load them, or pass prompt_embeds yourself.")
         if not callable(getattr(pipe, spec["method"], None)):
-            raise AccelError(f"{type(pipe).__name__} has no {spec['method']} method to hook; this diffusers version "
+            raise AccelError(f"{cls} has no {spec['method']} method to hook; this diffusers version "
                              "is not supported by the text-encoder stage.")
         from .engine import _n_layers
         resolve_layer(spec["layer"], _n_layers(te.config))
-        if kind == "vllm":
+        if kind == "vllm" and vllm_available():
             from .export import decoder_of
             decoder_of(te)
+            gpu_memory_share(pipe, options)  # a GPU too small for both raises here, before anything is patched
 
     def apply(self, ctx: PassContext) -> None:
         pipe, state = ctx.pipe, ctx.state
         spec = ctx.adapter.extra[SPEC_KEY]
+        cls = _pipeline_class(pipe)
+        if cls in spec.get("in_place", {}):  # text_encoder='transformers' on a pipeline no engine can serve
+            logger.info("omni_accel: %s keeps its own transformers text encoder (%s)", cls, spec["in_place"][cls])
+            state.record(self.name, lambda: None, engine="transformers", mode="in_place",
+                         reason=spec["in_place"][cls])
+            return
         options = dict(ctx.config.extra.get("text_encoder_options", {}))
         engine, info = build_text_encoder_engine(pipe, ctx.config.text_encoder, spec["layer"], options)
         encoder = PromptEncoder(engine, spec["layer"], int(options.get("cache_size", 64)))

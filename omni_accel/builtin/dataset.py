@@ -209,8 +209,11 @@ def _sdf(shape: torch.Tensor, px: torch.Tensor, py: torch.Tensor, r: torch.Tenso
     return d
 
 
-def render(p: dict[str, torch.Tensor], size: int = 128) -> torch.Tensor:
-    """Render attribute tensors to float images in [0, 1], shape (n, 3, size, size), on p's device."""
+def render(p: dict[str, torch.Tensor], size: int = 128, return_alpha: bool = False):
+    """Render attribute tensors to float images in [0, 1], shape (n, 3, size, size), on p's device.
+
+    With return_alpha=True also returns the shape's coverage (n, 1, size, size) in [0, 1] (the VAE
+    loss uses it to weight the few shape pixels)."""
     dev = p["color"].device
     n = p["color"].shape[0]
     pal = torch.tensor([COLORS[c] for c in COLOR_NAMES], dtype=torch.float32, device=dev)
@@ -227,7 +230,8 @@ def render(p: dict[str, torch.Tensor], size: int = 128) -> torch.Tensor:
     px, py = px.expand(n, size, size), py.expand(n, size, size)
     d = _sdf(p["shape"].view(n, 1, 1), px, py, r.view(n, 1, 1))
     alpha = (0.5 - d * size).clamp(0, 1).unsqueeze(1)  # 1-pixel anti-aliased edge
-    return bg.view(n, 3, 1, 1) * (1 - alpha) + fg.view(n, 3, 1, 1) * alpha
+    img = bg.view(n, 3, 1, 1) * (1 - alpha) + fg.view(n, 3, 1, 1) * alpha
+    return (img, alpha) if return_alpha else img
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -16,7 +16,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import dataset as ds
+try:
+    from . import dataset as ds
+except ImportError:  # imported as a plain module next to dataset.py (train.py run as a script)
+    import dataset as ds  # type: ignore
 
 _PAL = np.array([ds.COLORS[c] for c in ds.COLOR_NAMES], dtype=np.float32)
 FG_THRESHOLD = 45.0  # RGB distance from the background estimate that marks a shape pixel

@@ -156,11 +156,25 @@ class CacheDitBackend(CacheBackend):
         return opts
 
     def check(self, ctx: PassContext, opts: dict) -> None:
-        if ctx.config.world_size > 1:
+        c = ctx.config
+        if c.sequence_degree > 1:
+            # cache-dit runs the blocks from its own wrapper and subtracts the wrapper's input from the output of
+            # its first Fn blocks / the last blocks; our sp splits the sequence in the first block's hook and
+            # gathers it in the last block's, so those residuals mix full and sharded tensors (and a reused step
+            # would skip the gather). cache-dit only knows how to re-shard for diffusers' own CP hooks.
             raise AccelError(
-                f"cache={self.name!r} together with parallelism (world size {ctx.config.world_size}) is not "
-                "supported together yet; use cache='tea_cache' (its decision is reduced over the ranks) or drop the "
-                "parallel degrees."
+                f"cache={self.name!r} with sp={c.sequence_degree} (ulysses={c.ulysses_degree}, ring={c.ring_degree}) "
+                "is not supported: cache-dit compares residuals across the blocks where sequence parallelism "
+                "splits and gathers the tokens. Use cache='tea_cache' with sp (same decisions on every rank, "
+                "tested), or cache-dit with tp only."
+            )
+        if c.cfg_parallel > 1:
+            # cache-dit counts the forwards of a step to tell its CFG branches apart and all-reduces its metric
+            # over the whole world; under cfg_parallel each rank runs the blocks of one branch only.
+            raise AccelError(
+                f"cache={self.name!r} with cfg_parallel={c.cfg_parallel} is not supported: cache-dit tracks both "
+                "CFG branches in one process and reduces its metric over all ranks, while each CFG rank runs one "
+                "branch. Use cache='tea_cache' with cfg_parallel (per-branch decisions, tested)."
             )
 
     def _configs(self, opts: dict):
@@ -225,7 +239,15 @@ class CacheDitBackend(CacheBackend):
                 hook = CallbackHook(before=lambda: ctx.state.count("cache.block_forwards"))
                 removers.append(add_hook(block, f"cache_dit.count.{tname}.{bname}", hook))
 
+        def summary() -> dict:  # report()["cache"]: cache-dit keeps its step decisions to itself
+            last = ctx.state.last_call
+            return {"backend": self.name,
+                    "block_forwards": last.counters.get("cache.block_forwards", 0) if last is not None else 0}
+
+        ctx.state.report_sections["cache"] = summary
+
         def undo() -> None:
+            ctx.state.report_sections.pop("cache", None)
             for remove in reversed(removers):
                 remove()
             try:

@@ -20,8 +20,9 @@ the transformer twice per step: branch 0 = cond, 1 = uncond; batched CFG: one fo
 told apart by the scheduler's step index (a host int -- no device read), falling back to the timestep value.
 Everything is reset at the start of each pipeline call. Per step, the decision reads one boolean from the device
 (the branch in Python needs it); the accumulator and polynomial stay on the device. Under sequence / CFG
-parallelism the two means are averaged over all ranks first (``AccelState.all_reduce_mean``), so every rank
-takes the same decision.
+parallelism the two means are averaged over the ranks of the CFG branch first (``AccelState.all_reduce_mean``,
+group "branch" = sp x tp), so every rank that runs the branch takes the same decision; under cfg_parallel each CFG
+rank decides its own branch from that branch's metric, as a single process does.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class TeaCacheController:
         self.step_index = -1
         self.total_steps: int | None = None
         self.forwards_in_step: dict[str, int] = {}
+        # per (transformer, branch): one letter per step of this call, C computed, R reused, - not run here
+        self.trace: dict[tuple[str, int], list[str]] = {}
         for tc in self.caches.values():
             tc.reset()
 
@@ -216,7 +219,12 @@ class TeaCacheController:
         if not force:
             prev = st.prev
             means = torch.stack([(m - prev).abs().mean(), prev.abs().mean()]).float()
-            means = self.ctx.state.all_reduce_mean(means)  # identical decision on every rank
+            # Identical decision on every rank of this CFG branch (sp x tp ranks must all skip or all compute, or
+            # the computing ones wait in a collective). Not over the CFG group: under cfg_parallel each CFG rank
+            # runs one branch and decides it from that branch's own metric, exactly as one process does.
+            # The blocks' inputs are full (the cache hooks sit outside the sp split), so the means agree already;
+            # the reduction guards against rank-dependent rounding.
+            means = self.ctx.state.all_reduce_mean(means, group="branch")
             rel = means[0] / (means[1] + 1e-8)
             key = (rel.device, rel.dtype)
             coef = self._coef_t.get(key)
@@ -235,6 +243,45 @@ class TeaCacheController:
         what = "reused" if reuse else "computed"
         self.ctx.state.count(f"cache.{what}")
         self.ctx.state.count(f"cache.{what}.{tc.name}.branch{tc.branch}")
+        self._mark(tc, "R" if reuse else "C")
+
+    def _mark(self, tc: _TransformerCache, letter: str) -> None:
+        steps = self.trace.setdefault((tc.name, tc.branch), [])
+        steps.extend("-" * (self.step_index - len(steps)))  # steps this branch did not run at all
+        steps.append(letter)
+
+    def summary(self) -> dict:
+        """report()["cache"]: per transformer and CFG branch, what this process computed / reused in the last call.
+
+        Branch names: "cond" / "uncond" when a step runs two forwards (true CFG: the pipelines call the
+        conditional prediction first), "all" when it runs one (no CFG, or batched CFG: both halves in one
+        forward). Under cfg_parallel every rank sees both forwards of a step but runs the blocks of one branch
+        only ("rank_branch"); the other branch's forwards count as "other_rank" (its blocks ran on the other CFG
+        rank); the first step of a new shape runs both branches on every rank (cfg_parallel.unsplit_forwards).
+        """
+        counters = self.ctx.state.last_call.counters if self.ctx.state.last_call is not None else {}
+        mesh = self.ctx.state.mesh
+        out: dict[str, Any] = {"backend": "tea_cache", "computed": counters.get("cache.computed", 0),
+                               "reused": counters.get("cache.reused", 0),
+                               "block_forwards": counters.get("cache.block_forwards", 0), "branches": {}}
+        for tname in self.caches:
+            found = sorted({int(k.rsplit(".branch", 1)[1]) for k in counters
+                            if ".branch" in k and k.rsplit(".branch", 1)[0].endswith(f".{tname}")})
+            names = {0: "cond", 1: "uncond"} if len(found) > 1 or 1 in found else {0: "all"}
+            per = {}
+            for b in found:
+                per[names.get(b, f"branch{b}")] = {
+                    "computed": counters.get(f"cache.computed.{tname}.branch{b}", 0),
+                    "reused": counters.get(f"cache.reused.{tname}.branch{b}", 0),
+                    "other_rank": counters.get(f"cache.other_rank.{tname}.branch{b}", 0),
+                    "steps": "".join(self.trace.get((tname, b), [])),
+                }
+            out["branches"][tname] = per
+        if mesh is not None:
+            out["decision_ranks"] = list(mesh.group_ranks("branch"))  # ranks that take the same decisions
+            if mesh.cfg > 1:
+                out["rank_branch"] = "cond" if mesh.cfg_rank == 0 else "uncond"
+        return out
 
 
 class _BlockHook(ModelHook):
@@ -298,6 +345,9 @@ class _TransformerHook(ModelHook):
 
     def post_forward(self, module, output):
         tc, rec = self.tc, self.controller.recorder
+        if tc.mode == "deciding":  # the blocks did not run in this process (cfg_parallel: the other rank's branch)
+            self.controller.ctx.state.count(f"cache.other_rank.{tc.name}.branch{tc.branch}")
+            self.controller._mark(tc, "-")
         if rec is not None and tc.current is not None and tc.mode is not None:
             st = tc.current
             o = _first_tensor(output, 0).detach().float()
@@ -435,8 +485,10 @@ class TeaCacheBackend(CacheBackend):
                                       last=bi == len(blocks) - 1, decider=ri == 0 and bi == 0)
                     removers.append(add_hook(block, f"tea_cache.{tname}.{region.block_list}.{bi}", hook))
         ctx.state.on_call_start(controller.reset)
+        ctx.state.report_sections["cache"] = controller.summary
 
         def undo() -> None:
+            ctx.state.report_sections.pop("cache", None)
             for remove in reversed(removers):
                 remove()
             hooks = ctx.state._call_start_hooks

@@ -129,7 +129,8 @@ class ParallelMesh:
 
     # -- groups -------------------------------------------------------------------------------------------
     def group(self, name: str):
-        """The subgroup of this rank along ``name`` in {"cfg", "ring", "ulysses", "tp", "sequence", "world"}."""
+        """The subgroup of this rank along ``name`` in {"cfg", "ring", "ulysses", "tp", "sequence", "branch",
+        "world"} ("branch": ring x ulysses x tp, the ranks of one CFG branch)."""
         return self.groups[name]
 
     def group_ranks(self, name: str) -> list[int]:
@@ -137,14 +138,15 @@ class ParallelMesh:
 
     @property
     def sequence_group(self):
-        """Ranks that share one CFG branch and one tp slice: the group a cache must agree over."""
+        """Ranks that share one CFG branch and one tp slice (they hold the shards of one sequence). A cache decision
+        must agree over the larger "branch" group (sequence x tp)."""
         return self.groups["sequence"]
 
     def all_reduce_mean(self, tensor: torch.Tensor, group: str = "world") -> torch.Tensor:
         """Mean of ``tensor`` over ``group`` (returned, the input is untouched): cache decisions made from it are
         identical on every rank."""
         out = tensor.detach().clone()
-        if self.world_size > 1:
+        if len(self.ranks_of[group]) > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[group])
             out /= len(self.ranks_of[group])
         return out
@@ -168,6 +170,7 @@ def _build(cfg: int, ring: int, ulysses: int, tp: int, device: torch.device) -> 
         "ulysses": (0, 1, 3),
         "tp": (0, 1, 2),
         "sequence": (0, 3),
+        "branch": (0,),  # ring x ulysses x tp: every rank that works on one CFG branch (caches agree over it)
     }
     for name, fixed in keys.items():
         buckets: dict[tuple, list[int]] = {}

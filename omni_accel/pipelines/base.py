@@ -101,6 +101,18 @@ class SequenceRegion:
 
 
 @dataclass(frozen=True)
+class KernelSites:
+    """Norm modules the kernels pass computes with fused kernels (kernels/fused_pass.py): dotted ``paths`` relative
+    to every block of the block list ``blocks`` ("" = relative to the transformer itself). The pass recognises each
+    module by its layer type (diffusers' AdaLayerNormZero / -Single / -Continuous, torch's or diffusers' RMSNorm); a
+    path that is absent (e.g. no added-KV norms in single-stream blocks) or of another type is left alone and
+    reported."""
+
+    blocks: str
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ModelAdapter:
     family: str
     description: str
@@ -122,8 +134,14 @@ class ModelAdapter:
     teacache: TeaCacheSpec | None = None
     # sequence parallelism: the block lists that run on sequence shards (empty = sp not supported)
     sequence_parallel: tuple[SequenceRegion, ...] = ()
+    # quant: fnmatch patterns (names relative to the transformer, e.g. "transformer_blocks.0.norm1.linear") of
+    # block linears kept in bf16 -- the per-sample AdaLN modulation linears by default (one token each: nothing to
+    # gain from FP8, and their error feeds every token's shift/scale/gate).
+    quant_skip: tuple[str, ...] = ()
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    # kernels=True: where the fused norm kernels go (empty = the family has no matching norm modules)
+    kernels: tuple[KernelSites, ...] = ()
 
     def transformers_of(self, pipe) -> list[tuple[str, object]]:
         """The (name, module) transformers the pipeline actually holds (Wan 2.2 may have two, or one)."""

@@ -1,7 +1,8 @@
 """FLUX.1 (dev / schnell / Kontext / Fill / Control): FluxTransformer2DModel, an MMDiT of dual-stream blocks followed
 by single-stream blocks, with FLUX-style 3-axis RoPE over the concatenated [text, image] sequence."""
 
-from .base import CacheRegion, ModelAdapter, SequenceInput, SequenceRegion, ShardArg, TeaCacheSpec
+from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
+                   TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="flux",
@@ -72,6 +73,8 @@ ADAPTER = ModelAdapter(
         )
         for blocks in ("transformer_blocks", "single_transformer_blocks")
     ),
+    # AdaLN modulation linears (one token per sample) stay bf16 under quant
+    quant_skip=("*.norm1.linear", "*.norm1_context.linear", "single_transformer_blocks.*.norm.linear"),
     notes=(
         "Kontext appends the reference-image tokens after the generated image tokens in hidden_states/img_ids "
         "(img_ids of the reference carry first coordinate 1), so the image part of the sequence is "
@@ -84,4 +87,11 @@ ADAPTER = ModelAdapter(
     # so cache-dit caches them as one list (Fn/Bn count over all blocks) -- see omni_accel/cache/cache_dit_backend.py
     extra={"cfg_threshold": 1.0, "text_seq_arg": "max_sequence_length",
            "cache_dit_unify": ("transformer_blocks", "single_transformer_blocks")},
+    # kernels=True: the AdaLN norms of both block kinds and the output norm, and every Q/K RMSNorm (torch.nn.RMSNorm)
+    kernels=(
+        KernelSites("transformer_blocks", ("norm1", "norm1_context", "attn.norm_q", "attn.norm_k",
+                                           "attn.norm_added_q", "attn.norm_added_k")),
+        KernelSites("single_transformer_blocks", ("norm", "attn.norm_q", "attn.norm_k")),
+        KernelSites("", ("norm_out",)),
+    ),
 )

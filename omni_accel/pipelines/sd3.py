@@ -1,6 +1,7 @@
 """Stable Diffusion 3 / 3.5 (SD3Transformer2DModel): MMDiT with two CLIPs and T5."""
 
-from .base import CacheRegion, SequenceRegion, ShardArg, ModelAdapter, SequenceInput, TeaCacheSpec
+from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
+                   TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="sd3",
@@ -51,6 +52,8 @@ ADAPTER = ModelAdapter(
             outputs=("text", "image"),
         ),
     ),
+    # AdaLN modulation linears (one token per sample) stay bf16 under quant
+    quant_skip=("*.norm1.linear", "*.norm1_context.linear"),
     notes=(
         "Batched CFG: with guidance_scale > 1 the pipeline concatenates [uncond, cond] and runs one transformer "
         "forward on batch 2B per step; skip_guidance_layers (SD3.5 SLG) adds a third forward on the steps it "
@@ -59,5 +62,29 @@ ADAPTER = ModelAdapter(
         "blocks) returns the modulated image tokens as the first element of its output tuple. "
         "text_encoder_3 (T5) is optional; without it the T5 part of the prompt states is zeros."
     ),
-    extra={"pos_embed_module": "pos_embed"},
+    extra={
+        "pos_embed_module": "pos_embed",
+        # tp: diffusers has no _tp_plan for SD3; same layout as FLUX.1's dual-stream blocks (SD3.5's attn2 too).
+        # Blocks without a module (the context_pre_only last block: no to_add_out / ff_context) are skipped.
+        "tp_plan": {
+            **{f"transformer_blocks.*.{a}.{p}": "colwise" for a in ("attn", "attn2") for p in ("to_q", "to_k", "to_v")},
+            **{f"transformer_blocks.*.{a}.to_out.0": "rowwise" for a in ("attn", "attn2")},
+            **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("add_q_proj", "add_k_proj", "add_v_proj")},
+            "transformer_blocks.*.attn.to_add_out": "rowwise",
+            **{f"transformer_blocks.*.{ff}.net.0.proj": "colwise" for ff in ("ff", "ff_context")},
+            **{f"transformer_blocks.*.{ff}.net.2": "rowwise" for ff in ("ff", "ff_context")},
+        },
+        # JointAttnProcessor2_0 reshapes by attn.heads: each tp rank holds heads / tp of them (qk-norms are
+        # per head, so they need nothing)
+        "tp_heads": ("transformer_blocks.*.attn", "transformer_blocks.*.attn2"),
+    },
+    # kernels=True: AdaLayerNormZero norm1 / norm1_context (the last block's AdaLayerNormContinuous context norm
+    # too; SD3.5's SD35AdaLayerNormZeroX norm1 is left alone), the Q/K RMSNorms when qk_norm="rms_norm" (SD3.5),
+    # and the output norm
+    kernels=(
+        KernelSites("transformer_blocks", ("norm1", "norm1_context", "attn.norm_q", "attn.norm_k",
+                                           "attn.norm_added_q", "attn.norm_added_k", "attn2.norm_q",
+                                           "attn2.norm_k")),
+        KernelSites("", ("norm_out",)),
+    ),
 )

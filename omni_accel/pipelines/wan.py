@@ -1,6 +1,7 @@
 """Wan 2.1 / 2.2 video DiT (WanTransformer3DModel), UMT5 text encoder, causal 3D VAE."""
 
-from .base import CacheRegion, SequenceRegion, ShardArg, ModelAdapter, SequenceInput, TeaCacheSpec
+from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
+                   TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="wan",
@@ -65,5 +66,27 @@ ADAPTER = ModelAdapter(
         "sequences must stay padded to 512 there."
     ),
     extra={"cfg_needs_negative": False,  # an absent negative prompt encodes ""
-           "boundary_arg": "boundary_ratio", "rope_module": "rope", "patch_size": (1, 2, 2)},
+           "boundary_arg": "boundary_ratio", "rope_module": "rope", "patch_size": (1, 2, 2),
+           # tp: diffusers has no _tp_plan for Wan. Self- and cross-attention split by heads (I2V's image K/V
+           # projections too), the GELU FFN by hidden units.
+           "tp_plan": {
+               **{f"blocks.*.{a}.{p}": "colwise" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")},
+               **{f"blocks.*.{a}.to_out.0": "rowwise" for a in ("attn1", "attn2")},
+               **{f"blocks.*.attn2.{p}": "colwise" for p in ("add_k_proj", "add_v_proj")},
+               "blocks.*.ffn.net.0.proj": "colwise",
+               "blocks.*.ffn.net.2": "rowwise",
+           },
+           # WanAttnProcessor unflattens by attn.heads: the local head count under tp
+           "tp_heads": ("blocks.*.attn1", "blocks.*.attn2"),
+           # qk-norm "rms_norm_across_heads": norm_q / norm_k are RMSNorms over all heads (inner_dim) applied
+           # before the head split, so with 1/tp of the heads per rank their sum of squares is all-reduced over
+           # the tp group (exact); each rank keeps its slice of the weight
+           "tp_norms_across_heads": tuple(f"blocks.*.{a}.{n}" for a in ("attn1", "attn2")
+                                          for n in ("norm_q", "norm_k", "norm_added_k")),
+           },
+    # kernels=True: the blocks modulate inline (FP32LayerNorm + scale_shift_table: no module to fuse), so only the
+    # Q/K RMSNorms (torch.nn.RMSNorm across heads, over the whole inner dim)
+    kernels=(
+        KernelSites("blocks", ("attn1.norm_q", "attn1.norm_k", "attn2.norm_q", "attn2.norm_k", "attn2.norm_added_k")),
+    ),
 )

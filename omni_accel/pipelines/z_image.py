@@ -2,7 +2,8 @@
 first refined separately (noise_refiner, context_refiner), then concatenated into one sequence for the main
 ``layers``; 3-axis RoPE as complex ``freqs_cis``."""
 
-from .base import CacheRegion, SequenceRegion, ShardArg, ModelAdapter, SequenceInput, TeaCacheSpec
+from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
+                   TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="z_image",
@@ -67,6 +68,8 @@ ADAPTER = ModelAdapter(
             outputs=("joint",),
         ),
     ),
+    # AdaLN modulation linears (one token per sample) stay bf16 under quant
+    quant_skip=("*.adaLN_modulation.0",),
     notes=(
         "Only `noise_refiner` and `layers` are timestep-modulated (context_refiner and siglip_refiner are not). "
         "Every part of the sequence (image patches, caption tokens) is padded to a multiple of 32 "
@@ -80,6 +83,19 @@ ADAPTER = ModelAdapter(
         "modulated_block_lists": ("noise_refiner", "layers"),
         "unified_order": {"default": ("image", "text"), "ZImageOmniPipeline": ("text", "image", "siglip")},
         "seq_multiple_of": 32,
+        # tp: diffusers has no _tp_plan for Z-Image. Every block (refiners and main layers) splits its attention by
+        # heads and its SwiGLU FFN (w2(silu(w1 x) * w3 x)) by hidden units; the qk-norms are per head. The FFN
+        # width is int(dim / 3 * 8), which must divide by tp.
+        "tp_plan": {
+            f"{blocks}.*.{path}": style
+            for blocks in ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
+            for path, style in (("attention.to_q", "colwise"), ("attention.to_k", "colwise"),
+                                ("attention.to_v", "colwise"), ("attention.to_out.0", "rowwise"),
+                                ("feed_forward.w1", "colwise"), ("feed_forward.w3", "colwise"),
+                                ("feed_forward.w2", "rowwise"))
+        },
+        # ZSingleStreamAttnProcessor unflattens by attn.heads: the local head count under tp
+        "tp_heads": tuple(f"{b}.*.attention" for b in ("noise_refiner", "context_refiner", "siglip_refiner", "layers")),
         # ar_bridge text-encoder stage: the method it shadows; the user turn in the chat template (thinking on),
         # hidden_states[-2] (the next-to-last layer's output, no final norm), unpadded per prompt.
         "text_encoder_bridge": {
@@ -87,4 +103,11 @@ ADAPTER = ModelAdapter(
             "chat_kwargs": {"enable_thinking": True},
         },
     },
+    # kernels=True: the Q/K RMSNorms and the four block RMSNorms (diffusers RMSNorm); the blocks scale inline and
+    # the final layer modulates inline (no module to fuse)
+    kernels=tuple(
+        KernelSites(blocks, ("attention.norm_q", "attention.norm_k", "attention_norm1", "attention_norm2",
+                             "ffn_norm1", "ffn_norm2"))
+        for blocks in ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
+    ),
 )

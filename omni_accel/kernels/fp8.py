@@ -1,0 +1,164 @@
+"""FP8 e4m3 linears: weights quantized once per output channel, activations per token at run time.
+
+Two modes share one module, ``Fp8Linear``:
+
+- ``w8a8``: both operands in e4m3, multiplied by ``torch._scaled_mm`` with row-wise scales (activation scale per
+  token, weight scale per output channel), output in the activation dtype. This is the fast path on GPUs with FP8
+  tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); PyTorch's CPU build also implements it, slowly,
+  which is what lets CI test the exact arithmetic.
+- ``weight_only``: the e4m3 weight is dequantized on the fly and multiplied in the activation dtype. It halves the
+  weight memory of a bf16 model and runs on any device; it is not faster.
+
+Why per-channel / per-token scales rather than one scale per tensor: DiT activations have outlier tokens
+(the text tokens of joint attention, a few large channels after AdaLN), and one per-tensor scale spends the 3
+mantissa bits of e4m3 on them. Row-wise scales cost one extra reduction per linear, which torch.compile fuses
+into the producer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# cuBLASLt's FP8 GEMM needs both matrix dimensions that meet in the product to be multiples of 16.
+FP8_ALIGN = 16
+_MIN_AMAX = 1e-12  # an all-zero row would otherwise get scale 0 and divide by it
+
+Fp8Mode = Literal["w8a8", "weight_only"]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of a 2-D tensor to e4m3 with its own scale: returns (x_fp8, scale (rows, 1) fp32),
+    so that ``x ≈ x_fp8.float() * scale``.
+
+    Eager on a GPU this runs as one Triton kernel (PyTorch's op-by-op version launches five kernels and was
+    measured at 167 ms of elementwise time per FLUX step on an H200); under torch.compile the PyTorch expression
+    is traced instead, so Inductor can fuse it into the producer of ``x``."""
+    if x.is_cuda and x.stride(-1) == 1 and not torch.compiler.is_compiling() and _triton_quantizer() is not None:
+        return _triton_quantizer()(x, FP8_DTYPE, FP8_MAX, _MIN_AMAX)
+    return quantize_rows_torch(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_quantizer():
+    try:
+        from .fused_triton import quantize_rows_fp8
+    except Exception:  # noqa: BLE001 -- no triton (or no GPU backend): the PyTorch expression is the fallback
+        return None
+    return quantize_rows_fp8
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch expression of ``quantize_rows`` (the reference, and what torch.compile fuses)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_AMAX)
+    scale = amax / FP8_MAX
+    x_fp8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_fp8, scale
+
+
+def dequantize_rows(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x_fp8.to(torch.float32) * scale).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_scaled_mm_works() -> bool:
+    """Whether this torch build multiplies e4m3 matrices with row-wise scales on the CPU."""
+    try:
+        a = torch.zeros(16, 16, dtype=FP8_DTYPE)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def fp8_matmul_support(device: torch.device) -> tuple[bool, str]:
+    """(supported, reason) for W8A8 FP8 GEMMs on ``device``."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "torch sees no CUDA GPU"
+        major, minor = torch.cuda.get_device_capability(device)
+        name = torch.cuda.get_device_name(device)
+        if (major, minor) < (8, 9):
+            return False, f"{name} has compute capability {major}.{minor}; FP8 tensor cores need 8.9 or newer"
+        return True, f"{name} (compute capability {major}.{minor})"
+    if device.type == "cpu":
+        if _cpu_scaled_mm_works():
+            return True, "CPU torch._scaled_mm (correct but not fast: use it to test, not to serve)"
+        return False, f"this torch build ({torch.__version__}) has no CPU torch._scaled_mm for e4m3"
+    return False, f"device type {device.type!r} has no FP8 GEMM support in omni_accel"
+
+
+class Fp8Linear(torch.nn.Module):
+    """Drop-in for ``nn.Linear`` holding an e4m3 weight and one fp32 scale per output channel."""
+
+    def __init__(self, linear: torch.nn.Linear, mode: Fp8Mode):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.mode = mode
+        w_fp8, w_scale = quantize_rows(weight)
+        self.register_buffer("weight_fp8", w_fp8, persistent=False)
+        # (1, out) for _scaled_mm's scale_b; (out, 1) view for dequantization
+        self.register_buffer("weight_scale", w_scale.reshape(1, -1).contiguous(), persistent=False)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+        self.weight_rel_err = _rel_err(dequantize_rows(w_fp8, w_scale, torch.float32), weight.float())
+        # Set by the quant pass when the user asked for a measured output error: the layer's original weight
+        # (host copy on GPUs) is used once, on the first forward, then dropped.
+        self.reference_weight: torch.Tensor | None = None
+        self.output_rel_err: float | None = None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.mode == "w8a8":
+            y = self._scaled_mm(x2)
+        else:
+            w = dequantize_rows(self.weight_fp8, self.weight_scale.reshape(-1, 1), x.dtype)
+            y = F.linear(x2, w)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        if self.reference_weight is not None:
+            self._measure(x2, y)
+        return y.reshape(*lead, self.out_features)
+
+    def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        x_fp8, x_scale = quantize_rows(x2)
+        # cuBLASLt's row-wise-scaled FP8 GEMM writes bf16; fp32 callers (CPU tests) get the result cast back.
+        out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        y = torch._scaled_mm(
+            x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=out_dtype
+        )
+        return y.to(x2.dtype)
+
+    @torch.compiler.disable  # a one-time measurement must not enter compiled graphs
+    def _measure(self, x2: torch.Tensor, y: torch.Tensor) -> None:
+        ref_w = self.reference_weight.to(device=x2.device, dtype=x2.dtype)
+        ref = F.linear(x2, ref_w, None if self.bias is None else self.bias.to(x2.dtype))
+        self.output_rel_err = _rel_err(y.float(), ref.float())
+        self.reference_weight = None
+
+
+def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm().clamp(min=1e-30))
+
+
+def fp8_alignment_problem(linear: torch.nn.Linear) -> str | None:
+    """Why ``linear`` cannot become an FP8 GEMM, or None when it can."""
+    bad = [f"{n}={v}" for n, v in (("in_features", linear.in_features), ("out_features", linear.out_features))
+           if v % FP8_ALIGN]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {FP8_ALIGN} (FP8 GEMM alignment)"
+    return None

@@ -1,0 +1,195 @@
+"""Worker for tests/test_kernels.py: runs the Triton kernels in Triton's interpreter on CPU and writes the errors.
+
+    TRITON_INTERPRET=1 python tests/kernels_worker.py OUT.json
+
+TRITON_INTERPRET must be in the environment before torch / triton are imported (triton decorates its own library
+functions such as ``tl.sum`` at import), hence a separate process. Each kernel case compares the Triton output with
+a float64 computation of the same formula; each pipeline case runs ``accelerate(kernels=True)`` on a tiny pipeline
+(the Triton path, interpreted) against the plain pipeline. The pytest side asserts per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DTYPES = ("float32", "bfloat16", "float16")
+# (case name, kernel, shape): non-power-of-two channels, odd token counts, batch > 1
+KERNEL_SHAPES = (
+    ("layernorm_modulate-2x7x40", "layernorm_modulate", (2, 7, 40)),
+    ("layernorm_modulate-1x33x130", "layernorm_modulate", (1, 33, 130)),
+    ("layernorm_modulate-2x5x24-broadcast", "layernorm_modulate_broadcast", (2, 5, 24)),
+    ("rms_norm-2x7x3x16", "rms_norm", (2, 7, 3, 16)),
+    ("rms_norm-2x5x3x24-noweight", "rms_norm_noweight", (2, 5, 3, 24)),
+    ("rms_norm-2x9x40-acrossheads", "rms_norm", (2, 9, 40)),
+    ("rms_norm-2x7x3x16-qkvview", "rms_norm_view", (2, 7, 3, 16)),
+    ("rms_norm_rope-2x7x3x16", "rms_norm_rope", (2, 7, 3, 16)),
+    ("rms_norm_rope-1x9x2x24-noweight", "rms_norm_rope_noweight", (1, 9, 2, 24)),
+    ("gated_residual-2x7x40", "gated_residual", (2, 7, 40)),
+    ("gated_residual-1x13x1500", "gated_residual", (1, 13, 1500)),
+)
+KERNEL_CASES = tuple(f"{name}-{dtype}" for name, _, _ in KERNEL_SHAPES for dtype in DTYPES)
+FP8_QUANT_CASES = tuple(f"fp8_quant-{r}x{c}-{d}" for d in ("float32", "bfloat16") for r, c in ((7, 40), (33, 3000), (4, 16)))
+PIPELINE_FAMILIES = ("flux", "flux2", "qwen_image", "sd3", "wan", "z_image")
+
+
+def _inputs(kernel: str, shape: tuple, dtype, gen):
+    """(triton call, float64 expectation) for one case."""
+    import torch
+
+    from omni_accel.kernels import fused
+
+    def rand(*s):
+        return torch.randn(*s, generator=gen).to(dtype)
+
+    if kernel.startswith("layernorm_modulate"):
+        b, s, c = shape
+        x = rand(b, s, c) * 3 + 1
+        emb = rand(1 if kernel.endswith("broadcast") else b, 6 * c)
+        shift, scale = emb.chunk(6, dim=1)[:2]  # strided views, as AdaLayerNormZero hands them over
+        xd = x.double()
+        exact = torch.nn.functional.layer_norm(xd, (c,), eps=1e-6) * (1 + scale.double()[:, None]) \
+            + shift.double()[:, None]
+        return (lambda: fused.layernorm_modulate(x, scale, shift, 1e-6)), exact
+    if kernel.startswith("rms_norm_rope"):
+        b, s, h, d = shape
+        x = rand(b, s, h, d) * 2
+        w = None if kernel.endswith("noweight") else rand(d)
+        angles = torch.rand(s, d // 2, generator=gen, dtype=torch.float64) * 6.28
+        cos = angles.cos().repeat_interleave(2, dim=-1).float()
+        sin = angles.sin().repeat_interleave(2, dim=-1).float()
+        y = _rms64(x.double(), w)
+        pairs = y.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        exact = y * cos.double()[None, :, None] + rotated * sin.double()[None, :, None]
+        return (lambda: fused.rms_norm_rope(x, w, 1e-6, cos, sin)), exact
+    if kernel.startswith("rms_norm"):
+        if kernel.endswith("view"):  # q of a fused qkv(+mlp) projection: a strided view, as Flux2's single blocks
+            b, s, h, d = shape
+            x = (rand(b, s, 3 * h * d + 20) * 2)[..., : h * d].unflatten(-1, (h, d))
+        else:
+            x = rand(*shape) * 2
+        w = None if kernel.endswith("noweight") else rand(shape[-1])
+        return (lambda: fused.rms_norm(x, w, 1e-6)), _rms64(x.double(), w)
+    if kernel == "gated_residual":
+        b, s, c = shape
+        x, y = rand(b, s, c), rand(b, s, c)
+        gate = rand(b, 3 * c).chunk(3, dim=1)[2]
+        return (lambda: fused.gated_residual(x, gate, y)), x.double() + gate.double()[:, None] * y.double()
+    raise KeyError(kernel)
+
+
+def _rms64(x, w):
+    import torch
+
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return y * w.double() if w is not None else y
+
+
+def kernel_cases() -> dict:
+    import torch
+
+    results = {}
+    for name, kernel, shape in KERNEL_SHAPES:
+        for dtype_name in DTYPES:
+            key = f"{name}-{dtype_name}"
+            try:
+                gen = torch.Generator().manual_seed(len(results))
+                call, exact = _inputs(kernel, shape, getattr(torch, dtype_name), gen)
+                out = call()
+                err = (out.double() - exact).abs()
+                results[key] = {"dtype": str(out.dtype), "shape": list(out.shape),
+                                "max_abs_err": err.max().item(),
+                                # the error relative to the exact value's magnitude (bf16 bound: one ulp, 2^-7)
+                                "max_err_over_ref": (err / (exact.abs() + 1e-3)).max().item(),
+                                "contiguous": out.is_contiguous()}
+            except Exception:
+                results[key] = {"error": traceback.format_exc()}
+    return results
+
+
+def fp8_quant_cases() -> dict:
+    """The per-row e4m3 quantization kernel against the PyTorch expression it replaces in eager GPU runs.
+
+    The interpreter's float32 -> e4m3 conversion drops the carry when rounding the mantissa up overflows into the
+    exponent (-125.3 becomes -64, not -128), truncates subnormals and rounds ties away from zero; the GPU's cvt instruction rounds to nearest.
+    Mismatches are therefore classified: a "carry" one has the reference at a power of two and the kernel at
+    exactly half of it; a subnormal one is one subnormal step off; a tie sits exactly halfway. Anything else counts as a real mismatch."""
+    import torch
+
+    from omni_accel.kernels import fp8
+    from omni_accel.kernels.fused_triton import quantize_rows_fp8
+
+    results = {}
+    for dtype_name in ("float32", "bfloat16"):
+        for rows, cols in ((7, 40), (33, 3000), (4, 16)):
+            key = f"fp8_quant-{rows}x{cols}-{dtype_name}"
+            try:
+                gen = torch.Generator().manual_seed(rows * cols)
+                x = (torch.randn(rows, cols, generator=gen) * torch.logspace(-2, 2, rows)[:, None])
+                x = x.to(getattr(torch, dtype_name))
+                x[rows // 2] = 0  # an all-zero row: the minimum amax keeps the scale finite
+                q, scale = quantize_rows_fp8(x, fp8.FP8_DTYPE, fp8.FP8_MAX, fp8._MIN_AMAX)
+                q_ref, scale_ref = fp8.quantize_rows_torch(x)
+                got, ref = q.float(), q_ref.float()
+                differ = got != ref
+                carry = differ & (ref.abs().log2() == ref.abs().log2().round()) & (got.abs() * 2 == ref.abs())
+                # and it truncates in e4m3's subnormal range (|v| < 2^-6): off by at most one step, 2^-9
+                subnormal = differ & (ref.abs() < 2.0 ** -6) & ((got - ref).abs() <= 2.0 ** -9)
+                # and it rounds exact ties away from zero (168 -> 176), where round-to-nearest-even gives 160
+                scaled = x.float() / scale_ref
+                tie = differ & ((got + ref) / 2 == scaled)
+                carry = carry | subnormal | tie
+                results[key] = {"scales_equal": bool(torch.equal(scale, scale_ref)),
+                                "frac_equal": 1 - differ.float().mean().item(),
+                                "other_mismatches": int((differ & ~carry).sum())}
+            except Exception:
+                results[key] = {"error": traceback.format_exc()}
+    return results
+
+
+def pipeline_cases() -> dict:
+    import torch
+
+    import omni_accel
+    from omni_accel.testing import run, tiny_pipeline
+
+    results = {}
+    for family in PIPELINE_FAMILIES:
+        try:
+            t0 = time.perf_counter()
+            pipe, kwargs = tiny_pipeline(family)
+            plain = run(pipe, kwargs)
+            omni_accel.accelerate(pipe, kernels=True)
+            try:
+                out = run(pipe, kwargs)
+                applied = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "kernels"]
+            finally:
+                omni_accel.restore(pipe)
+            results[family] = {"max_abs_diff": (out - plain).abs().max().item(),
+                               "restored_equal": bool(torch.equal(run(pipe, kwargs), plain)),
+                               "applied": applied, "seconds": round(time.perf_counter() - t0, 2)}
+        except Exception:
+            results[family] = {"error": traceback.format_exc()}
+    return results
+
+
+def main(out_path: str) -> int:
+    from omni_accel.kernels import fused
+
+    result = {"interpreted": fused.interpreted(), "uses_triton_cpu": fused.uses_triton("cpu")}
+    result["kernels"] = kernel_cases()
+    result["fp8_quant"] = fp8_quant_cases()
+    result["pipelines"] = pipeline_cases()
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

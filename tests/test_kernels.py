@@ -1,0 +1,347 @@
+"""Fused kernels (omni_accel/kernels/fused*.py): Triton kernels in Triton's interpreter against float64, the eager
+fallback against diffusers' layers, the kernels pass on every family's tiny pipeline, torch.compile, the benchmark.
+
+Tolerances, against the same formula in float64 on the same inputs: float32 max abs error <= 1e-5 (values O(1..10));
+bfloat16 |err| <= 2^-7 x (|exact| + 1e-3) -- one bf16 ulp: Triton's interpreter rounds float32 -> bfloat16 by
+truncation (numpy has no bf16), so the bound is one ulp where the GPU's round-to-nearest gives half;
+float16 |err| <= 2^-10 x (|exact| + 1e-3). Pipelines in float32: max abs difference <= 1e-5 with the Triton path,
+and exactly equal with the eager fallback on CPU (same op sequence as diffusers).
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers.models import normalization as dnorm
+
+import omni_accel
+from omni_accel import AccelError
+from omni_accel.hooks import add_hook
+from omni_accel.kernels import fused
+from omni_accel.kernels.fused_pass import KINDS, _FusedForwardHook
+from omni_accel.testing import run, tiny_pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = ("flux", "flux2", "qwen_image", "sd3", "wan", "z_image")
+BOUND = {"torch.bfloat16": 2.0 ** -7, "torch.float16": 2.0 ** -10}
+
+
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WORKER = _load("kernels_worker", "tests/kernels_worker.py")
+
+
+# --------------------------------------------------------------------------- Triton kernels, interpreted on CPU
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """One subprocess with TRITON_INTERPRET=1 runs every kernel case and every family's pipeline (~35 s)."""
+    pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
+    out = tmp_path_factory.mktemp("kernels") / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMNI_ACCEL_KERNELS="auto")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "kernels_worker.py"), str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_worker_ran_the_triton_path_in_the_interpreter(interpreted):
+    assert interpreted["interpreted"] is True and interpreted["uses_triton_cpu"] is True
+
+
+@pytest.mark.parametrize("case", WORKER.KERNEL_CASES)
+def test_triton_kernel_matches_float64(interpreted, case):
+    r = interpreted["kernels"][case]
+    assert "error" not in r, r.get("error")
+    assert r["contiguous"]
+    if r["dtype"] == "torch.float32":
+        assert r["max_abs_err"] <= 1e-5, r
+    else:
+        assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
+
+
+@pytest.mark.parametrize("case", WORKER.FP8_QUANT_CASES)
+def test_fp8_row_quantization_kernel_matches_the_torch_expression(interpreted, case):
+    r = interpreted["fp8_quant"][case]
+    assert "error" not in r, r.get("error")
+    assert r["scales_equal"]
+    # every byte equal except the interpreter's own carry bug (see kernels_worker.fp8_quant_cases)
+    assert r["other_mismatches"] == 0 and r["frac_equal"] > 0.9, r
+
+
+@pytest.mark.parametrize("family", WORKER.PIPELINE_FAMILIES)
+def test_triton_path_pipeline_matches_plain_and_restores(interpreted, family):
+    r = interpreted["pipelines"][family]
+    assert "error" not in r, r.get("error")
+    assert r["max_abs_diff"] <= 1e-5, r
+    assert r["restored_equal"]
+    (applied,) = r["applied"]
+    assert applied["path"] == "triton" and applied["modules"] > 0
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter does not lower anything; compiling to an sm_90 cubin (triton ships ptxas) does."""
+    if fused.interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1; the worker covers that path")
+    triton = pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ft = fused._triton_module()
+    cases = [
+        (ft._layernorm_modulate_kernel, dict(x_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16", out_ptr="*bf16"),
+         dict(ROWS=1, BLOCK=4096)),
+        (ft._rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"),
+         dict(HAS_WEIGHT=True, ROWS=32, BLOCK=128)),
+        (ft._rms_norm_kernel, dict(x_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32"),
+         dict(HAS_WEIGHT=False, ROWS=1, BLOCK=8192)),
+        (ft._rms_norm_rope_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
+                                        out_ptr="*bf16"), dict(HAS_WEIGHT=True, ROWS=32, BLOCK=64)),
+        (ft._gated_residual_kernel, dict(x_ptr="*bf16", gate_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16"),
+         dict(BLOCK=1024)),
+        (ft._quantize_rows_fp8_kernel, dict(x_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"),
+         dict(BLOCK=2048)),
+    ]
+    for kernel, pointers, consts in cases:
+        names = kernel.arg_names
+        signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in ("eps", "fp8_max", "min_amax") else "i32")
+                     for n in names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(n),): v for n, v in consts.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert "cubin" in compiled.asm, kernel.__name__
+
+
+# ---------------------------------------------------------------------------- eager fallback vs diffusers' layers
+def _hooked(module):
+    add_hook(module, "kernels", _FusedForwardHook(KINDS[type(module)].forward))
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_forwards_match_the_diffusers_layers(dtype):
+    torch.manual_seed(0)
+    c = 24
+    x, emb = torch.randn(2, 7, c, dtype=dtype), torch.randn(2, c, dtype=dtype)
+    layers = [
+        (dnorm.AdaLayerNormZero(c), dict(emb=emb)),
+        (dnorm.AdaLayerNormZero(c, norm_type="fp32_layer_norm"), dict(emb=emb)),
+        (dnorm.AdaLayerNormZeroSingle(c), dict(emb=emb)),
+        (dnorm.AdaLayerNormContinuous(c, c, elementwise_affine=False, eps=1e-6), dict(conditioning_embedding=emb)),
+    ]
+    q = torch.randn(2, 7, 3, 8, dtype=dtype)
+    norms = [torch.nn.RMSNorm(8, eps=1e-6), torch.nn.RMSNorm(8), dnorm.RMSNorm(8, eps=1e-6),
+             dnorm.RMSNorm(8, eps=1e-6, elementwise_affine=False)]
+    with torch.no_grad():
+        for layer, kwargs in layers:
+            layer.to(dtype)
+            plain = layer(x, **kwargs)
+            fused_out = _hooked(layer)(x, **kwargs)
+            for a, b in zip(plain if isinstance(plain, tuple) else (plain,),
+                            fused_out if isinstance(fused_out, tuple) else (fused_out,)):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert (a.float() - b.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 0.1)
+        for norm in norms:
+            if getattr(norm, "weight", None) is not None:
+                norm.weight.normal_()
+            norm.to(dtype)
+            plain = norm(q)
+            out = _hooked(norm)(q)
+            assert out.dtype == plain.dtype, type(norm)
+            assert (out.float() - plain.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 0.05)
+
+
+def test_diffusers_rmsnorm_fp32_weight_keeps_its_output_dtype():
+    norm = dnorm.RMSNorm(8, eps=1e-6)  # fp32 weight, bf16 input: diffusers returns float32
+    q = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = norm(q)
+        out = _hooked(norm)(q)
+    assert plain.dtype == out.dtype == torch.float32
+    assert torch.allclose(plain, out, atol=1e-6)
+
+
+def test_rope_reference_matches_diffusers_apply_rotary_emb():
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 8)
+    angles = torch.rand(5, 4) * 6.28
+    cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+    assert torch.allclose(fused.rope_ref(x, cos, sin), apply_rotary_emb(x, (cos, sin), sequence_dim=1), atol=1e-6)
+
+
+def test_hook_runs_the_original_forward_when_autograd_needs_it():
+    layer = _hooked(torch.nn.RMSNorm(8, eps=1e-6))
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()  # a custom op without a backward formula would raise here
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_public_functions_name_the_bad_shape():
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(AccelError, match=r"layernorm_modulate: scale must be \(2, 8\) for x of shape \(2, 5, 8\), "
+                                         r"got \(2, 6\)\."):
+        fused.layernorm_modulate(x, torch.randn(2, 6), torch.randn(2, 8))
+    with pytest.raises(AccelError, match=r"rms_norm_rope: cos must be \(5, 8\) for x of shape \(2, 5, 1, 8\), "
+                                         r"got \(4, 8\)\."):
+        fused.rms_norm_rope(x[:, :, None], None, 1e-6, torch.randn(4, 8), torch.randn(5, 8))
+
+
+# ------------------------------------------------------------------------------------------- torch.compile on CPU
+def test_compiled_module_using_the_kernels_runs_on_cpu_without_graph_breaks():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = dnorm.AdaLayerNormZero(24)
+            self.norm_q = torch.nn.RMSNorm(8, eps=1e-6)
+
+        def forward(self, x, emb):
+            y, gate, *_ = self.norm(x, emb=emb)
+            return fused.gated_residual(x, gate, self.norm_q(y.unflatten(-1, (3, 8))).flatten(-2))
+
+    torch.manual_seed(0)
+    block = Block().eval().requires_grad_(False)
+    x, emb = torch.randn(2, 5, 24), torch.randn(2, 24)
+    plain = block(x, emb)
+    _hooked(block.norm), _hooked(block.norm_q)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)  # fake impls + functionalization
+
+    torch._dynamo.reset()
+    out = torch.compile(block, backend=backend, fullgraph=True)(x, emb)
+    assert len(graphs) == 1
+    for op in ("layernorm_modulate", "rms_norm", "gated_residual"):
+        assert f"omni_accel.{op}" in graphs[0], graphs[0]
+    assert (out - plain).abs().max() <= 1e-5
+
+
+# ---------------------------------------------------------------------------------- the pass, eager path on CPU
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_pass_matches_plain_and_restores(family):
+    pipe, kwargs = tiny_pipeline(family)
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, kernels=True)
+    try:
+        out = run(pipe, kwargs)
+        applied = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "kernels"]
+    finally:
+        omni_accel.restore(pipe)
+    assert (out - plain).abs().max().item() <= 1e-5
+    assert torch.equal(run(pipe, kwargs), plain), f"{family}: restore() did not bring the plain output back"
+    (entry,) = applied
+    assert entry["path"] == ("triton" if fused.uses_triton("cpu") else "eager")
+    assert entry["modules"] == sum(entry["installed"].values()) > 0
+
+
+def test_report_counts_the_flux_kernels():
+    pipe, kwargs = tiny_pipeline("flux", num_layers=2, num_single_layers=3)
+    omni_accel.accelerate(pipe, kernels=True)
+    try:
+        (entry,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "kernels"]
+        hooked = sum("omni_accel.kernels" in getattr(m, "_diffusers_hook").hooks
+                     for m in pipe.transformer.modules() if hasattr(m, "_diffusers_hook"))
+    finally:
+        omni_accel.restore(pipe)
+    assert entry["installed"] == {"ada_norm_zero": 4, "ada_norm_zero_single": 3, "ada_norm_continuous": 1,
+                                  "rms_norm": 2 * 4 + 3 * 2}
+    assert entry["skipped"] == {} and hooked == entry["modules"] == 22
+    assert not any("omni_accel.kernels" in m._diffusers_hook.hooks
+                   for m in pipe.transformer.modules() if hasattr(m, "_diffusers_hook"))
+
+
+def test_sd35_modules_without_a_kernel_are_skipped_and_reported():
+    pipe, kwargs = tiny_pipeline("sd3", dual_attention_layers=(0,), qk_norm="rms_norm")
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, kernels=True)
+    try:
+        out = run(pipe, kwargs)
+        (entry,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "kernels"]
+    finally:
+        omni_accel.restore(pipe)
+    assert entry["skipped"] == {"transformer_blocks.0.norm1": "SD35AdaLayerNormZeroX has no fused kernel"}
+    # block 0: attn + attn2 Q/K norms (6), block 1: attn (4); norm1 of block 1; norm1_context x2 (the last block's
+    # is an AdaLayerNormContinuous) and norm_out
+    assert entry["installed"] == {"ada_norm_zero": 2, "ada_norm_continuous": 2, "rms_norm": 10}
+    assert (out - plain).abs().max().item() <= 1e-5
+
+
+def test_family_without_sites_is_reported_and_unchanged(monkeypatch):
+    import omni_accel.api as api
+
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    bare = dataclasses.replace(api.adapter_for(pipe), kernels=())
+    monkeypatch.setattr(api, "adapter_for", lambda p: bare)
+    omni_accel.accelerate(pipe, kernels=True)
+    try:
+        (entry,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "kernels"]
+        out = run(pipe, kwargs)
+        hooked = [n for n, m in pipe.transformer.named_modules()
+                  if hasattr(m, "_diffusers_hook") and "omni_accel.kernels" in m._diffusers_hook.hooks]
+    finally:
+        omni_accel.restore(pipe)
+    assert entry == {"pass": "kernels", "installed": {}, "note": "flux declares no fused-kernel sites; nothing changed"}
+    assert hooked == [] and torch.equal(out, plain)
+
+
+def test_forced_triton_without_interpreter_is_refused_before_patching(monkeypatch):
+    if fused.interpreted():
+        pytest.skip("triton runs CPU tensors in this process")
+    pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
+    pipe, _ = tiny_pipeline("flux")
+    monkeypatch.setattr(fused, "_backend", "triton")
+    with pytest.raises(AccelError, match=r"^kernel backend 'triton' got a tensor on cpu: Triton runs CPU tensors only "
+                                         r"in its interpreter; set TRITON_INTERPRET=1 before importing torch/triton, "
+                                         r"or use backend 'auto'\.$"):
+        omni_accel.accelerate(pipe, kernels=True)
+    assert "omni_accel" not in vars(pipe)
+    assert not any(hasattr(m, "_diffusers_hook") for m in pipe.transformer.modules())
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(AccelError, match=r"kernel backend 'fast' is not known; use one of auto, triton, eager\."):
+        fused.set_backend("fast")
+
+
+# ------------------------------------------------------------------------------------------------- benchmark
+def test_bench_kernels_tiny_cpu_writes_a_row_per_kernel(tmp_path):
+    bench = _load("bench_kernels", "benchmarks/bench_kernels.py")
+    out = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--no-compile", "--iters", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert not result["errors"], result["errors"]
+    assert {r["kernel"] for r in result["rows"]} == {
+        "layernorm_modulate", "rms_norm_qk (vs torch.nn.RMSNorm)", "rms_norm_qk (vs diffusers RMSNorm)",
+        "rms_norm_rope", "gated_residual"}
+    for r in result["rows"]:
+        assert r["eager_ms"] > 0 and r["max_abs_err_eager"] < 0.1
+    assert {"torch", "triton", "diffusers", "gpu"} <= set(result["env"])
+
+
+def test_bench_row_failure_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    bench = _load("bench_kernels", "benchmarks/bench_kernels.py")
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    real = bench.rows_for
+    monkeypatch.setattr(bench, "rows_for", lambda shape: [dict(real(shape)[0], build=broken)] + real(shape)[1:2])
+    out = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--no-compile", "--iters", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rows"][0]["error"] == "RuntimeError: boom" and "eager_ms" in result["rows"][1]
