@@ -85,6 +85,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--only-calibration", action="store_true")
+    ap.add_argument("--calibration-warmup", type=int, default=2,
+                    help="steps always computed first during calibration and its check (the shipped built-in "
+                         "profile computes 2)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     os.makedirs(RESULTS, exist_ok=True)
@@ -221,12 +224,15 @@ def main() -> int:
         kw = {k: v for k, v in CALL.items() if k != "output_type"}
         t0 = time.perf_counter()
         prof = omni_accel.cache.calibrate(pipe, train, target_psnr=30.0, steps=steps, call_kwargs=kw,
-                                          criterion="min", max_evals=7)
+                                          criterion="min", max_evals=7, warmup_steps=args.calibration_warmup)
         cal_s = time.perf_counter() - t0
         kw["num_inference_steps"] = steps
         refs_h = generate(pipe, held, steps) if args.only_calibration else refs
-        ev = evaluate(pipe, held, kw, refs_h, prof["coefficients"], prof["threshold"], batch_size=len(held))
+        ev = evaluate(pipe, held, kw, refs_h, prof["coefficients"], prof["threshold"], batch_size=len(held),
+                      warmup_steps=prof.get("warmup_steps", args.calibration_warmup),
+                      final_steps=prof.get("final_steps", 1))
         res = {"target_psnr": 30.0, "criterion": "min (worst prompt)", "calibration_prompts": train,
+               "warmup_steps": args.calibration_warmup,
                "heldout_prompts": held, "steps": steps, "calibration_s": round(cal_s, 1),
                "profile": {k: v for k, v in prof.items() if k != "search"}, "search": prof["search"],
                "heldout": ev, "heldout_error_db": round(ev["psnr_min"] - 30.0, 2),

@@ -18,12 +18,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import sample_ms  # noqa: E402
 from omni_accel.kernels import fp8  # noqa: E402
 
 # (name, M, K, N): FLUX.1-dev block linears (dim 3072, MLP 12288; single block: qkv 3x, proj_mlp, proj_out 15360 in)
@@ -41,22 +41,7 @@ TINY_SHAPES = (("tiny", 64, 128, 256),)
 def timed(fn, device, iters: int) -> float:
     for _ in range(3):
         fn()
-    if device.type != "cuda":
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(ts)
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    return statistics.median(sample_ms(fn, device, iters))
 
 
 def row(name, m, k, n, device, iters) -> dict:

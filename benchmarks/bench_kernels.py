@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import sample_ms  # noqa: E402
 from omni_accel.kernels import fused  # noqa: E402
 
 FLUX = dict(img=4096, txt=512, dim=3072, heads=24, head_dim=128, dual=19, single=38)
@@ -49,24 +50,9 @@ def _time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
 
             return float(do_bench(fn, warmup=25, rep=max(iters, 20), return_mode="median"))
         except ImportError:
-            fn()
-            torch.cuda.synchronize(device)
-            times = []
-            for _ in range(iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end))
-            return statistics.median(times)
+            pass
     fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(sample_ms(fn, device, iters))
 
 
 # ------------------------------------------------------------------------------------------------------ cases

@@ -40,6 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import sample_ms  # noqa: E402
+
 T_START = time.perf_counter()
 
 
@@ -194,14 +196,19 @@ def count_linear_flops(transformer, blocks, inputs) -> float:
         x = args[0]
         total[0] += 2.0 * (x.numel() // x.shape[-1]) * mod.in_features * mod.out_features
 
-    handles = [m.register_forward_hook(hook) for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    forward_with_hooks(transformer, inputs, [m.register_forward_hook(hook) for b in blocks for m in b.modules()
+                                             if isinstance(m, torch.nn.Linear)])
+    return total[0]
+
+
+def forward_with_hooks(transformer, inputs: dict, handles: list) -> None:
+    """One no-grad forward with hooks that are removed afterwards, whatever happens."""
     try:
         with torch.no_grad():
             transformer(**inputs)
     finally:
         for h in handles:
             h.remove()
-    return total[0]
 
 
 # ------------------------------------------------------------------------------------------------- timing
@@ -229,19 +236,7 @@ def time_forwards(fn, device: torch.device, iters: int, warmup: int) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
+    times = sample_ms(fn, device, iters)
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times), "cold_start_s": cold,
@@ -342,13 +337,8 @@ def fp8_block_errors(omni_accel, pipe, transformer, blocks_named, inputs) -> dic
             captured[name] = (tuple(clone(a) for a in args), {k: clone(v) for k, v in kwargs.items()})
         return hook
 
-    handles = [b.register_forward_pre_hook(grab(n), with_kwargs=True) for n, b in blocks_named]
-    try:
-        with torch.no_grad():
-            transformer(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    forward_with_hooks(transformer, inputs,
+                       [b.register_forward_pre_hook(grab(n), with_kwargs=True) for n, b in blocks_named])
 
     def outputs(block, name):
         args, kwargs = captured[name]
@@ -701,6 +691,10 @@ def main(argv=None) -> int:
                     except Exception as exc:  # noqa: BLE001
                         traceback.print_exc()
                         result["errors"].append(f"{model_name}/{name}: restore failed: {exc!r}")
+                # Every compiled config adds guards to the same block code objects; past dynamo's recompile limit
+                # (8) later configs silently run eager -- the 2026-12-02 second H200 run lost its last FP8+compile
+                # rows that way (cold start 0.2 s). A reset between configs keeps each row's compile its own.
+                torch._dynamo.reset()
                 write()
         del transformer, pipe, ref
         # dynamo first: its caches hold the compiled blocks, and a module with hooks sits in reference cycles, so

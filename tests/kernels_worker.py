@@ -116,10 +116,11 @@ def kernel_cases() -> dict:
 def fp8_quant_cases() -> dict:
     """The per-row e4m3 quantization kernel against the PyTorch expression it replaces in eager GPU runs.
 
-    The interpreter's float32 -> e4m3 conversion drops the carry when rounding the mantissa up overflows into the
-    exponent (-125.3 becomes -64, not -128), truncates subnormals and rounds ties away from zero; the GPU's cvt instruction rounds to nearest.
-    Mismatches are therefore classified: a "carry" one has the reference at a power of two and the kernel at
-    exactly half of it; a subnormal one is one subnormal step off; a tie sits exactly halfway. Anything else counts as a real mismatch."""
+    The interpreter's float32 -> e4m3 conversion differs from the GPU's round-to-nearest-even cvt in three ways: it
+    drops the carry when rounding the mantissa up overflows into the exponent (-125.3 becomes -64, not -128), it
+    truncates subnormals, and it rounds exact ties away from zero. Mismatches are classified accordingly -- "carry":
+    the reference at a power of two and the kernel at exactly half of it; "subnormal": one subnormal step off;
+    "tie": the scaled value exactly halfway. Anything else counts as a real mismatch."""
     import torch
 
     from omni_accel.kernels import fp8
@@ -156,8 +157,7 @@ def fp8_quant_cases() -> dict:
 def pipeline_cases() -> dict:
     import torch
 
-    import omni_accel
-    from omni_accel.testing import run, tiny_pipeline
+    from omni_accel.testing import run, run_accelerated, tiny_pipeline
 
     results = {}
     for family in PIPELINE_FAMILIES:
@@ -165,12 +165,8 @@ def pipeline_cases() -> dict:
             t0 = time.perf_counter()
             pipe, kwargs = tiny_pipeline(family)
             plain = run(pipe, kwargs)
-            omni_accel.accelerate(pipe, kernels=True)
-            try:
-                out = run(pipe, kwargs)
-                applied = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "kernels"]
-            finally:
-                omni_accel.restore(pipe)
+            out, report = run_accelerated(pipe, kwargs, kernels=True)
+            applied = [a for a in report["applied"] if a["pass"] == "kernels"]
             results[family] = {"max_abs_diff": (out - plain).abs().max().item(),
                                "restored_equal": bool(torch.equal(run(pipe, kwargs), plain)),
                                "applied": applied, "seconds": round(time.perf_counter() - t0, 2)}

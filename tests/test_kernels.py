@@ -24,7 +24,7 @@ from omni_accel import AccelError
 from omni_accel.hooks import add_hook
 from omni_accel.kernels import fused
 from omni_accel.kernels.fused_pass import KINDS, _FusedForwardHook
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_accelerated, tiny_pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("flux", "flux2", "qwen_image", "sd3", "wan", "z_image")
@@ -235,12 +235,8 @@ def test_compiled_module_using_the_kernels_runs_on_cpu_without_graph_breaks():
 def test_kernels_pass_matches_plain_and_restores(family):
     pipe, kwargs = tiny_pipeline(family)
     plain = run(pipe, kwargs)
-    omni_accel.accelerate(pipe, kernels=True)
-    try:
-        out = run(pipe, kwargs)
-        applied = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "kernels"]
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, kernels=True)
+    applied = [a for a in report["applied"] if a["pass"] == "kernels"]
     assert (out - plain).abs().max().item() <= 1e-5
     assert torch.equal(run(pipe, kwargs), plain), f"{family}: restore() did not bring the plain output back"
     (entry,) = applied

@@ -160,19 +160,9 @@ def _validation_to_error(exc: RequestValidationError) -> ApiError:
                     code="invalid_value")
 
 
-def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = None, api_key: str | None = None,
-               metrics: ServeMetrics | None = None, url_cache: int = 64, world_size: int = 1):
-    """The ASGI app (FastAPI inside the guard middleware). ``engine`` must be started by the caller."""
-    limits = limits or Limits()
-    metrics = metrics or engine.metrics or ServeMetrics()
-    urls = _UrlStore(url_cache)
-    api = FastAPI(
-        title="omni_accel image server",
-        version=__import__("omni_accel").__version__,
-        description="OpenAI-compatible image generation and editing with an omni_accel-accelerated diffusers "
-                    "pipeline. Every 4xx/5xx answer carries {\"error\": {\"message\", \"type\", \"param\", "
-                    "\"code\"}}. See docs/serving.md.",
-    )
+
+def install_error_handlers(api: FastAPI) -> None:
+    """OpenAI error bodies for our ApiErrors, pydantic validation errors and Starlette's 404 / 405."""
 
     @api.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError):
@@ -188,6 +178,22 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
         kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, kind),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = None, api_key: str | None = None,
+               metrics: ServeMetrics | None = None, url_cache: int = 64, world_size: int = 1):
+    """The ASGI app (FastAPI inside the guard middleware). ``engine`` must be started by the caller."""
+    limits = limits or Limits()
+    metrics = metrics or engine.metrics or ServeMetrics()
+    urls = _UrlStore(url_cache)
+    api = FastAPI(
+        title="omni_accel image server",
+        version=__import__("omni_accel").__version__,
+        description="OpenAI-compatible image generation and editing with an omni_accel-accelerated diffusers "
+                    "pipeline. Every 4xx/5xx answer carries {\"error\": {\"message\", \"type\", \"param\", "
+                    "\"code\"}}. See docs/serving.md.",
+    )
+
+    install_error_handlers(api)
 
     @api.exception_handler(Exception)
     async def _internal_error(_request, exc: Exception):

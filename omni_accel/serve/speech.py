@@ -25,12 +25,10 @@ import threading
 from typing import Any, Iterator, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import ApiError, bad_request, error_body
+from .errors import ApiError, bad_request
 
 logger = logging.getLogger("omni_accel.serve")
 
@@ -211,26 +209,13 @@ def install(api: FastAPI, pipeline: Any, model_id: str, sampling: dict | None = 
 def create_speech_app(pipeline: Any, model_id: str, *, api_key: str | None = None, max_body: int = 2**20,
                       sampling: dict | None = None, max_codes: int = 2048):
     """A speech-only app: the speech routes, /health, /v1/models, OpenAI error bodies, the API-key guard."""
-    from .app import _Guard, _validation_to_error
+    from .app import _Guard, install_error_handlers
     from .metrics import ServeMetrics
 
     api = FastAPI(title="omni_accel speech server", version=__import__("omni_accel").__version__,
                   description="OpenAI-compatible speech with an omni_accel speech pipeline. See docs/speech.md.")
 
-    @api.exception_handler(ApiError)
-    async def _api_error(_request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @api.exception_handler(RequestValidationError)
-    async def _validation_error(_request, exc: RequestValidationError):
-        err = _validation_to_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @api.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, exc: StarletteHTTPException):
-        kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, kind),
-                            status_code=exc.status_code)
+    install_error_handlers(api)
 
     @api.get("/health")
     async def health():

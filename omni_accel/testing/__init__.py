@@ -64,3 +64,17 @@ def save_tiny_model(family: str, path: Any, seed: int = 0) -> str:
         raise AccelError(f"family={family!r} has no tiny saved model. Known: {', '.join(TINY_MODELS)}.")
     module, saver = TINY_MODELS[family]
     return getattr(importlib.import_module(f"{__name__}.{module}"), saver)(path, seed=seed)
+
+
+def run_accelerated(pipe: Any, call_kwargs: dict, seed: int = 0, **accelerate_kwargs: Any) -> tuple[torch.Tensor, dict]:
+    """``accelerate(pipe, **accelerate_kwargs)``, one seeded ``run``, the report, then ``restore``: (output, report).
+    The pipeline comes back plain even when the run fails."""
+    import omni_accel
+
+    omni_accel.accelerate(pipe, **accelerate_kwargs)
+    try:
+        out = run(pipe, call_kwargs, seed=seed)
+        report = pipe.omni_accel.report()
+    finally:
+        omni_accel.restore(pipe)
+    return out, report
