@@ -225,7 +225,7 @@ def first_tensor(out):
     return out
 
 
-def time_forwards(fn, device: torch.device, iters: int, warmup: int) -> dict:
+def time_forwards(fn, device: torch.device, iters: int, warmup: int, on_warm=None) -> dict:
     sync(device)
     t0 = time.perf_counter()
     out = first_tensor(fn())
@@ -236,6 +236,8 @@ def time_forwards(fn, device: torch.device, iters: int, warmup: int) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if on_warm is not None:
+        on_warm()  # the clock log's window: timed forwards only, not compilation
     times = sample_ms(fn, device, iters)
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -267,6 +269,29 @@ def measure_gemm_tflops(device: torch.device, tiny: bool) -> float | None:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def measure_sustained_gemm(device: torch.device, clocks: "ClockLog", seconds: float) -> dict | None:
+    """bf16 8192^3 GEMMs back to back for ``seconds``: TFLOP/s over the first and the last second, with the clocks
+    of the whole window -- the matrix rate a step-long dense load can expect, not a 20-product burst's."""
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    per_s = []
+    clocks.mark()
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(50):
+            a @ b
+        e.record()
+        e.synchronize()
+        per_s.append(50 * 2 * n**3 / (s.elapsed_time(e) / 1e3) / 1e12)
+    return {"seconds": seconds, "first_tflops": round(per_s[0], 1), "last_tflops": round(per_s[-1], 1),
+            "median_tflops": round(statistics.median(per_s), 1), **clocks.since_mark()}
+
+
 def measure_h2d_gbps(device: torch.device, tiny: bool) -> float | None:
     if device.type != "cuda":
         return None
@@ -285,6 +310,56 @@ def measure_h2d_gbps(device: torch.device, tiny: bool) -> float | None:
         times.append(s.elapsed_time(e) / 1e3)
     del host, dev
     return nbytes / statistics.median(times) / 1e9
+
+
+# ------------------------------------------------------------------------------------------- GPU clocks
+class ClockLog:
+    """SM clock and board power sampled by ``nvidia-smi`` every 100 ms in a background process.
+
+    Why: the same cuBLAS kernels ran 12 % slower inside compiled steps than in eager ones (2026-12-02 profile);
+    a denser load can lower the clocks under the power limit, and this records whether it did."""
+
+    def __init__(self, enabled: bool):
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, SM MHz, W)
+        self._mark = time.perf_counter()
+        self._proc = None
+        if not enabled:
+            return
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError as exc:
+            log(f"clock log off: {exc!r}")
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                mhz, watts = (float(v) for v in line.strip().split(", ")[:2])
+            except ValueError:
+                continue
+            self.samples.append((time.perf_counter(), mhz, watts))
+
+    def mark(self) -> None:
+        self._mark = time.perf_counter()
+
+    def since_mark(self) -> dict:
+        window = [s for s in list(self.samples) if s[0] >= self._mark]
+        self.mark()
+        if not window:
+            return {}
+        return {"sm_clock_mhz": round(statistics.mean(s[1] for s in window)),
+                "sm_clock_min_mhz": round(min(s[1] for s in window)),
+                "power_w": round(statistics.mean(s[2] for s in window)), "clock_samples": len(window)}
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
 
 
 # ------------------------------------------------------------------------------------- kernel attribution
@@ -373,6 +448,15 @@ STEP_CONFIGS = {
     "tea_cache+compile": dict(attention="auto", cache="tea_cache", compile=True),
     "fp8+auto+compile": dict(attention="auto", quant="fp8", compile=True),
     "fp8+tea_cache+compile": dict(attention="auto", quant="fp8", cache="tea_cache", compile=True),
+    "fuse+auto+compile": dict(attention="auto", fuse_qkv=True, compile=True),
+    "fp8+fuse+auto+compile": dict(attention="auto", quant="fp8", fuse_qkv=True, compile=True),
+    # threshold 0 never reuses: its wall time over plain's is what the TeaCache decisions cost per step
+    "tea_cache_never_reuse": dict(attention="auto", cache="tea_cache", cache_config={"threshold": 0.0}),
+    # random weights: looser residual thresholds than the defaults, to see the cache-dit paths reuse and what it saves
+    "cache_dit_0.6": dict(attention="auto", cache="cache_dit", cache_config={"residual_diff_threshold": 0.6}),
+    "fb_cache_0.6": dict(attention="auto", cache="fb_cache", cache_config={"residual_diff_threshold": 0.6}),
+    "fuse+tea_cache+compile": dict(attention="auto", fuse_qkv=True, cache="tea_cache", compile=True),
+    "fp8+fuse+tea_cache+compile": dict(attention="auto", quant="fp8", fuse_qkv=True, cache="tea_cache", compile=True),
 }
 
 
@@ -469,6 +553,7 @@ def ensure_adapters() -> str:
 
 
 # --------------------------------------------------------------------------------------------------- main
+PLAIN_COMPILE = "torch.compile(transformer)"
 CONFIGS = {
     # name: (accelerate kwargs or None for plain diffusers, lossless?, rough cost in seconds on the H200)
     "eager": (None, True, 10),
@@ -484,15 +569,19 @@ CONFIGS = {
     "fp8+auto+compile": (dict(attention="auto", quant="fp8", compile=True), False, 90),
     "fp8+kernels+auto+compile": (dict(attention="auto", quant="fp8", kernels=True, compile=True), False, 90),
     "fp8_weight_only+auto+compile": (dict(attention="auto", quant="fp8_weight_only", compile=True), False, 90),
+    "fuse+auto+compile": (dict(attention="auto", fuse_qkv=True, compile=True), True, 90),
+    "fp8+fuse+auto+compile": (dict(attention="auto", quant="fp8", fuse_qkv=True, compile=True), False, 90),
+    # the peer baseline: plain torch.compile of the whole transformer, no omni_accel (default SDPA)
+    "plain_compile": (PLAIN_COMPILE, True, 120),
 }
 MODEL_CONFIGS = {
-    "flux": ["eager", "auto+compile", "auto", "sdpa_flash", "compile", "kernels+auto", "kernels+auto+compile",
-             "fp8+auto", "fp8+auto+compile", "fp8+kernels+auto+compile", "fp8_weight_only+auto+compile",
-             "offload_block"],
-    "qwen_image": ["eager", "auto+compile", "auto", "compile", "kernels+auto+compile", "fp8+auto+compile",
-                   "fp8+kernels+auto+compile"],
-    "wan": ["eager", "auto+compile", "auto", "compile", "kernels+auto+compile", "fp8+auto+compile",
-            "fp8+kernels+auto+compile"],
+    "flux": ["eager", "auto+compile", "fuse+auto+compile", "plain_compile", "fp8+auto+compile",
+             "fp8+fuse+auto+compile", "auto", "sdpa_flash", "compile", "kernels+auto", "kernels+auto+compile",
+             "fp8+auto", "fp8+kernels+auto+compile", "fp8_weight_only+auto+compile", "offload_block"],
+    "qwen_image": ["eager", "auto+compile", "fp8+auto+compile", "plain_compile", "auto", "compile",
+                   "kernels+auto+compile", "fp8+kernels+auto+compile"],
+    "wan": ["eager", "auto+compile", "fuse+auto+compile", "fp8+fuse+auto+compile", "fp8+auto+compile",
+            "plain_compile", "auto", "compile", "kernels+auto+compile", "fp8+kernels+auto+compile"],
 }
 # FP8 rows are lossy: their output error against bf16 eager is reported, with this bound for "ok"
 LOSSY_REL_ERR_OK = 0.1
@@ -516,6 +605,10 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-steps", type=int, default=0, help="also time whole FLUX loops of N steps (e.g. 28)")
     ap.add_argument("--loop-configs", default="plain,auto+compile,tea_cache,cache_dit,fb_cache,cache_dit+compile,"
                     "tea_cache+compile,fp8+auto+compile,fp8+tea_cache+compile")
+    ap.add_argument("--log-clocks", action="store_true",
+                    help="sample SM clock and power with nvidia-smi; each row gets their means over its timed forwards")
+    ap.add_argument("--sustain-gemm-s", type=float, default=0.0,
+                    help="also run 8192^3 bf16 GEMMs back to back for S seconds: the rate under sustained load")
     ap.add_argument("--out", default="bench_transformer.json")
     ap.add_argument("--plot", default=None, help="PNG bar chart path (default: next to --out)")
     args = ap.parse_args(argv)
@@ -540,10 +633,16 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
     gemm = measure_gemm_tflops(device, args.tiny)
+    gemm_clocks = clocks.since_mark()
     h2d = measure_h2d_gbps(device, args.tiny)
     log(f"env {env}; bf16 GEMM {gemm:.1f} TFLOP/s; pinned H2D {h2d and round(h2d, 2)} GB/s")
-    result = {"env": env, "gemm_bf16_tflops": gemm, "h2d_pinned_gbps": h2d, "iters": iters, "warmup": warmup,
+    sustained = measure_sustained_gemm(device, clocks, seconds=args.sustain_gemm_s) if args.sustain_gemm_s else None
+    if sustained:
+        log(f"sustained bf16 GEMM: {sustained}")
+    result = {"env": env, "gemm_bf16_tflops": gemm, "gemm_clocks": gemm_clocks, "gemm_sustained": sustained,
+              "h2d_pinned_gbps": h2d, "iters": iters, "warmup": warmup,
               "rows": [], "skipped": [], "errors": [], "flops": {}}
 
     def write() -> None:
@@ -572,7 +671,7 @@ def main(argv=None) -> int:
             write()
             continue
         flops = analytic_flops(spec)
-        transformer = pipe = ref = None
+        transformer = pipe = ref = forward = None
         mem_before = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
         if mem_before:
             log(f"{model_name}: {mem_before:.2f} GiB still allocated before building it")
@@ -623,12 +722,16 @@ def main(argv=None) -> int:
                 log(f"time budget: skipping {model_name}/{name} (elapsed {elapsed():.0f}s)")
                 write()
                 continue
-            if device.type == "cpu" and kwargs and kwargs.get("attention") in ("sdpa_flash", "cudnn"):
+            if device.type == "cpu" and isinstance(kwargs, dict) and kwargs.get("attention") in ("sdpa_flash", "cudnn"):
                 result["skipped"].append(f"{model_name}/{name} (needs CUDA)")
                 continue
             accelerated = False
+            forward = pipe.transformer
             try:
-                if kwargs is not None:
+                if kwargs == PLAIN_COMPILE:
+                    forward = torch.compile(pipe.transformer, dynamic=False)
+                    applied, backend = ["torch.compile (whole model)"], "diffusers default (SDPA)"
+                elif kwargs is not None:
                     omni_accel.accelerate(pipe, **kwargs)
                     accelerated = True
                     applied = [p["pass"] for p in pipe.omni_accel.report()["applied"]]
@@ -637,7 +740,8 @@ def main(argv=None) -> int:
                 else:
                     applied, backend = [], "diffusers default (SDPA)"
                 with torch.no_grad():
-                    timing = time_forwards(lambda: pipe.transformer(**inputs), device, iters, warmup)
+                    timing = time_forwards(lambda: forward(**inputs), device, iters, warmup, on_warm=clocks.mark)
+                clock_stats = clocks.since_mark()
                 out = timing.pop("out").float()
                 if ref is None:
                     ref = out
@@ -661,9 +765,10 @@ def main(argv=None) -> int:
                        "ms_min": round(timing["ms_min"], 3), "ms_max": round(timing["ms_max"], 3),
                        "tflop_per_forward": round(flops["total"] / 1e12, 3), "params_b": round(n_params / 1e9, 3),
                        "transformer_gib": round(t_bytes / 2**30, 3),
-                       "mem_before_build_gib": None if mem_before is None else round(mem_before, 3)}
+                       "mem_before_build_gib": None if mem_before is None else round(mem_before, 3),
+                       **clock_stats}
                 if args.profile and device.type == "cuda":
-                    row["kernels"] = profile_kernels(lambda: pipe.transformer(**inputs))
+                    row["kernels"] = profile_kernels(lambda: forward(**inputs))
                     log(f"  kernel time by kind (ms/forward): {row['kernels']['by_kind_ms']}")
                 if name == "auto":
                     unoffloaded_peak = row["peak_mem_gib"]
@@ -680,7 +785,7 @@ def main(argv=None) -> int:
                 result["rows"].append(row)
                 log(f"{model_name:10s} {name:16s} {ms_step:9.2f} ms/step ({timing['ms']:.2f} ms/fwd) "
                     f"{tflops:7.1f} TFLOP/s mfu {row['mfu']} peak {row['peak_mem_gib']} GiB cold "
-                    f"{timing['cold_start_s']:.1f}s max_abs {max_abs:.3g} rel {rel:.3g} [{backend}]")
+                    f"{timing['cold_start_s']:.1f}s max_abs {max_abs:.3g} rel {rel:.3g} [{backend}] {clock_stats}")
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 result["errors"].append(f"{model_name}/{name}: {exc!r}")
@@ -696,7 +801,9 @@ def main(argv=None) -> int:
                 # rows that way (cold start 0.2 s). A reset between configs keeps each row's compile its own.
                 torch._dynamo.reset()
                 write()
-        del transformer, pipe, ref
+        # ``forward`` too: it holds the transformer (or its compiled wrapper) -- the 2026-12-03 run kept Qwen-Image's
+        # 38.1 GiB alive into Wan's first rows this way
+        del transformer, pipe, ref, forward
         # dynamo first: its caches hold the compiled blocks, and a module with hooks sits in reference cycles, so
         # only a gc.collect() *after* the reset frees its weights (the 2026-12-02 H200 run collected before the
         # reset, and the Qwen-Image rows' peak memory still counted the 22.2 GiB of FLUX weights)
@@ -705,6 +812,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result["total_s"] = round(elapsed(), 1)
+    clocks.stop()
     write()
     print_table(result)
     plot_path = args.plot or os.path.splitext(args.out)[0] + ".png"

@@ -13,6 +13,7 @@ from .compiler import CompilePass
 from .config import AccelConfig
 from .errors import AccelError
 from .kernels.attention import AttentionPass
+from .kernels.fuse_qkv import FuseQkvPass
 from .kernels.fused_pass import KernelsPass
 from .kernels.quant import QuantPass
 from .offload import OffloadPass
@@ -28,11 +29,13 @@ from .vae import VaePass
 
 logger = logging.getLogger(__name__)
 
-# The fixed order of the architecture: quantize -> attention -> tensor parallel -> sequence parallel ->
+# The fixed order of the architecture: fuse q/k/v -> quantize -> attention -> tensor parallel -> sequence parallel ->
 # CFG parallel -> cache -> offload -> compile. Each later pass sees the modules the earlier ones produced
-# (compile must see the final forward; offload must move quantized weights, not the originals).
+# (compile must see the final forward; offload must move quantized weights, not the originals; quant must see the
+# fused q/k/v linear, so that one activation is quantized once).
 PASSES: tuple[AccelPass, ...] = (
     StatsPass(),
+    FuseQkvPass(),
     QuantPass(),
     KernelsPass(),
     AttentionPass(),
@@ -93,6 +96,7 @@ def accelerate(
     compile: bool | str = False,
     text_encoder: str | None = None,
     kernels: bool = False,
+    fuse_qkv: bool = False,
     vae_tiling: bool = False,
     vae_slicing: bool = False,
     device: str | None = None,
@@ -109,7 +113,7 @@ def accelerate(
         sp=sp, ulysses=ulysses, ring=ring, cfg_parallel=cfg_parallel, tp=tp, vae_parallel=vae_parallel,
         cache=cache, cache_config=cache_config, offload=offload, quant=quant, quant_config=quant_config,
         attention=attention,
-        compile=compile, text_encoder=text_encoder, kernels=kernels, vae_tiling=vae_tiling,
+        compile=compile, text_encoder=text_encoder, kernels=kernels, fuse_qkv=fuse_qkv, vae_tiling=vae_tiling,
         vae_slicing=vae_slicing, device=device,
     )
     cfg = _build_config(config, knobs).validate()

@@ -92,6 +92,7 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--quant", default=None, help="quantization (fp8, fp8_weight_only)")
     a.add_argument("--text-encoder", default=None, help="text-encoder engine (vllm, transformers)")
     a.add_argument("--kernels", action="store_true", help="fused kernels")
+    a.add_argument("--fuse-qkv", action="store_true", help="one q/k/v GEMM per stream (flux, flux2, wan)")
 
 
 def _torch_dtype(name: str):
@@ -129,7 +130,7 @@ def _accel_config(args: argparse.Namespace, device: str):
         sp=args.sp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel, tp=args.tp,
         vae_parallel=args.vae_parallel, cache=args.cache, cache_config=cache_config, offload=args.offload,
         quant=args.quant, attention=args.attention, compile=COMPILE_CHOICES[args.compile],
-        text_encoder=args.text_encoder, kernels=args.kernels, vae_tiling=args.vae_tiling,
+        text_encoder=args.text_encoder, kernels=args.kernels, fuse_qkv=args.fuse_qkv, vae_tiling=args.vae_tiling,
         vae_slicing=args.vae_slicing, device=device,
     )
     return config.validate()

@@ -45,6 +45,7 @@ class CompilePass(AccelPass):
 
     def apply(self, ctx: PassContext) -> None:
         options = compile_options(ctx.config.compile, ctx.device)
+        _raise_recompile_limit(ctx)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             blocks = ctx.adapter.blocks_of(transformer)
             undos = [_compile_block(block, options) for _, block in blocks]
@@ -55,6 +56,24 @@ class CompilePass(AccelPass):
 
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), **options)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
+
+
+# Every accelerate(compile=True) on the same block class adds guard entries to the same forward code object (other
+# hooks, FP8 modules, shapes); past dynamo's default limit of 8 it silently runs that code eager. Seen on the H200:
+# the fifth compiled config of one benchmark process had a 0.2 s "cold start" and eager speed. A process that
+# re-accelerates a pipeline a few times must keep compiling, so the limit is raised while a compile pass is applied.
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit(ctx: PassContext) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    before = getattr(dynamo_config, name)
+    if before >= RECOMPILE_LIMIT:
+        return
+    setattr(dynamo_config, name, RECOMPILE_LIMIT)
+    ctx.state.record("compile", lambda: setattr(dynamo_config, name, before), hidden=True)
 
 
 def _compile_block(block: torch.nn.Module, options: dict):

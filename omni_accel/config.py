@@ -49,6 +49,7 @@ class AccelConfig:
     compile: bool | str = False
     text_encoder: str | None = None
     kernels: bool = False
+    fuse_qkv: bool = False
     vae_tiling: bool = False
     vae_slicing: bool = False
     device: str | None = None
@@ -84,7 +85,7 @@ class AccelConfig:
             raise AccelError(f"compile={self.compile!r} is not known. Use False, True (regional) or 'max'.")
         if self.text_encoder is not None:
             _one_of("text_encoder", self.text_encoder, TEXT_ENCODER_ENGINES)
-        for name in ("kernels", "vae_tiling", "vae_slicing"):
+        for name in ("kernels", "fuse_qkv", "vae_tiling", "vae_slicing"):
             if not isinstance(getattr(self, name), bool):
                 raise AccelError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.device is not None and not isinstance(self.device, str):

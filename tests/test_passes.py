@@ -69,3 +69,19 @@ def test_compile_does_not_recompile_across_calls_with_the_same_shapes():
     assert applied[0]["blocks"] == len(list(pipe.transformer.transformer_blocks)) + len(
         list(pipe.transformer.single_transformer_blocks))
     assert torch.equal(run(pipe, kwargs), plain)
+
+
+def test_compile_raises_dynamos_recompile_limit_while_applied():
+    """Re-accelerating in one process must keep compiling: past dynamo's limit of 8 guard entries per code object
+    it silently runs eager (measured on an H200), so the pass lifts the limit and puts it back on restore."""
+    import torch._dynamo.config as dynamo_config
+
+    from omni_accel.compiler import RECOMPILE_LIMIT
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    before = getattr(dynamo_config, name)
+    pipe, _ = tiny_pipeline("flux")
+    omni_accel.accelerate(pipe, compile=True)
+    assert getattr(dynamo_config, name) == max(before, RECOMPILE_LIMIT)
+    omni_accel.restore(pipe)
+    assert getattr(dynamo_config, name) == before

@@ -142,6 +142,9 @@ class ModelAdapter:
     extra: dict = field(default_factory=dict)
     # kernels=True: where the fused norm kernels go (empty = the family has no matching norm modules)
     kernels: tuple[KernelSites, ...] = ()
+    # fuse_qkv=True: the family's attention processors read diffusers' ``fused_projections`` flag, so
+    # ``AttentionModuleMixin.fuse_projections()`` takes effect (one q/k/v GEMM per stream)
+    fuse_qkv: bool = False
 
     def transformers_of(self, pipe) -> list[tuple[str, object]]:
         """The (name, module) transformers the pipeline actually holds (Wan 2.2 may have two, or one)."""

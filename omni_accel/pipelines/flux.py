@@ -94,4 +94,6 @@ ADAPTER = ModelAdapter(
         KernelSites("single_transformer_blocks", ("norm", "attn.norm_q", "attn.norm_k")),
         KernelSites("", ("norm_out",)),
     ),
+    # its attention processors call the fused to_qkv / to_kv / to_added_* linears once fuse_projections() ran
+    fuse_qkv=True,
 )

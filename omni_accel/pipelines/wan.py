@@ -89,4 +89,6 @@ ADAPTER = ModelAdapter(
     kernels=(
         KernelSites("blocks", ("attn1.norm_q", "attn1.norm_k", "attn2.norm_q", "attn2.norm_k", "attn2.norm_added_k")),
     ),
+    # its attention processors call the fused to_qkv / to_kv / to_added_* linears once fuse_projections() ran
+    fuse_qkv=True,
 )
