@@ -40,6 +40,25 @@ def captions(n: int, n_heldout: int) -> list[tuple[str, bool]]:
     return [(c, True) for c in held] + [(c, False) for c in rest]
 
 
+def folder_sha256(path: str) -> str:
+    """One digest over every file of a model folder (relative names and bytes): ties a result to the weights."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            digest.update(os.path.relpath(full, path).encode())
+            with open(full, "rb") as fh:
+                digest.update(fh.read())
+    return digest.hexdigest()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
 def vae_recon(n: int, vae_dir: str, out: str) -> dict:
     import numpy as np
     from diffusers import AutoencoderKL
@@ -106,11 +125,13 @@ def main(argv=None) -> dict:
     pipe(caps[0][0], **{**settings, "num_inference_steps": 2})  # warm-up (not timed)
     agg = {"all": collections.defaultdict(list), "heldout_triples": collections.defaultdict(list),
            "seen_triples": collections.defaultdict(list)}
-    rows, times, images = [], [], []
+    rows, times, cpu_times, images = [], [], [], []
+    load_before = os.getloadavg()
     for i, (c, held) in enumerate(caps):
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         img = pipe(c, generator=torch.Generator().manual_seed(i), **settings).images[0]
         times.append(time.perf_counter() - t)
+        cpu_times.append(time.process_time() - cpu)
         s = M.score(img, c)
         rows.append({"caption": c, "heldout_triple": held, **s, "seconds": round(times[-1], 3)})
         for k, v in s.items():
@@ -132,8 +153,15 @@ def main(argv=None) -> dict:
         "targets": {"color": 0.9, "bg_color": 0.9, "position": 0.8},
         "meets_targets": bool(frac["all"]["color"] >= 0.9 and frac["all"]["bg_color"] >= 0.9
                               and frac["all"].get("position", 1.0) >= 0.8),
-        "seconds_per_image": {"mean": round(sum(times) / len(times), 3), "median": round(sorted(times)[len(times) // 2], 3),
-                              "max": round(max(times), 3)},
+        # wall time depends on what else runs on the machine; CPU seconds of this process over the threads used is
+        # what one image costs on an idle machine of this size
+        "seconds_per_image": {"mean": round(sum(times) / len(times), 3), "median": round(percentile(times, 0.5), 3),
+                              "p95": round(percentile(times, 0.95), 3), "max": round(max(times), 3)},
+        "cpu_seconds_per_image": {"median": round(percentile(cpu_times, 0.5), 3),
+                                  "max": round(max(cpu_times), 3)},
+        "idle_estimate_seconds_per_image_max": round(max(cpu_times) / torch.get_num_threads(), 3),
+        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "model_sha256": folder_sha256(args.model or builtin_model_path()),
         "load_seconds": round(load_s, 2),
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "torch": torch.__version__, "diffusers": __import__("diffusers").__version__,

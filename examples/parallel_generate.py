@@ -3,9 +3,13 @@
     torchrun --nproc_per_node=4 examples/parallel_generate.py --model PATH --sp 2 --cfg-parallel 2 \
         --prompt "a red fox in the snow" --negative-prompt "blurry" --true-cfg-scale 4
     torchrun --nproc_per_node=2 examples/parallel_generate.py --tiny flux --sp 2        # no weights needed
+    torchrun --nproc_per_node=4 examples/parallel_generate.py --tiny qwen_image --sp 2 --cfg-parallel 2
+    python examples/parallel_generate.py --tiny qwen_image        # one process: the reference image
 
 The product cfg_parallel x sp x tp must equal --nproc_per_node (vae_parallel must divide it). Every rank runs the
-whole pipeline call on the same inputs and ends with the same image; rank 0 saves it.
+whole pipeline call on the same inputs and ends with the same image; rank 0 saves it. The tiny pipelines bring
+their own call arguments (Qwen-Image's: a negative prompt and true_cfg_scale=4, so --cfg-parallel 2 applies);
+the flags here override them.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def main() -> None:
     p.add_argument("-o", "--output", default="parallel.png")
     args = p.parse_args()
 
-    dist_util.init()  # from the torchrun environment: NCCL on GPU, gloo on CPU
+    if dist_util.torchrun_env():  # NCCL on GPU (pins this rank's GPU before .to()), gloo on CPU
+        dist_util.init()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if args.tiny:
         from omni_accel.testing import tiny_pipeline

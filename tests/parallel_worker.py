@@ -2,7 +2,11 @@
 computes the single-process reference *before* accelerate, then the parallel output, and writes its results to
 ``$OUT_DIR/<suite>.rank<R>.json`` (the pytest side asserts per case).
 
-    torchrun --standalone --nproc_per_node=2 tests/parallel_worker.py SUITE OUT_DIR
+    torchrun --standalone --nproc_per_node=2 tests/parallel_worker.py two OUT_DIR     # suite_2 + errors + diffusers
+    torchrun --standalone --nproc_per_node=4 tests/parallel_worker.py four OUT_DIR    # suite_4
+    torchrun --standalone --nproc_per_node=8 tests/parallel_worker.py eight OUT_DIR   # suite_8
+
+OMNI_ACCEL_PARALLEL_CASES=name,name runs only those cases of the suite.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omni_accel  # noqa: E402
 from omni_accel import AccelError  # noqa: E402
 from omni_accel.testing import TINY_BUILDERS, run, tiny_pipeline  # noqa: E402
+# the comparison with diffusers' context parallelism: one source for the test and the results file
+from benchmarks.parallel_vs_diffusers_cpu import compare_rows  # noqa: E402
 
 ODD = {  # overrides giving an odd image token count per family (the default text lengths are odd already)
     "flux": dict(height=48, width=80), "flux_kontext": dict(height=48, width=80), "flux2": dict(height=48, width=80),
@@ -36,10 +42,11 @@ def available(family: str) -> bool:
 
 
 def case(name, family, knobs, overrides=None, tol=1e-4, restore=False, vae_attention=False, call=None,
-         reference=None):
-    """``reference``: knobs of the single-process reference (default: the plain pipeline), e.g. the same cache."""
+         reference=None, decode_rows=None):
+    """``reference``: knobs of the single-process reference (default: the plain pipeline), e.g. the same cache.
+    ``decode_rows``: no pipeline call, ``pipe.vae.decode`` of a latent with that many rows (see run_decode_case)."""
     return dict(name=name, family=family, knobs=knobs, overrides=overrides or {}, tol=tol, restore=restore,
-                vae_attention=vae_attention, call=call or {}, reference=reference)
+                vae_attention=vae_attention, call=call or {}, reference=reference, decode_rows=decode_rows)
 
 
 TEA = dict(cache="tea_cache", cache_config={"threshold": 0.3})  # reuses some of 6 steps on every tiny family
@@ -54,7 +61,7 @@ def cache_cases():
                         reference=TEA, restore=fam == "flux"))
     out.append(case("cache-tea-ring-sd3-odd", "sd3", dict(ring=2, **TEA), dict(ODD["sd3"], **CACHE_STEPS),
                     reference=TEA))
-    for fam in ("qwen_image", "wan"):
+    for fam in ("qwen_image", "wan", "sd3"):  # true CFG (qwen_image, wan) and batched CFG (sd3)
         out.append(case(f"cache-tea-cfg-{fam}", fam, dict(cfg_parallel=2, **TEA), CACHE_STEPS, reference=TEA))
     for backend, label in (("cache_dit", "dit"), ("fb_cache", "fb")):  # cache-dit composes with tp (not sp/cfg)
         knobs = dict(cache=backend, cache_config={"residual_diff_threshold": 0.3, "max_warmup_steps": 1})
@@ -73,7 +80,7 @@ def suite_2():
         cases.append(case(f"ring-{fam}-odd", fam, dict(ring=2), ODD.get(fam)))
     for fam in ("qwen_image", "qwen_image_edit", "wan", "wan22"):
         cases.append(case(f"cfg-{fam}", fam, dict(cfg_parallel=2), dict(num_inference_steps=3), restore=True))
-    for fam in ("flux", "flux2", "qwen_image", "wan", "sd3"):
+    for fam in ("flux", "flux2", "qwen_image", "wan", "wan_i2v", "sd3"):  # wan_i2v: the image K/V projections too
         cases.append(case(f"tp-{fam}", fam, dict(tp=2), restore=fam in ("flux", "wan")))
     # SD3.5 layout: dual attention (attn2) in block 0, per-head RMS qk-norm
     cases.append(case("tp-sd3_5", "sd3", dict(tp=2), dict(dual_attention_layers=(0,), qk_norm="rms_norm")))
@@ -81,10 +88,16 @@ def suite_2():
     cases.append(case("tp-z_image", "z_image", dict(tp=2), dict(dim=48, axes_dims=[8, 8, 8])))
     for fam in ("flux", "z_image", "sd3", "flux2"):
         cases.append(case(f"vae-{fam}-odd", fam, dict(vae_parallel=2), ODD.get(fam)))
+    # 5 latent rows on 2 ranks (bands of 3 and 2): no tiny pipeline makes an odd latent height, so decode directly
+    cases.append(case("vae-flux-5rows", "flux", dict(vae_parallel=2), decode_rows=5))
     cases.append(case("vae-flux-attention", "flux", dict(vae_parallel=2), ODD["flux"], vae_attention=True,
                       restore=True))
     cases.append(case("ulysses+vae-flux-odd", "flux", dict(sp=2, vae_parallel=2), ODD["flux"], restore=True))
-    cases.append(case("ulysses-flux-compile", "flux", dict(sp=2, compile=True), ODD["flux"], tol=1e-3))
+    cases.append(case("ulysses-flux-compile", "flux", dict(sp=2, compile=True), ODD["flux"]))
+    # batched CFG (one forward on [uncond, cond]): the doubled batch is split over the two CFG ranks
+    cases.append(case("cfg-sd3-odd", "sd3", dict(cfg_parallel=2), dict(ODD["sd3"], num_inference_steps=3),
+                      restore=True))
+    cases.append(case("cfg-z_image-odd", "z_image", dict(cfg_parallel=2), dict(ODD["z_image"], num_inference_steps=3)))
     return cases + cache_cases()
 
 
@@ -97,6 +110,32 @@ def suite_4():
         case("vae4-flux", "flux", dict(vae_parallel=4), dict(height=64, width=48)),
         case("tp2xulysses2-flux-odd", "flux", dict(tp=2, sp=2), dict(ODD["flux"], num_attention_heads=4)),
         case("tp4-flux", "flux", dict(tp=4), dict(num_attention_heads=4)),
+        # 4-way sequence split of 11 text + 15 image tokens (flux), 93 + 15 (sd3, 4 heads), 143 + 15 (qwen_image)
+        case("ulysses4-flux-odd", "flux", dict(ulysses=4), dict(ODD["flux"], num_attention_heads=4)),
+        case("ring4-flux-odd", "flux", dict(ring=4), ODD["flux"]),
+        case("ulysses4-sd3-odd", "sd3", dict(ulysses=4), ODD["sd3"]),
+        case("ring4-qwen_image-odd", "qwen_image", dict(ring=4), ODD["qwen_image"]),
+        case("usp-qwen_image-odd", "qwen_image", dict(ulysses=2, ring=2), ODD["qwen_image"]),
+        case("usp-wan-odd", "wan", dict(ulysses=2, ring=2), ODD["wan"]),
+        case("cfg2xring2-wan-odd", "wan", dict(cfg_parallel=2, ring=2), dict(ODD["wan"], num_inference_steps=3)),
+        case("sp2xcfg2-sd3-odd", "sd3", dict(sp=2, cfg_parallel=2), dict(ODD["sd3"], num_inference_steps=3)),
+        # 6 latent rows on 4 ranks: bands of 2, 2, 1, 1 rows
+        case("vae4-flux-6rows", "flux", dict(vae_parallel=4), ODD["flux"]),
+        case("cfg2xring2-qwen_image-odd-compile", "qwen_image", dict(cfg_parallel=2, ring=2, compile=True),
+             dict(ODD["qwen_image"], num_inference_steps=3)),
+        case("cache-tea-sp2xcfg2-qwen_image-odd", "qwen_image", dict(sp=2, cfg_parallel=2, **TEA),
+             dict(ODD["qwen_image"], **CACHE_STEPS), reference=TEA),
+    ]
+
+
+def suite_8():
+    """cfg x ulysses x tp in one mesh (8 ranks): 4 heads, so tp=2 leaves 2 per rank for ulysses=2."""
+    heads = dict(ODD["qwen_image"], num_attention_heads=4)
+    knobs = dict(cfg_parallel=2, ulysses=2, tp=2)
+    return [
+        case("cfg2xulysses2xtp2-qwen_image-odd", "qwen_image", knobs, dict(heads, num_inference_steps=3)),
+        case("cache-tea-cfg2xulysses2xtp2-qwen_image-odd", "qwen_image", dict(knobs, **TEA),
+             dict(heads, **CACHE_STEPS), reference=TEA),
     ]
 
 
@@ -131,55 +170,45 @@ def errors_2():
     ref_ok = run(qpipe, qkw).shape
     out.append(dict(name="cfg-after-refusal", raised=True, message=str(tuple(ref_ok))))
     omni_accel.restore(qpipe)
+    # batched CFG runs one branch when the scale does not enable CFG (SD3: > 1, Z-Image: > 0): refused per call
+    for fam, scale in (("sd3", 1.0), ("z_image", 0.0)):
+        bpipe, bkw = tiny_pipeline(fam)
+        omni_accel.accelerate(bpipe, cfg_parallel=2)
+        expect(f"cfg-batched-call-without-cfg-{fam}", lambda: run(bpipe, dict(bkw, guidance_scale=scale)))
+        omni_accel.restore(bpipe)
+    for fam in ("wan", "qwen_image"):  # video VAEs (causal 3-D convolutions) cannot be split into bands
+        vpipe, _ = tiny_pipeline(fam)
+        expect(f"vae-parallel-{fam}", lambda: omni_accel.accelerate(vpipe, vae_parallel=2))
+        assert "omni_accel" not in vars(vpipe)
     return out
 
 
-def diffusers_compare() -> list[dict]:
-    """Ours vs diffusers' own context parallelism (transformer.enable_parallelism(ContextParallelConfig(
-    ulysses_degree=2))) on the tiny FLUX.1 pipeline: an even case (12 text + 6 image tokens) and the default odd
-    text length (11). Whatever diffusers does (result or exception) is recorded, not asserted."""
-    from diffusers import ContextParallelConfig
-
-    out = []
-    for label, over in (("even-12txt-6img", dict(max_sequence_length=12)), ("odd-11txt-6img", {}),
-                        ("odd-image-12txt-15img", dict(max_sequence_length=12, height=48, width=80))):
-        row = dict(case=label)
-        pipe, kw = tiny_pipeline("flux", **over)
-        ref = run(pipe, kw)
-        omni_accel.accelerate(pipe, sp=2)
-        t0 = time.perf_counter()
-        ours = run(pipe, kw)
-        row["ours_s"] = round(time.perf_counter() - t0, 3)
-        omni_accel.restore(pipe)
-        row["ours_max_abs_diff"] = float((ours - ref).abs().max())
+def run_decode_case(c) -> dict:
+    """vae_parallel on a latent whose row count does not divide the ranks: ``pipe.vae.decode`` of a seeded latent
+    with ``decode_rows`` rows, accelerated vs plain. Records the rows each rank's decoder saw (its band)."""
+    pipe, _ = tiny_pipeline(c["family"], **c["overrides"])
+    latent = torch.randn(1, pipe.vae.config.latent_channels, c["decode_rows"], 7,
+                         generator=torch.Generator().manual_seed(0))
+    band_rows = []
+    handle = pipe.vae.decoder.conv_in.register_forward_pre_hook(lambda m, a: band_rows.append(a[0].shape[2]))
+    with torch.no_grad():
+        ref = pipe.vae.decode(latent).sample
+        band_rows.clear()
+        omni_accel.accelerate(pipe, **c["knobs"])
         try:
-            pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
-            row["diffusers_as_is"] = "enabled"
-        except Exception as exc:
-            row["diffusers_as_is"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            # diffusers computes rank % torch.accelerator.device_count(), 0 without a GPU: pretend one device
-            pipe, kw = tiny_pipeline("flux", **over)
-            real = torch.accelerator.device_count
-            torch.accelerator.device_count = lambda: 1
-            try:
-                pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
-            except Exception as exc2:
-                row["diffusers_workaround"] = f"{type(exc2).__name__}: {str(exc2)[:300]}"
-            finally:
-                torch.accelerator.device_count = real
-        if "diffusers_workaround" not in row:
-            try:
-                t0 = time.perf_counter()
-                theirs = run(pipe, kw)
-                row["diffusers_s"] = round(time.perf_counter() - t0, 3)
-                row["diffusers_max_abs_diff"] = float((theirs - ref).abs().max())
-            except Exception as exc:
-                row["diffusers_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        out.append(row)
-    return out
+            out = pipe.vae.decode(latent).sample
+        finally:
+            omni_accel.restore(pipe)
+            handle.remove()
+    return dict(name=c["name"], status="ran", knobs=c["knobs"], tol=c["tol"], shape=list(out.shape),
+                max_abs_diff=float((out - ref).abs().max()), sp_attention_calls=0, counters={}, applied=[],
+                checksum=float(out.double().sum()), transformer_max_abs_diff=0.0, transformer_scale=0.0,
+                band_rows=band_rows)
 
 
 def run_case(c) -> dict:
+    if c["decode_rows"]:
+        return run_decode_case(c)
     t0 = time.perf_counter()
     fam = c["family"]
     if not available(fam):
@@ -237,7 +266,7 @@ def run_case(c) -> dict:
             h.remove()
     pred_diff = max((float((a.float() - b.float()).abs().max()) for a, b in zip(preds, ref_preds)), default=0.0)
     pred_scale = max((float(b.float().abs().max()) for b in ref_preds), default=0.0)
-    res = dict(name=c["name"], status="ran", tol=c["tol"], shape=list(out.shape),
+    res = dict(name=c["name"], status="ran", knobs=c["knobs"], tol=c["tol"], shape=list(out.shape),
                max_abs_diff=float((out - ref).abs().max()), sp_attention_calls=sp_calls,
                counters=dict(counters), applied=[a["pass"] for a in report["applied"]],
                checksum=float(out.double().sum()), transformer_max_abs_diff=pred_diff,
@@ -259,7 +288,7 @@ def main():
     torch.set_num_threads(1)
     only = os.environ.get("OMNI_ACCEL_PARALLEL_CASES")
     results = []
-    cases = {"two": suite_2, "four": suite_4}.get(suite, lambda: [])()
+    cases = {"two": suite_2, "four": suite_4, "eight": suite_8}.get(suite, lambda: [])()
     if only:
         cases = [c for c in cases if c["name"] in only.split(",")]
     for c in cases:
@@ -273,15 +302,8 @@ def main():
                 break  # a collective may now be out of step: stop this launch
         print(f"rank {rank}: {results[-1]['name']} {results[-1]['status']} "
               f"{results[-1].get('max_abs_diff', results[-1].get('error', ''))}", flush=True)
-    if suite == "diffusers":
-        rows = diffusers_compare()
-        with open(os.path.join(out_dir, f"diffusers.rank{rank}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        print(json.dumps(rows, indent=1), flush=True)
-        omni_accel.distributed.shutdown()
-        return
     errors = errors_2() if suite == "two" and not only else []
-    compare = diffusers_compare() if suite == "two" and not only else []
+    compare = compare_rows() if suite == "two" and not only else []
     with open(os.path.join(out_dir, f"{suite}.rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, results=results, errors=errors, diffusers=compare), f, indent=1)
     omni_accel.distributed.shutdown()

@@ -131,6 +131,26 @@ def test_true_cfg_branches_keep_separate_state():
         omni_accel.restore(pipe)
 
 
+def test_wan22_experts_keep_their_own_state_and_report():
+    """Wan 2.2 hands the steps over from the high-noise to the low-noise transformer at its boundary: the second
+    expert's first step must be computed (never the first expert's residual reused), and the report lists both."""
+    pipe, kwargs = tiny_pipeline("wan22")
+    omni_accel.accelerate(pipe, cache="tea_cache", cache_config={"threshold": 1e6})
+    try:
+        run(pipe, dict(kwargs, num_inference_steps=8))
+        report = pipe.omni_accel.report()["cache"]
+        caches = pipe.omni_accel.cache_controller.caches
+    finally:
+        omni_accel.restore(pipe)
+    assert caches["transformer"] is not caches["transformer_2"]
+    experts = report["branches"]
+    high, low = experts["transformer"]["cond"]["steps"], experts["transformer_2"]["cond"]["steps"]
+    handover = len(high)
+    assert 0 < handover < 8 and low[:handover] == "-" * handover, (high, low)
+    assert high[0] == "C" and low[handover] == "C" and low[-1] == "C", (high, low)
+    assert "R" in high and "R" in low
+
+
 def test_state_resets_between_calls_and_steps_change():
     pipe, kwargs = tiny_pipeline("flux")
     omni_accel.accelerate(pipe, cache="tea_cache", cache_config={"threshold": 1e6, "warmup_steps": 1,

@@ -243,6 +243,31 @@ def test_metrics_exposes_requests_latency_queue_and_forwards(server):
     assert re.search(r"^omni_accel_queue_depth \d", text, re.M)
     forwards = float(re.search(r"^omni_accel_transformer_forwards_total (\S+)$", text, re.M).group(1))
     assert forwards >= 3
+    assert re.search(r"^omni_accel_transformer_forwards_saved_total 0\.0$", text, re.M)  # no cache on this server
+
+
+def test_metrics_count_the_forwards_a_step_cache_saved():
+    """The built-in model served with --cache tea_cache: /metrics adds up the forwards the cache reused, as the
+    pipeline's own report gives them (20 steps: tea_cache reuses about half of them on this model)."""
+    from omni_accel.cli import build_parser
+    from omni_accel.serve.server import load_model
+
+    def metric(url, name):
+        return float(re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+
+    flags = ["--cache", "tea_cache", "--device", "cpu"]
+    model = load_model(build_parser().parse_args(["serve", *flags]))
+    with ThreadServer(model, flags) as s:
+        assert metric(s.url, "omni_accel_transformer_forwards_saved_total") == 0
+        r = client(s.url, key="unused").images.generate(prompt="a large red star in the top left on a blue "
+                                                        "background", size="64x64",
+                                                        extra_body={"seed": 0, "num_inference_steps": 20})
+        assert png_size(r.data[0].b64_json) == (64, 64)
+        report = model.pipe.omni_accel.report()
+        assert report["cache"]["backend"] == "tea_cache" and report["last_call"]["transformer_forwards"] == 20
+        saved = metric(s.url, "omni_accel_transformer_forwards_saved_total")
+        assert saved == report["cache"]["reused"] > 0
+        assert metric(s.url, "omni_accel_transformer_forwards_total") == 20
 
 
 # ---------------------------------------------------------------------------------------------- bad requests

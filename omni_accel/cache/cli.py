@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--criterion", choices=("mean", "min"), default="min",
                    help="which PSNR over the prompts must reach the target (default: the worst prompt)")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="steps always computed first (default 2: on short schedules a reused second step can "
+                        "change the layout of the image, measured on the built-in model)")
+    p.add_argument("--final-steps", type=int, default=1, help="steps always computed last (default 1)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default=None)
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
@@ -72,6 +76,7 @@ def run(args) -> int:
         if getattr(args, key):
             call_kwargs[key] = getattr(args, key)
     profile = calibrate(pipe, prompts, target_psnr=args.target_psnr, steps=args.steps, call_kwargs=call_kwargs,
-                        batch_size=args.batch_size, criterion=args.criterion, output=args.output)
+                        batch_size=args.batch_size, criterion=args.criterion, warmup_steps=args.warmup_steps,
+                        final_steps=args.final_steps, output=args.output)
     print(json.dumps({k: profile[k] for k in ("family", "threshold", "measured_psnr", "block_forward_ratio")}))
     return 0

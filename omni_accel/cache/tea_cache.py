@@ -279,7 +279,10 @@ class TeaCacheController:
             out["branches"][tname] = per
         if mesh is not None:
             out["decision_ranks"] = list(mesh.group_ranks("branch"))  # ranks that take the same decisions
-            if mesh.cfg > 1:
+            if mesh.cfg > 1 and self.ctx.adapter.cfg == "batched_cfg":
+                # batched CFG: each CFG rank runs one half of the doubled batch; both halves decide together
+                out["rank_branch"] = f"batch_half{mesh.cfg_rank}"
+            elif mesh.cfg > 1:
                 out["rank_branch"] = "cond" if mesh.cfg_rank == 0 else "uncond"
         return out
 

@@ -9,6 +9,7 @@ for torch's tensor-parallel styles.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import math
@@ -150,6 +151,18 @@ class ParallelMesh:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[group])
             out /= len(self.ranks_of[group])
         return out
+
+    def with_branch_over_cfg(self) -> "ParallelMesh":
+        """A view of this mesh whose "branch" group is every rank (the cfg group included).
+
+        For batched CFG: one forward carries both CFG branches, split by batch over the cfg group, so a cache
+        decision about that forward (TeaCache reduces its metric over "branch") must agree on every rank, and the
+        mean of the two half-batch metrics is the whole batch's, as in one process. The cached mesh is untouched.
+        """
+        view = copy.copy(self)
+        view.groups, view.ranks_of = dict(self.groups), dict(self.ranks_of)
+        view.groups["branch"], view.ranks_of["branch"] = self.groups["world"], self.ranks_of["world"]
+        return view
 
     def tp_device_mesh(self):
         """A 1-D torch DeviceMesh over this rank's tp group (for torch's tensor-parallel styles)."""

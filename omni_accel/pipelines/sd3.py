@@ -63,6 +63,10 @@ ADAPTER = ModelAdapter(
         "text_encoder_3 (T5) is optional; without it the T5 part of the prompt states is zeros."
     ),
     extra={
+        # cfg_parallel=2 splits the doubled batch over the two CFG ranks (omni_accel/parallel/cfg.py) when
+        # guidance_scale > 1 (do_classifier_free_guidance); an absent negative prompt encodes "" (no refusal)
+        "cfg_threshold": 1.0,
+        "cfg_needs_negative": False,
         "pos_embed_module": "pos_embed",
         # tp: diffusers has no _tp_plan for SD3; same layout as FLUX.1's dual-stream blocks (SD3.5's attn2 too).
         # Blocks without a module (the context_pre_only last block: no to_add_out / ff_context) are skipped.

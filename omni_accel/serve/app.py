@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Job, Limits, LoadedModel, QueueFull, random_seed
-from .errors import ApiError, bad_request, error_body
+from .errors import ApiError, StreamAborted, bad_request, error_body
 from .images import decode_upload, fit_area
 from .metrics import ServeMetrics
 from .schemas import (
@@ -59,6 +59,10 @@ class _Guard:
 
         try:
             await self._handle(scope, receive, send_wrapper)
+        except StreamAborted:
+            # a stream that failed after its header (already logged): returning without the body's end makes
+            # uvicorn close the connection, which is how the client learns that the body is incomplete
+            pass
         finally:
             self.metrics.observe_request(scope.get("path", ""), status["code"], time.perf_counter() - t0)
 
@@ -162,7 +166,8 @@ def _validation_to_error(exc: RequestValidationError) -> ApiError:
 
 
 def install_error_handlers(api: FastAPI) -> None:
-    """OpenAI error bodies for our ApiErrors, pydantic validation errors and Starlette's 404 / 405."""
+    """OpenAI error bodies for our ApiErrors, pydantic validation errors, Starlette's 404 / 405, and anything
+    unhandled (500)."""
 
     @api.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError):
@@ -179,6 +184,14 @@ def install_error_handlers(api: FastAPI) -> None:
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, kind),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    @api.exception_handler(Exception)
+    async def _internal_error(_request, exc: Exception):
+        if not isinstance(exc, StreamAborted):  # the stream logged its own failure
+            logger.exception("omni_accel.serve: unhandled error")
+        return JSONResponse(error_body(f"internal server error: {exc.__class__.__name__}", "server_error", None,
+                                       "internal_error"), status_code=500)
+
+
 def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = None, api_key: str | None = None,
                metrics: ServeMetrics | None = None, url_cache: int = 64, world_size: int = 1):
     """The ASGI app (FastAPI inside the guard middleware). ``engine`` must be started by the caller."""
@@ -194,12 +207,6 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
     )
 
     install_error_handlers(api)
-
-    @api.exception_handler(Exception)
-    async def _internal_error(_request, exc: Exception):
-        logger.exception("omni_accel.serve: unhandled error")
-        return JSONResponse(error_body(f"internal server error: {exc.__class__.__name__}", "server_error", None,
-                                       "internal_error"), status_code=500)
 
     # -- shared request handling ------------------------------------------------------------------------
     def check_model(name: str | None) -> None:

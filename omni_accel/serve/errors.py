@@ -29,3 +29,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+class StreamAborted(Exception):
+    """Raised from a streamed body after its 200 header went out, to cut the connection instead of ending the body
+    cleanly: the client reads an incomplete response (for raw audio there is no other way to say "failed")."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
-KNOWN_PATHS = ("/v1/images/generations", "/v1/images/edits", "/v1/models", "/health", "/metrics")
+KNOWN_PATHS = ("/v1/images/generations", "/v1/images/edits", "/v1/audio/speech", "/v1/audio/voices", "/v1/models",
+               "/health", "/metrics")
 
 
 class ServeMetrics:
@@ -25,10 +26,19 @@ class ServeMetrics:
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.forwards = Counter("omni_accel_transformer_forwards",
                                 "transformer forwards run (from pipe.omni_accel.report())", registry=r)
+        self.forwards_saved = Counter("omni_accel_transformer_forwards_saved",
+                                      "transformer forwards whose blocks a step cache reused instead of running "
+                                      "(report()['cache']['reused'])", registry=r)
         self.cancelled = Counter("omni_accel_cancelled_requests", "requests cancelled (client gone or timeout)",
                                  ["stage", "reason"], registry=r)
         self.rejected = Counter("omni_accel_rejected_requests", "requests refused with 429 (queue full)",
                                 registry=r)
+        self.speech_queue_depth = Gauge("omni_accel_speech_queue_depth", "speech requests waiting", registry=r)
+        self.speech_running = Gauge("omni_accel_speech_running_requests", "speech requests generating now",
+                                    registry=r)
+        self.speech_stream_errors = Counter("omni_accel_speech_stream_errors",
+                                            "speech streams that failed after their 200 header (SSE error event or "
+                                            "cut PCM stream)", ["code"], registry=r)
 
     @staticmethod
     def endpoint(path: str) -> str:
@@ -51,6 +61,9 @@ class ServeMetrics:
         state = vars(model.pipe).get("omni_accel")
         if state is not None and state.last_call is not None:
             self.forwards.inc(state.last_call.transformer_forwards)
+            # tea_cache reports its reused forwards; cache_dit / fb_cache keep their step decisions to themselves
+            cache = state.report().get("cache") or {}
+            self.forwards_saved.inc(int(cache.get("reused") or 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

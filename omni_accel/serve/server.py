@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests of the same shape batched into one pipeline call (default 4)")
     s.add_argument("--max-batch-images", type=int, default=8, help="images per pipeline call at most (default 8)")
     s.add_argument("--max-queue", type=int, default=32,
-                   help="requests waiting beyond the running batch; more -> 429 with Retry-After (default 32)")
+                   help="requests waiting beyond the running batch; more -> 429 with Retry-After (default 32; "
+                        "speech requests have a queue of their own of the same size)")
     s.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may take, queue included; longer -> 504 (default 300)")
     lim = p.add_argument_group("limits")
@@ -162,11 +163,11 @@ def build_server(args, model, *, leader=None, world_size: int = 1):
                     idle_s=PING_S, can_abort=leader is None)
     app = create_app(model, engine, limits=limits, api_key=args.api_key, metrics=metrics, url_cache=args.url_cache,
                      world_size=world_size)
-    if getattr(args, "speech_model", None):  # speech routes beside the image ones
-        from .speech import install, load_pipeline, sampling_of
+    if getattr(args, "speech_model", None):  # speech routes beside the image ones, with their own queue
+        from .speech import SpeechSettings, folder_name, install, load_pipeline
 
-        install(app.fastapi, load_pipeline(args), os.path.basename(os.path.normpath(args.speech_model)),
-                sampling_of(args), args.speech_max_codes)
+        install(app.fastapi, load_pipeline(args), SpeechSettings.from_args(args, folder_name(args.speech_model)),
+                metrics)
     log_level = "warning" if getattr(args, "verbose", 0) == 0 else "info"
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=False,
                             limit_concurrency=4 * (args.max_queue + args.max_concurrency) + 64,
