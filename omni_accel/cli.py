@@ -76,7 +76,7 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("acceleration (the keywords of omni_accel.accelerate)")
     a.add_argument("--attention", default="auto", help="attention backend (default auto; see `omni-accel info`)")
     a.add_argument("--compile", choices=list(COMPILE_CHOICES), default="off",
-                   help="torch.compile: off, on (regional) or max (autotune + CUDA graphs)")
+                   help="torch.compile: off, on (regional) or max (regional + GEMM autotuning)")
     a.add_argument("--offload", choices=["model", "block"], default=None, help="CPU offload mode")
     a.add_argument("--vae-tiling", action="store_true", help="decode the VAE in tiles")
     a.add_argument("--vae-slicing", action="store_true", help="decode the VAE one image at a time")

@@ -2,7 +2,8 @@
 
 Why regional: the blocks of a DiT are one module repeated 20-60 times, so dynamo traces one graph per block type
 and reuses it for every instance -- a cold start of seconds instead of minutes, with nearly the speed of
-whole-model compile. ``compile="max"`` adds inductor's autotuning and, on CUDA, CUDA graphs (static shapes).
+whole-model compile. ``compile="max"`` adds inductor's GEMM autotuning (max-autotune); CUDA graphs are left out,
+see ``compile_options``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ logger = logging.getLogger(__name__)
 
 def compile_options(mode: bool | str, device: torch.device) -> dict:
     if mode == "max":
-        return {"mode": "max-autotune" if device.type == "cuda" else "max-autotune-no-cudagraphs", "dynamic": False}
+        # No CUDA graphs: every instance of a block type replays the *same* regional graph, whose static output
+        # buffer the next block's replay overwrites while the residual stream still holds it (measured on an H200,
+        # 2026-12-03: "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+        return {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
     return {"dynamic": False}
 
 

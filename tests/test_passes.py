@@ -85,3 +85,13 @@ def test_compile_raises_dynamos_recompile_limit_while_applied():
     assert getattr(dynamo_config, name) == max(before, RECOMPILE_LIMIT)
     omni_accel.restore(pipe)
     assert getattr(dynamo_config, name) == before
+
+
+def test_compile_max_autotunes_without_cuda_graphs_on_every_device():
+    """Regional CUDA graphs of repeated blocks overwrite each other's outputs (measured on an H200), so "max" must
+    never ask inductor for CUDA graphs, on a GPU either."""
+    from omni_accel.compiler import compile_options
+
+    for device in ("cpu", "cuda"):
+        assert compile_options("max", torch.device(device)) == {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
+    assert compile_options(True, torch.device("cuda")) == {"dynamic": False}
