@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Job, Limits, LoadedModel, QueueFull, random_seed
-from .errors import ApiError, StreamAborted, bad_request, error_body
+from .errors import ApiError, StreamAborted, bad_request, error_body, queue_full_error, timeout_error
 from .images import decode_upload, fit_area
 from .metrics import ServeMetrics
 from .schemas import (
@@ -257,10 +257,7 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
             future = engine.submit(job)
         except QueueFull as exc:
             metrics.rejected.inc()
-            raise ApiError(429, f"the server is busy: {engine.queue_depth} requests are queued (limit "
-                                f"{engine.max_queue}, --max-queue); retry after {exc.retry_after} s",
-                           type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(exc.retry_after)})
+            raise queue_full_error(engine.queue_depth, engine.max_queue, exc.retry_after)
         waiter = asyncio.wrap_future(future)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.request_timeout_s
@@ -270,8 +267,7 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
                 stage = engine.cancel(job)
                 if stage is not None:
                     metrics.cancelled.labels(stage, "timeout").inc()
-                    raise ApiError(504, f"the request did not finish within {limits.request_timeout_s:g} s "
-                                        "(--request-timeout)", type="timeout_error", code="request_timeout")
+                    raise timeout_error(limits.request_timeout_s)
                 break
             await asyncio.wait({waiter}, timeout=min(0.25, remaining))
             if not waiter.done() and await request.is_disconnected():

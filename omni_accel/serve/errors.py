@@ -31,6 +31,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return ApiError(400, message, param=param, code=code)
 
 
+def queue_full_error(queued: int, limit: int, retry_after_s: int, what: str = "requests") -> ApiError:
+    """429 for a full queue (``--max-queue``), with the Retry-After header clients back off by."""
+    return ApiError(429, f"the server is busy: {queued} {what} are queued (limit {limit}, --max-queue); retry after "
+                         f"{retry_after_s} s", type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def timeout_error(timeout_s: float) -> ApiError:
+    """504 for a request not answered within ``--request-timeout``."""
+    return ApiError(504, f"the request did not finish within {timeout_s:g} s (--request-timeout)",
+                    type="timeout_error", code="request_timeout")
+
+
 class StreamAborted(Exception):
     """Raised from a streamed body after its 200 header went out, to cut the connection instead of ending the body
     cleanly: the client reads an incomplete response (for raw audio there is no other way to say "failed")."""

@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from .errors import ApiError, StreamAborted, bad_request
+from .errors import ApiError, StreamAborted, bad_request, queue_full_error, timeout_error
 
 logger = logging.getLogger("omni_accel.serve")
 
@@ -152,9 +152,7 @@ class SpeechAdmission:
         if self._slot.locked() and self.waiting >= self.max_queue:
             self.metrics.rejected.inc()
             wait_s = self.retry_after()
-            raise ApiError(429, f"the server is busy: {self.waiting} speech requests are queued (limit "
-                                f"{self.max_queue}, --max-queue); retry after {wait_s} s",
-                           type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait_s)})
+            raise queue_full_error(self.waiting, self.max_queue, wait_s, what="speech requests")
         loop = asyncio.get_running_loop()
         acquire = asyncio.ensure_future(self._slot.acquire())
         self._set_waiting(+1)
@@ -195,11 +193,6 @@ class SpeechAdmission:
     def _set_running(self, value: int) -> None:
         self.running = value
         self.metrics.speech_running.set(value)
-
-
-def timeout_error(timeout_s: float) -> ApiError:
-    return ApiError(504, f"the request did not finish within {timeout_s:g} s (--request-timeout)",
-                    type="timeout_error", code="request_timeout")
 
 
 # -- one generation on its own thread ----------------------------------------------------------------------
