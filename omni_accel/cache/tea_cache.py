@@ -279,7 +279,9 @@ class TeaCacheController:
             out["branches"][tname] = per
         if mesh is not None:
             out["decision_ranks"] = list(mesh.group_ranks("branch"))  # ranks that take the same decisions
-            if mesh.cfg > 1 and self.ctx.adapter.cfg == "batched_cfg":
+            from ..parallel.cfg import cfg_style  # the cfg_parallel pass's own reading of the pipeline's CFG
+
+            if mesh.cfg > 1 and cfg_style(self.ctx.adapter, self.ctx.pipe)["cfg"] == "batched_cfg":
                 # batched CFG: each CFG rank runs one half of the doubled batch; both halves decide together
                 out["rank_branch"] = f"batch_half{mesh.cfg_rank}"
             elif mesh.cfg > 1:
