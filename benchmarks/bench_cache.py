@@ -288,24 +288,31 @@ DEFAULT_GRID = {"warmup_steps": (2, 3, 4, 6), "threshold": (0.05, 0.07, 0.1, 0.1
 
 def select_default(pipe, train, validation, args) -> int:
     """The built-in model's shipped tea_cache profile, chosen without the test prompts. Coefficients: fitted on the
-    calibration + validation prompts (omni_accel.cache.calibrate). Threshold and warm-up: a grid search keeping the
+    calibration + validation prompts (calibrate()'s fit). Threshold and warm-up: a grid search keeping the
     settings whose worst prompt stays >= 30 + DEFAULT_MARGIN_DB dB on *each* of the two sets, then the one that
     computes the fewest forwards (ties: the higher worst-case PSNR). A grid, not calibrate()'s bisection: PSNR is
     not monotone in the threshold on this model (a reused early step can flip a layout), and the warm-up is
     searched too."""
-    from omni_accel.cache.calibrate import evaluate
+    import datetime
+
+    from omni_accel.cache.calibrate import evaluate, fit_coefficients, run_cached
 
     kw = {k: v for k, v in CALL.items() if k != "output_type"}
-    fitted = omni_accel.cache.calibrate(pipe, train + validation, target_psnr=30.0 + DEFAULT_MARGIN_DB,
-                                        steps=args.steps, call_kwargs=kw, criterion="min", max_evals=1,
-                                        batch_size=len(train))
+    run_kw = dict(kw, num_inference_steps=args.steps)
+    # what calibrate() fits on, without its threshold search (the grid below replaces it): uncached runs of both
+    # sets in one recording, batched per set (the validation batch's seed is 16, as calibrate() seeds batches)
+    records: list[dict] = []
+    uncached, _ = run_cached(pipe, train + validation, run_kw, {"threshold": 0.0, "coefficients": [1.0, 0.0]},
+                             batch_size=len(train), recorder=records)
+    coefficients, fit = fit_coefficients(records)
     sets = {"calibration": train, "validation": validation}
-    refs = {name: generate(pipe, subset, args.steps) for name, subset in sets.items()}
+    # references at the seed evaluate() uses for each set (0): the calibration batch's is the run above
+    refs = {"calibration": uncached[:len(train)], "validation": generate(pipe, validation, args.steps)}
     grid = []
     for warmup in DEFAULT_GRID["warmup_steps"]:
         for threshold in DEFAULT_GRID["threshold"]:
             per_set = {name: evaluate(pipe, subset, dict(kw, num_inference_steps=args.steps), refs[name],
-                                      fitted["coefficients"], threshold, batch_size=len(subset),
+                                      coefficients, threshold, batch_size=len(subset),
                                       warmup_steps=warmup, final_steps=1)
                        for name, subset in sets.items()}
             worst = min(v["psnr_min"] for v in per_set.values())
@@ -318,11 +325,12 @@ def select_default(pipe, train, validation, args) -> int:
     if best is None:
         print("no grid point keeps the margin; profile not written", flush=True)
         return 1
-    prof = {k: v for k, v in fitted.items() if k not in ("search", "measured_psnr", "measured_psnr_mean",
-                                                         "measured_psnr_min", "measured_ssim_mean",
-                                                         "measured_ssim_min", "block_forward_ratio")}
-    prof.update(model="omni_accel/builtin/model", target_psnr=30.0, threshold=best["threshold"],
-                warmup_steps=best["warmup_steps"], measured_psnr=best["worst_psnr"], criterion="min")
+    prof = {"family": "flux", "pipeline": type(pipe).__name__, "model": "omni_accel/builtin/model",
+            "coefficients": coefficients, "threshold": best["threshold"], "target_psnr": 30.0, "criterion": "min",
+            "steps": args.steps, "warmup_steps": best["warmup_steps"], "final_steps": 1,
+            "prompts": len(train) + len(validation), "call_kwargs": run_kw, "fit": fit,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "measured_psnr": best["worst_psnr"]}
     prof["note"] = (
         "TeaCache profile of the built-in model, written by `python benchmarks/bench_cache.py --select-default`: "
         f"coefficients fitted on {len(train)} calibration + {len(validation)} validation prompts; warm-up steps and "
