@@ -313,49 +313,149 @@ def measure_h2d_gbps(device: torch.device, tiny: bool) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------- GPU clocks
+# quantity -> nvidia-smi query fields that report it, preferred first. Drivers differ: power.draw.instant is newer than
+# power.draw (which recent drivers average over 1 s, too slow for 100 ms samples), and clocks_event_reasons.* was
+# called clocks_throttle_reasons.* before.
+CLOCK_QUERIES: dict[str, tuple[str, ...]] = {
+    "sm_mhz": ("clocks.sm",),
+    "power_w": ("power.draw.instant", "power.draw"),
+    "sw_power_cap": ("clocks_event_reasons.sw_power_cap", "clocks_throttle_reasons.sw_power_cap"),
+    "hw_slowdown": ("clocks_event_reasons.hw_slowdown", "clocks_throttle_reasons.hw_slowdown"),
+    "sw_thermal": ("clocks_event_reasons.sw_thermal_slowdown", "clocks_throttle_reasons.sw_thermal_slowdown"),
+    "temp_c": ("temperature.gpu",),
+}
+
+
+def parse_smi_value(text: str) -> float | None:
+    """One csv,nounits cell: a number, "Active" (1.0) / "Not Active" (0.0), or None ("[N/A]", "[Not Supported]")."""
+    text = text.strip()
+    if text == "Active":
+        return 1.0
+    if text == "Not Active":
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def query_smi_once(fields: list[str]) -> list[float | None] | None:
+    """The first GPU's values of ``fields`` from one nvidia-smi call; None when the call fails (an unknown field
+    makes nvidia-smi reject the whole query, so the caller can fall back field by field)."""
+    import subprocess
+
+    try:
+        res = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    if res.returncode != 0 or not lines:
+        return None
+    values = [parse_smi_value(v) for v in lines[0].split(",")]
+    return values if len(values) == len(fields) else None
+
+
+def choose_smi_fields(query=query_smi_once) -> dict[str, str]:
+    """quantity -> the query field this driver answers for it. One call with every first choice; only when it fails
+    or leaves a quantity without a value are the candidates of the missing quantities tried alone. A quantity no
+    candidate answers is dropped (the others are still logged)."""
+    first = {qty: fields[0] for qty, fields in CLOCK_QUERIES.items()}
+    values = query(list(first.values()))
+    chosen = {}
+    if values is not None:
+        chosen = {qty: field for (qty, field), v in zip(first.items(), values) if v is not None}
+    for qty, candidates in CLOCK_QUERIES.items():
+        if qty in chosen:
+            continue
+        for field in candidates:
+            got = query([field])
+            if got is not None and got[0] is not None:
+                chosen[qty] = field
+                break
+    return chosen
+
+
+def summarize_clock_samples(samples: list[dict[str, float | None]]) -> dict:
+    """A row's clock fields from the samples of its window; a quantity with no value in any sample is left out."""
+
+    def known(qty: str) -> list[float]:
+        return [s[qty] for s in samples if s.get(qty) is not None]
+
+    out: dict = {}
+    if mhz := known("sm_mhz"):
+        out.update(sm_clock_mhz=round(statistics.mean(mhz)), sm_clock_min_mhz=round(min(mhz)))
+    if watts := known("power_w"):
+        out.update(power_w=round(statistics.mean(watts)), power_max_w=round(max(watts)))
+    if cap := known("sw_power_cap"):
+        out["sw_power_cap_frac"] = round(statistics.mean(cap), 3)
+    # thermal: the SW thermal slowdown or HW slowdown (which the board raises when hot, or on a power-brake signal)
+    thermal = [max(v for v in (s.get("sw_thermal"), s.get("hw_slowdown")) if v is not None) for s in samples
+               if s.get("sw_thermal") is not None or s.get("hw_slowdown") is not None]
+    if thermal:
+        out["thermal_slowdown_frac"] = round(statistics.mean(thermal), 3)
+    if hw := known("hw_slowdown"):
+        out["hw_slowdown_frac"] = round(statistics.mean(hw), 3)
+    if temp := known("temp_c"):
+        out["temp_c"] = round(statistics.mean(temp), 1)
+    out["clock_samples"] = len(samples)
+    return out
+
+
 class ClockLog:
-    """SM clock and board power sampled by ``nvidia-smi`` every 100 ms in a background process.
+    """SM clock, board power, throttle reasons and temperature sampled by ``nvidia-smi`` every 100 ms in a
+    background process.
 
     Why: the same cuBLAS kernels ran 12 % slower inside compiled steps than in eager ones (2026-12-02 profile);
-    a denser load can lower the clocks under the power limit, and this records whether it did."""
+    a denser load can lower the clocks under the power limit, and this records whether it did -- the SW power cap
+    reason says whether the power limit was what held the clock down, the thermal reasons rule heat in or out.
+    Every visible GPU's lines are pooled: the benchmark is meant for a machine with one GPU."""
 
     def __init__(self, enabled: bool):
+        import shutil
         import subprocess
         import threading
 
-        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, SM MHz, W)
+        self.samples: list[tuple[float, dict[str, float | None]]] = []  # (perf_counter, quantity -> value)
+        self.fields: dict[str, str] = {}  # quantity -> nvidia-smi query field in use
         self._mark = time.perf_counter()
         self._proc = None
         if not enabled:
             return
+        if shutil.which("nvidia-smi") is None:
+            log("clock log off: nvidia-smi not found")
+            return
+        self.fields = choose_smi_fields()
+        if not self.fields:
+            log("clock log off: nvidia-smi answered none of the clock/power fields")
+            return
+        dropped = [q for q in CLOCK_QUERIES if q not in self.fields]
+        log(f"clock log fields: {self.fields}" + (f"; not available: {dropped}" if dropped else ""))
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                ["nvidia-smi", f"--query-gpu={','.join(self.fields.values())}", "--format=csv,noheader,nounits",
+                 "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError as exc:
             log(f"clock log off: {exc!r}")
+            self.fields = {}
             return
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        names = list(self.fields)
         for line in self._proc.stdout:
-            try:
-                mhz, watts = (float(v) for v in line.strip().split(", ")[:2])
-            except ValueError:
+            values = [parse_smi_value(v) for v in line.split(",")]
+            if len(values) != len(names):  # a warning or error line, not a sample
                 continue
-            self.samples.append((time.perf_counter(), mhz, watts))
+            self.samples.append((time.perf_counter(), dict(zip(names, values))))
 
     def mark(self) -> None:
         self._mark = time.perf_counter()
 
     def since_mark(self) -> dict:
-        window = [s for s in list(self.samples) if s[0] >= self._mark]
+        window = [s for t, s in list(self.samples) if t >= self._mark]
         self.mark()
-        if not window:
-            return {}
-        return {"sm_clock_mhz": round(statistics.mean(s[1] for s in window)),
-                "sm_clock_min_mhz": round(min(s[1] for s in window)),
-                "power_w": round(statistics.mean(s[2] for s in window)), "clock_samples": len(window)}
+        return summarize_clock_samples(window) if window else {}
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -573,11 +673,27 @@ CONFIGS = {
     "fp8+fuse+auto+compile": (dict(attention="auto", quant="fp8", fuse_qkv=True, compile=True), False, 90),
     # the peer baseline: plain torch.compile of the whole transformer, no omni_accel (default SDPA)
     "plain_compile": (PLAIN_COMPILE, True, 120),
+    # SageAttention (INT8 Q/K, lossy) through diffusers' dispatcher; needs the sageattention package
+    "sage+auto+compile": (dict(attention="sage", compile=True), False, 90),
+    "fp8+sage+compile": (dict(attention="sage", quant="fp8", compile=True), False, 90),
+    # compile="max": max-autotune GEMMs plus CUDA graphs of the whole transformer forward (long cold start)
+    "max": (dict(attention="auto", compile="max"), True, 300),
+    "fp8+max": (dict(attention="auto", quant="fp8", compile="max"), False, 300),
+    # the same two with OMNI_ACCEL_CUDA_GRAPHS=0 (set around accelerate()): what the graphs themselves add; inductor's
+    # caches make their autotuning cheap after the rows above
+    "max_no_graphs": (dict(attention="auto", compile="max"), True, 120),
+    "fp8+max_no_graphs": (dict(attention="auto", quant="fp8", compile="max"), False, 120),
+    # omni_accel's FP8 attention (Triton: int8 Q K^T per token, e4m3 P V), lossy
+    "fp8attn+compile": (dict(attention="fp8", compile=True), False, 90),
+    "fp8+fp8attn+compile": (dict(attention="fp8", quant="fp8", compile=True), False, 90),
+    "fp8+fp8attn+max": (dict(attention="fp8", quant="fp8", compile="max"), False, 200),
 }
 MODEL_CONFIGS = {
     "flux": ["eager", "auto+compile", "fuse+auto+compile", "plain_compile", "fp8+auto+compile",
              "fp8+fuse+auto+compile", "auto", "sdpa_flash", "compile", "kernels+auto", "kernels+auto+compile",
-             "fp8+auto", "fp8+kernels+auto+compile", "fp8_weight_only+auto+compile", "offload_block"],
+             "fp8+auto", "fp8+kernels+auto+compile", "fp8_weight_only+auto+compile", "offload_block",
+             "sage+auto+compile", "fp8+sage+compile", "max", "fp8+max", "max_no_graphs", "fp8+max_no_graphs",
+             "fp8attn+compile", "fp8+fp8attn+compile", "fp8+fp8attn+max"],
     "qwen_image": ["eager", "auto+compile", "fp8+auto+compile", "plain_compile", "auto", "compile",
                    "kernels+auto+compile", "fp8+kernels+auto+compile"],
     "wan": ["eager", "auto+compile", "fuse+auto+compile", "fp8+fuse+auto+compile", "fp8+auto+compile",
@@ -586,6 +702,25 @@ MODEL_CONFIGS = {
 # FP8 rows are lossy: their output error against bf16 eager is reported, with this bound for "ok"
 LOSSY_REL_ERR_OK = 0.1
 MODEL_BUILD_COST = {"flux": 15, "qwen_image": 25, "wan": 20}
+
+
+def compiles(name: str) -> bool:
+    """Whether a config compiles: by its kwargs, not its name ("max" and "fp8+max" do not say "compile")."""
+    kwargs = CONFIGS[name][0]
+    return kwargs == PLAIN_COMPILE or (isinstance(kwargs, dict) and bool(kwargs.get("compile")))
+
+
+def needs_skip(name: str, device: torch.device) -> str | None:
+    """Why a config cannot run here (None: it can): CUDA-only attention kernels, SageAttention not installed."""
+    import importlib.util
+
+    kwargs = CONFIGS[name][0]
+    attention = kwargs.get("attention") if isinstance(kwargs, dict) else None
+    if device.type == "cpu" and attention in ("sdpa_flash", "cudnn", "sage", "fp8"):
+        return "needs CUDA"
+    if attention == "sage" and importlib.util.find_spec("sageattention") is None:
+        return "needs sageattention"
+    return None
 
 
 def main(argv=None) -> int:
@@ -606,7 +741,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-configs", default="plain,auto+compile,tea_cache,cache_dit,fb_cache,cache_dit+compile,"
                     "tea_cache+compile,fp8+auto+compile,fp8+tea_cache+compile")
     ap.add_argument("--log-clocks", action="store_true",
-                    help="sample SM clock and power with nvidia-smi; each row gets their means over its timed forwards")
+                    help="sample SM clock, board power, throttle reasons and temperature with nvidia-smi; each row "
+                         "gets their summary over its timed forwards (and energy_j_per_step)")
     ap.add_argument("--sustain-gemm-s", type=float, default=0.0,
                     help="also run 8192^3 bf16 GEMMs back to back for S seconds: the rate under sustained load")
     ap.add_argument("--out", default="bench_transformer.json")
@@ -642,7 +778,7 @@ def main(argv=None) -> int:
     if sustained:
         log(f"sustained bf16 GEMM: {sustained}")
     result = {"env": env, "gemm_bf16_tflops": gemm, "gemm_clocks": gemm_clocks, "gemm_sustained": sustained,
-              "h2d_pinned_gbps": h2d, "iters": iters, "warmup": warmup,
+              "h2d_pinned_gbps": h2d, "iters": iters, "warmup": warmup, "clock_fields": clocks.fields,
               "rows": [], "skipped": [], "errors": [], "flops": {}}
 
     def write() -> None:
@@ -663,7 +799,7 @@ def main(argv=None) -> int:
             keep = set(args.configs.split(","))
             names = [n for n in names if n in keep or n == "eager"]
         if args.no_compile:
-            names = [n for n in names if "compile" not in n]
+            names = [n for n in names if not compiles(n)]
         scale = 0.05 if args.tiny else 1.0
         if elapsed() + scale * (MODEL_BUILD_COST[model_name] + CONFIGS["eager"][2]) > budget:
             result["skipped"] += [f"{model_name}/{n}" for n in names]
@@ -722,8 +858,10 @@ def main(argv=None) -> int:
                 log(f"time budget: skipping {model_name}/{name} (elapsed {elapsed():.0f}s)")
                 write()
                 continue
-            if device.type == "cpu" and isinstance(kwargs, dict) and kwargs.get("attention") in ("sdpa_flash", "cudnn"):
-                result["skipped"].append(f"{model_name}/{name} (needs CUDA)")
+            why_not = needs_skip(name, device)
+            if why_not:
+                result["skipped"].append(f"{model_name}/{name} ({why_not})")
+                log(f"skipping {model_name}/{name}: {why_not}")
                 continue
             accelerated = False
             forward = pipe.transformer
@@ -732,7 +870,12 @@ def main(argv=None) -> int:
                     forward = torch.compile(pipe.transformer, dynamic=False)
                     applied, backend = ["torch.compile (whole model)"], "diffusers default (SDPA)"
                 elif kwargs is not None:
-                    omni_accel.accelerate(pipe, **kwargs)
+                    if name.endswith("_no_graphs"):
+                        os.environ["OMNI_ACCEL_CUDA_GRAPHS"] = "0"  # read once, inside accelerate()
+                    try:
+                        omni_accel.accelerate(pipe, **kwargs)
+                    finally:
+                        os.environ.pop("OMNI_ACCEL_CUDA_GRAPHS", None)
                     accelerated = True
                     applied = [p["pass"] for p in pipe.omni_accel.report()["applied"]]
                     backend = next((p.get("backend") for p in pipe.omni_accel.report()["applied"]
@@ -767,6 +910,9 @@ def main(argv=None) -> int:
                        "transformer_gib": round(t_bytes / 2**30, 3),
                        "mem_before_build_gib": None if mem_before is None else round(mem_before, 3),
                        **clock_stats}
+                if clock_stats.get("power_w") is not None:
+                    # whole-board energy of one denoising step at the mean power of the timed forwards
+                    row["energy_j_per_step"] = round(clock_stats["power_w"] * ms_step / 1000, 2)
                 if args.profile and device.type == "cuda":
                     row["kernels"] = profile_kernels(lambda: forward(**inputs))
                     log(f"  kernel time by kind (ms/forward): {row['kernels']['by_kind_ms']}")

@@ -2,17 +2,20 @@
 
 Why regional: the blocks of a DiT are one module repeated 20-60 times, so dynamo traces one graph per block type
 and reuses it for every instance -- a cold start of seconds instead of minutes, with nearly the speed of
-whole-model compile. ``compile="max"`` adds inductor's GEMM autotuning (max-autotune); CUDA graphs are left out,
-see ``compile_options``.
+whole-model compile. ``compile="max"`` adds inductor's GEMM autotuning (max-autotune) and, on CUDA where the
+transformer forward is pure (no cache, offload or parallel pass inside it), a CUDA graph of the whole transformer
+forward per input signature (``cuda_graphs.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import torch
 
+from .cuda_graphs import GraphedForward
 from .errors import AccelError
 from .pass_base import AccelPass, PassContext
 
@@ -21,9 +24,10 @@ logger = logging.getLogger(__name__)
 
 def compile_options(mode: bool | str, device: torch.device) -> dict:
     if mode == "max":
-        # No CUDA graphs: every instance of a block type replays the *same* regional graph, whose static output
-        # buffer the next block's replay overwrites while the residual stream still holds it (measured on an H200,
-        # 2026-12-03: "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+        # No inductor CUDA graphs: every instance of a block type replays the *same* regional graph, whose static
+        # output buffer the next block's replay overwrites while the residual stream still holds it (measured on an
+        # H200, 2026-12-03: "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+        # The graphs come from cuda_graphs.py instead, one over the whole transformer forward.
         return {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
     return {"dynamic": False}
 
@@ -59,6 +63,8 @@ class CompilePass(AccelPass):
                     u()
 
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), **options)
+        if ctx.config.compile == "max":
+            _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
 
 
@@ -80,6 +86,65 @@ def _raise_recompile_limit(ctx: PassContext) -> None:
     ctx.state.record("compile", lambda: setattr(dynamo_config, name, before), hidden=True)
 
 
+def cuda_graphs_blocker(ctx: PassContext) -> str | None:
+    """Why ``compile="max"`` cannot graph this transformer forward, or None when it can.
+
+    A replay re-runs the recorded kernels and none of the Python in between, so every pass that decides or
+    communicates inside the forward at run time rules graphs out."""
+    cfg = ctx.config
+    if os.environ.get("OMNI_ACCEL_CUDA_GRAPHS", "1") == "0":
+        return "OMNI_ACCEL_CUDA_GRAPHS=0 is set"
+    if ctx.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; the pipeline runs on {ctx.device}"
+    if cfg.cache is not None:
+        return f"cache={cfg.cache!r} decides per step inside the forward whether blocks run"
+    if cfg.offload is not None:
+        return f"offload={cfg.offload!r} moves weights in hooks during the forward"
+    if cfg.world_size > 1:
+        return f"parallel degree {cfg.world_size}: the forward exchanges tensors with other ranks"
+    return None
+
+
+def _apply_cuda_graphs(ctx: PassContext) -> None:
+    reason = cuda_graphs_blocker(ctx)
+    if reason is not None:
+        logger.info("omni_accel: compile='max' without CUDA graphs: %s", reason)
+        ctx.state.record("compile", lambda: None, cuda_graphs=False, cuda_graphs_off_because=reason)
+        return
+    for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
+        get_forward, set_forward = _innermost_forward(transformer)
+        eager = get_forward()
+        graphed = GraphedForward(eager, transformer, ctx.device)
+        set_forward(graphed)
+
+        def undo(set_forward=set_forward, eager=eager, graphed=graphed) -> None:
+            set_forward(eager)
+            graphed.reset()  # frees the graphs' memory pools
+
+        ctx.state.record("compile", undo, component=name, cuda_graphs=True, graph_stats=graphed.stats)
+
+
+def _innermost_forward(module: torch.nn.Module):
+    """Getter and setter of the forward that diffusers' hook chain on ``module`` finally calls (the hooks stay
+    outside); without hooks, the module's own ``forward`` attribute."""
+    registry = getattr(module, "_diffusers_hook", None)
+    refs = getattr(registry, "_fn_refs", None)
+    if not refs:
+        own = vars(module).get("forward")
+        original = module.forward
+
+        def set_plain(fn) -> None:
+            if fn == original and own is None:
+                vars(module).pop("forward", None)  # the undo: back to the class's forward
+            else:
+                module.forward = fn
+
+        return (lambda: module.forward), set_plain
+    ref = refs[0]
+    attr = "original_forward" if ref.original_forward is not None else "forward"
+    return (lambda: getattr(ref, attr)), (lambda fn: setattr(ref, attr, fn))
+
+
 def _compile_block(block: torch.nn.Module, options: dict):
     """Compile ``block``'s own forward, *under* every diffusers hook on it; return the undo.
 
@@ -91,20 +156,14 @@ def _compile_block(block: torch.nn.Module, options: dict):
     ``nn.Module.compile`` as before.
     """
     registry = getattr(block, "_diffusers_hook", None)
-    refs = getattr(registry, "_fn_refs", None)
-    if not refs:
+    if not getattr(registry, "_fn_refs", None):
         block.compile(**options)
 
         def undo_plain() -> None:
             block._compiled_call_impl = None  # what nn.Module.compile() set; None = eager again
 
         return undo_plain
-    ref = refs[0]
-    attr = "original_forward" if ref.original_forward is not None else "forward"
-    eager = getattr(ref, attr)
-    setattr(ref, attr, torch.compile(eager, **options))
-
-    def undo_hooked() -> None:
-        setattr(ref, attr, eager)
-
-    return undo_hooked
+    get_forward, set_forward = _innermost_forward(block)
+    eager = get_forward()
+    set_forward(torch.compile(eager, **options))
+    return lambda: set_forward(eager)

@@ -36,6 +36,14 @@ KERNEL_SHAPES = (
 KERNEL_CASES = tuple(f"{name}-{dtype}" for name, _, _ in KERNEL_SHAPES for dtype in DTYPES)
 FP8_QUANT_CASES = tuple(f"fp8_quant-{r}x{c}-{d}" for d in ("float32", "bfloat16") for r, c in ((7, 40), (33, 3000), (4, 16)))
 PIPELINE_FAMILIES = ("flux", "flux2", "qwen_image", "sd3", "wan", "z_image")
+# FP8 attention: (B, S_q, S_k, H, D) -- odd lengths (masked key tiles), cross-attention, both head dims
+ATTENTION_SHAPES = ((1, 40, 40, 2, 64), (2, 32, 48, 3, 128), (1, 24, 37, 2, 64))
+# bf16 inputs only for the 8-bit PV modes: the interpreter rounds fp32 -> bf16 wrongly inside tl.dot (an interpreter
+# bug: a bf16 P V product comes out ~1e10), so "int8" (16-bit P V) is checked with fp32 inputs here
+ATTENTION_CASES = tuple(
+    f"{mode}-{'x'.join(map(str, shape))}-{inputs}-{dtype}"
+    for mode in ("fp8", "int8_fp8", "int8") for shape in ATTENTION_SHAPES for inputs in ("randn", "outliers")
+    for dtype in (("float32",) if mode == "int8" else ("float32", "bfloat16")))
 
 
 def _inputs(kernel: str, shape: tuple, dtype, gen):
@@ -175,6 +183,123 @@ def pipeline_cases() -> dict:
     return results
 
 
+def emulate_fp8_attention(q, k, v, mode: str, block: int):
+    """The kernel's arithmetic in float64 on the same quantized operands, key tile by key tile (the online softmax,
+    P rounded to e4m3 after the same scaling): what the interpreted kernel must reproduce up to fp32 rounding."""
+    import torch
+
+    from omni_accel.kernels import fp8_attention as fa
+    from omni_accel.kernels.fp8_attention_triton import P_SCALE
+
+    qk_int8, pv_fp8 = fa.MODES[mode]
+    qo, ko, vo, qs, ks, vs = fa.quantize_qkv(q, k, v, mode)
+    qd, kd, vd = qo.double(), ko.double(), vo.double()
+    factor = q.shape[-1] ** -0.5 * 1.4426950408889634
+    row = qs.double()[..., None] * factor if qk_int8 else (qs * ks).double()[..., None, None] * factor
+    m = torch.full(qd.shape[:3], float("-inf"), dtype=torch.float64)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(qd.shape, dtype=torch.float64)
+    for start in range(0, kd.shape[2], block):
+        part = slice(start, start + block)
+        s = qd @ kd[:, :, part].transpose(-1, -2) * row
+        if qk_int8:
+            s = s * ks.double()[:, :, None, part]
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp2(s - m_new[..., None])
+        alpha = torch.exp2(m - m_new)
+        denom = denom * alpha + p.sum(-1)
+        p = (p.float() * P_SCALE).to(torch.float8_e4m3fn).double() if pv_fp8 else p.to(v.dtype).double()
+        acc = acc * alpha[..., None] + p @ vd[:, :, part]
+        m = m_new
+    out = acc * (vs.double()[..., None, None] / P_SCALE if pv_fp8 else 1.0) / denom[..., None]
+    return out.transpose(1, 2)
+
+
+def fp8_attention_cases() -> dict:
+    """Kernel vs its float64 emulation (is the kernel right) and vs exact attention (what the precision costs)."""
+    import torch
+
+    from omni_accel.kernels.fp8_attention import fp8_attention
+
+    results = {}
+    for case in ATTENTION_CASES:
+        mode, shape, inputs, dtype_name = case.split("-")
+        b, sq, sk, h, d = map(int, shape.split("x"))
+        gen = torch.Generator().manual_seed(sq * 7 + d)
+        q, k, v = (torch.randn(b, n, h, d, generator=gen) for n in (sq, sk, sk))
+        if inputs == "outliers":  # DiT-like channels: a few large ones, and keys with a per-channel offset
+            gain = torch.exp(torch.randn(d, generator=gen))
+            q, k = q * gain, k * gain + 3 * torch.randn(d, generator=gen)
+        dtype = getattr(torch, dtype_name)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        try:
+            out = fp8_attention(q, k, v, mode=mode)
+            emulated = emulate_fp8_attention(q, k, v, mode, block=16)
+            exact = torch.nn.functional.scaled_dot_product_attention(
+                *(t.double().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+            def rel(a):
+                return ((a.double() - exact).norm() / exact.norm()).item()
+
+            results[case] = {"dtype": str(out.dtype), "shape": list(out.shape), "finite": bool(out.isfinite().all()),
+                             "rel_err_vs_emulation": ((out.double() - emulated).norm() / emulated.norm()).item(),
+                             "rel_err_vs_exact": rel(out),
+                             "bf16_sdpa_rel_err_vs_exact": rel(torch.nn.functional.scaled_dot_product_attention(
+                                 *(t.bfloat16().transpose(1, 2) for t in (q, k, v))).transpose(1, 2))}
+        except Exception:  # noqa: BLE001
+            results[case] = {"error": traceback.format_exc()}
+    return results
+
+
+def fp8_attention_pipeline_case() -> dict:
+    """accelerate(attention="fp8") on the tiny FLUX pipeline: the kernel serves every attention call, the output
+    stays close to the plain pipeline's, and restore() puts diffusers' dispatcher back."""
+    import torch
+
+    import omni_accel
+    from omni_accel.kernels import fp8_attention_triton as fat
+    from omni_accel.testing import run, tiny_pipeline
+
+    try:
+        pipe, kwargs = tiny_pipeline("flux")
+        module = sys.modules[type(pipe.transformer).__module__]
+        dispatcher = module.dispatch_attention_fn
+        plain = run(pipe, kwargs)
+        launches = []
+        original_launch = fat.launch
+        fat.launch = lambda *a, **kw: launches.append(1) or original_launch(*a, **kw)
+        try:
+            omni_accel.accelerate(pipe, attention="fp8")
+            out = run(pipe, kwargs)
+            routed = module.dispatch_attention_fn is not dispatcher
+        finally:
+            fat.launch = original_launch
+            omni_accel.restore(pipe)
+        blocks = len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
+        # under compile=True: the routing must trace without graph breaks, and a second call must not recompile
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        omni_accel.accelerate(pipe, attention="fp8", compile=True)
+        try:
+            compiled = run(pipe, kwargs)
+            graphs_first = counters["stats"]["unique_graphs"]
+            run(pipe, kwargs)
+            graphs_second = counters["stats"]["unique_graphs"]
+        finally:
+            omni_accel.restore(pipe)
+        return {"rel_err": ((out - plain).norm() / plain.norm()).item(), "finite": bool(out.isfinite().all()),
+                "compiled_rel_err": ((compiled - plain).norm() / plain.norm()).item(),
+                "graph_breaks": sum(counters["graph_break"].values()), "graphs_first_call": graphs_first,
+                "graphs_second_call": graphs_second,
+                "launches": len(launches), "expected_launches": blocks * kwargs["num_inference_steps"],
+                "routed_while_applied": routed, "dispatcher_restored": module.dispatch_attention_fn is dispatcher,
+                "restored_equal": bool(torch.equal(run(pipe, kwargs), plain))}
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()}
+
+
 def main(out_path: str) -> int:
     from omni_accel.kernels import fused
 
@@ -182,6 +307,8 @@ def main(out_path: str) -> int:
     result["kernels"] = kernel_cases()
     result["fp8_quant"] = fp8_quant_cases()
     result["pipelines"] = pipeline_cases()
+    result["fp8_attention"] = fp8_attention_cases()
+    result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
     return 0

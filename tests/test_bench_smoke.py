@@ -1,7 +1,8 @@
-"""benchmarks/bench_transformer.py in its tiny CPU mode: the same code path as the GPU run, in seconds."""
+"""benchmarks/bench_transformer.py and bench_attention.py in tiny CPU modes: the GPU runs' code paths, in seconds."""
 
 import importlib.util
 import json
+import math
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,3 +41,47 @@ def test_tiny_cpu_run_writes_rows_for_every_model(tmp_path):
 def test_analytic_flux_flops_match_the_published_74_tflop():
     bench = _bench()
     assert abs(bench.analytic_flops(bench.flux_spec(tiny=False))["total"] / 1e12 - 74.4) < 0.1
+
+
+def test_clock_log_falls_back_field_by_field_and_drops_what_no_driver_answers():
+    bench = _bench()
+    # an older driver: no power.draw.instant (whole query rejected), throttle_ names, hw_slowdown "[N/A]"
+    answers = {"clocks.sm": "1980", "power.draw": "650.5", "clocks_throttle_reasons.sw_power_cap": "Active",
+               "clocks_throttle_reasons.sw_thermal_slowdown": "Not Active",
+               "clocks_throttle_reasons.hw_slowdown": "[N/A]", "temperature.gpu": "61"}
+
+    def query(fields):
+        if any(f not in answers for f in fields):
+            return None
+        return [bench.parse_smi_value(answers[f]) for f in fields]
+
+    fields = bench.choose_smi_fields(query)
+    assert fields == {"sm_mhz": "clocks.sm", "power_w": "power.draw",
+                      "sw_power_cap": "clocks_throttle_reasons.sw_power_cap",
+                      "sw_thermal": "clocks_throttle_reasons.sw_thermal_slowdown", "temp_c": "temperature.gpu"}
+    stats = bench.summarize_clock_samples([{"sm_mhz": 1900.0, "power_w": 600.0, "sw_power_cap": 1.0, "temp_c": 60.0},
+                                           {"sm_mhz": 1700.0, "power_w": 700.0, "sw_power_cap": 0.0, "temp_c": 62.0,
+                                            "sw_thermal": 1.0}])
+    assert stats == {"sm_clock_mhz": 1800, "sm_clock_min_mhz": 1700, "power_w": 650, "power_max_w": 700,
+                     "sw_power_cap_frac": 0.5, "thermal_slowdown_frac": 1.0, "temp_c": 61.0, "clock_samples": 2}
+
+
+def test_attention_bench_tiny_cpu_matches_the_fp32_reference(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_attention", os.path.join(ROOT, "benchmarks",
+                                                                                  "bench_attention.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "attention.json"
+    # a tiny chunk size: the fp32 reference runs in many query chunks here, as it does for Wan's 32760 on the GPU
+    assert bench.main(["--device", "cpu", "--tiny", "--iters", "2", "--ref-chunk-mib", "0.002",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    keys = {(r["shape"], r["input"], r["backend"]) for r in result["rows"]}
+    assert keys == {(s, i, b) for s in bench.TINY_SHAPES for i in ("randn", "outliers")
+                    for b in ("sdpa_math", "sdpa_default")}
+    for r in result["rows"]:
+        assert "error" not in r, r
+        assert r["finite"] and r["ms"] > 0 and r["tflops"] > 0
+        # fp32 on the CPU: only summation order differs from the reference; a layout or chunking slip is O(1)
+        assert math.isfinite(r["rel_err"]) and r["rel_err"] < 1e-3, r
+    assert "sdpa_cudnn" in result["skipped"] and result["env"]["torch"]

@@ -51,6 +51,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("sage", "sage", None, True, "sageattention", note="SageAttention (lossy int8 QK)"),
         Backend("flex", "flex", None, False, note="torch flex_attention"),
         Backend("xformers", "xformers", None, True, "xformers", note="xformers memory-efficient attention"),
+        Backend("fp8", "", None, True, "triton", note="omni_accel's FP8 e4m3 flash attention (Triton; lossy)"),
     )
 }
 ALIASES = {"native": "sdpa", "flash": "flash_attn", "flash3": "fa3", "sageattention": "sage"}
@@ -63,7 +64,16 @@ def _installed(package: str | None) -> bool:
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Backend names that can run on ``device`` with what is installed (``auto`` is always accepted too)."""
     device = torch.device(device)
-    return [b.name for b in BACKENDS.values() if _installed(b.package) and (device.type == "cuda" or not b.needs_cuda)]
+    from . import fused
+
+    def runs_here(b: Backend) -> bool:
+        if b.name == "fp8" and fused.interpreted():
+            return True  # Triton's interpreter runs it on CPU tensors (CI)
+        if b.name == "fp8" and device.type == "cuda":
+            return torch.cuda.get_device_capability(device) >= (8, 9)
+        return device.type == "cuda" or not b.needs_cuda
+
+    return [b.name for b in BACKENDS.values() if _installed(b.package) and runs_here(b)]
 
 
 def _cudnn_sdpa_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -88,6 +98,8 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> Back
             f"{', '.join(available_backends(device))} (all known: {', '.join(BACKENDS)})."
         )
     backend = BACKENDS[key]
+    if backend.name == "fp8":
+        return _check_fp8(device)
     if backend.needs_cuda and device.type != "cuda":
         raise AccelError(
             f"attention={name!r} needs a CUDA GPU but the pipeline runs on {device}; use attention='auto' or 'sdpa'."
@@ -98,6 +110,22 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> Back
             "attention='auto'."
         )
     return backend
+
+
+def _check_fp8(device: torch.device) -> Backend:
+    from . import fused
+
+    if not _installed("triton"):
+        raise AccelError("attention='fp8' needs the 'triton' package, which is not installed; install it or use "
+                         "attention='auto'.")
+    if device.type != "cuda" and not fused.interpreted():
+        raise AccelError(f"attention='fp8' needs a CUDA GPU with FP8 tensor cores but the pipeline runs on {device}; "
+                         "use attention='auto'.")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise AccelError(f"attention='fp8' needs FP8 tensor cores (compute capability 8.9 or newer); this GPU has "
+                         f"{major}.{minor}. Use attention='auto'.")
+    return BACKENDS["fp8"]
 
 
 # Kernels SDPA may fall back to when the chosen one rejects a shape or dtype (e.g. cuDNN and a float mask).
@@ -139,13 +167,22 @@ class AttentionPass(AccelPass):
         return backend
 
     def check(self, ctx: PassContext) -> None:
-        self._plan(ctx)
+        backend = self._plan(ctx)
+        if backend.name == "fp8" and ctx.config.sequence_degree > 1:
+            raise AccelError(
+                f"attention='fp8' cannot be combined with sequence parallelism (sp={ctx.config.sp}): the ring and "
+                "Ulysses paths need the dispatcher's own kernels. Use attention='auto' with sp, or sp=1."
+            )
 
     def apply(self, ctx: PassContext) -> None:
         backend = self._plan(ctx)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             if backend.name == "sdpa":
                 undo = lambda: None  # noqa: E731 -- default path: nothing to patch
+            elif backend.name == "fp8":
+                from .fp8_attention import route_transformer
+
+                undo = route_transformer(transformer)
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
             else:

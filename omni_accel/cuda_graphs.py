@@ -1,0 +1,181 @@
+"""CUDA graphs of a whole transformer forward, for ``compile="max"``: one capture per input signature, replayed.
+
+Why the whole forward and not each block: every instance of a block type shares one compiled region, and
+inductor's regional CUDA graphs then hand the same static output buffer to every block, so block 2 overwrote
+block 1's output while the residual stream still held it (H200, 2026-12-03). One graph over the transformer
+forward has one set of static inputs and outputs, and the outputs are cloned out of the graph's pool before they
+are returned, so nothing the pipeline holds can be overwritten by the next replay.
+
+What a replay bakes in: every Python decision inside the forward (hooks on blocks, non-tensor arguments, the
+weights' addresses). So the compile pass installs this only where the forward is pure -- no cache, offload or
+parallel pass inside it -- and the signature of a call (tensor shapes/dtypes/strides, every non-tensor argument)
+selects the graph. Weights moved or replaced (``.to()``, ``load_state_dict`` into new tensors) change their
+addresses; the graphs are then dropped and captured again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable, Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPHS = 8  # signatures per transformer; a pipeline has 1-2 (CFG branches with different text lengths)
+
+
+class GraphBackend(Protocol):
+    """How to capture and replay: CUDA in production, a re-running stand-in in the CPU tests."""
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Callable[[], None]]:
+        """Capture ``fn`` (which reads the static inputs); return its static outputs and the replay function."""
+
+
+class CudaGraphBackend:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Callable[[], None]]:
+        # One warm-up on a side stream first, as torch's docs ask: lazy per-stream state (cuBLAS workspaces,
+        # cuDNN plans) must not be initialised inside the capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a server thread doing unrelated CUDA work must not invalidate this capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = fn()
+        return outputs, graph.replay
+
+
+class _Captured:
+    def __init__(self, static_inputs: list, tensor_slots: list[int], outputs: Any, replay: Callable[[], None]):
+        self.static_inputs = static_inputs
+        self.tensor_slots = tensor_slots
+        self.out_leaves, self.out_spec = tree_flatten(outputs)
+        self.replay = replay
+
+    def run(self, leaves: list) -> Any:
+        for i in self.tensor_slots:
+            self.static_inputs[i].copy_(leaves[i])
+        self.replay()
+        # clone: the next replay rewrites these buffers, and the scheduler still holds this step's output
+        fresh = [t.clone() if isinstance(t, torch.Tensor) else t for t in self.out_leaves]
+        return tree_unflatten(fresh, self.out_spec)
+
+
+def _leaf_key(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad)
+    hash(leaf)  # TypeError for an unhashable leaf: that call cannot be keyed, so it runs eagerly
+    return (type(leaf), leaf)
+
+
+class GraphedForward:
+    """Calls ``forward`` eagerly for the first ``warmup`` calls of a signature, then captures it and replays.
+
+    Calls that cannot be graphed run eagerly: grad mode on, an unhashable argument, a tensor not on the graph's
+    device, more than ``MAX_GRAPHS`` signatures, or a forward whose capture failed (e.g. it synchronises).
+    """
+
+    def __init__(self, forward: Callable[..., Any], module: torch.nn.Module, device: torch.device,
+                 backend: GraphBackend | None = None, warmup: int = 1):
+        self.forward = forward
+        self.module = module
+        self.device = device
+        self.backend = backend if backend is not None else CudaGraphBackend(device)
+        self.warmup = warmup
+        self.graphs: dict[Hashable, _Captured] = {}
+        self.eager_calls: dict[Hashable, int] = {}
+        self.uncapturable: set[Hashable] = set()
+        self.stats = {"replays": 0, "captures": 0, "eager_calls": 0}
+        self._weights = self._weight_addresses()
+        self._warned_full = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        key = self._key(leaves, spec)
+        if key is None or key in self.uncapturable:
+            return self._eager(args, kwargs)
+        self._drop_if_weights_moved()
+        captured = self.graphs.get(key)
+        if captured is None:
+            seen = self.eager_calls.get(key, 0)
+            if seen < self.warmup or len(self.graphs) >= MAX_GRAPHS:
+                self._warn_if_full()
+                self.eager_calls[key] = seen + 1
+                return self._eager(args, kwargs)
+            captured = self._capture(key, leaves, spec)
+            if captured is None:
+                return self._eager(args, kwargs)
+        self.stats["replays"] += 1
+        return captured.run(leaves)
+
+    def reset(self) -> None:
+        """Free every graph and its memory pool (restore() and weight moves call this)."""
+        self.graphs.clear()
+        self.eager_calls.clear()
+        self.uncapturable.clear()
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _eager(self, args: tuple, kwargs: dict) -> Any:
+        self.stats["eager_calls"] += 1
+        return self.forward(*args, **kwargs)
+
+    def _key(self, leaves: list, spec: Any) -> Hashable | None:
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(self.device.type):
+            return None  # training or autocast: not the static inference forward a graph can stand for
+        try:
+            parts = tuple(_leaf_key(leaf) for leaf in leaves)
+        except TypeError:
+            return None
+        if any(isinstance(leaf, torch.Tensor) and leaf.device != self.device for leaf in leaves):
+            return None
+        return (str(spec), parts)
+
+    def _capture(self, key: Hashable, leaves: list, spec: Any) -> _Captured | None:
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        static = list(leaves)
+        for i in slots:
+            static[i] = leaves[i].clone()
+        args, kwargs = tree_unflatten(static, spec)
+        try:
+            outputs, replay = self.backend.capture(lambda: self.forward(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 -- any capture failure means: this signature stays eager
+            logger.warning("omni_accel: CUDA graph capture of %s failed (%s); this input signature runs without "
+                           "graphs", type(self.module).__name__, exc)
+            self.uncapturable.add(key)
+            return None
+        out_leaves, _ = tree_flatten(outputs)
+        if not any(isinstance(t, torch.Tensor) for t in out_leaves):
+            self.uncapturable.add(key)
+            return None
+        captured = _Captured(static, slots, outputs, replay)
+        self.graphs[key] = captured
+        self.stats["captures"] += 1
+        logger.info("omni_accel: captured a CUDA graph of %s (%d of at most %d signatures)",
+                    type(self.module).__name__, len(self.graphs), MAX_GRAPHS)
+        return captured
+
+    def _weight_addresses(self) -> tuple[int, ...]:
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        return tuple(t.data_ptr() for t in tensors)
+
+    def _drop_if_weights_moved(self) -> None:
+        now = self._weight_addresses()
+        if now != self._weights:
+            if self.graphs:
+                logger.info("omni_accel: %s's weights moved; its CUDA graphs are captured again",
+                            type(self.module).__name__)
+            self.reset()
+            self._weights = now
+
+    def _warn_if_full(self) -> None:
+        if len(self.graphs) >= MAX_GRAPHS and not self._warned_full:
+            self._warned_full = True
+            logger.warning("omni_accel: %s has %d CUDA graphs, the most kept; new input shapes run without graphs",
+                           type(self.module).__name__, MAX_GRAPHS)

@@ -1,0 +1,191 @@
+"""FP8 attention (``attention="fp8"``, lossy): both attention GEMMs in FP8 e4m3 on Hopper, through a Triton kernel.
+
+Why: with FP8 linears the FLUX step's largest bf16 piece is attention (23-25 ms of 107 on an H200, cuDNN at
+~640 TFLOP/s), and no FP8 attention ships with torch or installs on the GPU machine (FA3 cannot be built there).
+
+How it is split, and why:
+- Quantization is plain torch (``quantize_qkv``), so under ``compile=True`` inductor fuses it into the kernel that
+  already writes q / k (RMSNorm + RoPE). One scale per (batch, head) for each of Q, K, V. K is "smoothed" first
+  (its mean over the tokens subtracted, as SageAttention does): that adds the same q.mean_k to every score of a
+  query row, which softmax ignores, and it removes the per-channel offsets of DiT keys that would otherwise spend
+  e4m3's range.
+- The kernel (``fp8_attention_triton.py``) is one custom op, ``omni_accel::fp8_attention_core``, opaque to
+  inductor like SDPA is.
+- Routing: the attention pass swaps the processors' module-global ``dispatch_attention_fn`` for a wrapper that
+  takes the FP8 path only while an FP8-routed transformer runs (other pipelines of the same family in the process
+  keep their attention) and only for calls it can serve (no mask, not causal, no dropout, head dim 64 or 128, same
+  head count for q and k/v); every other call goes to the original dispatcher.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any, Callable
+
+import torch
+from diffusers.hooks import ModelHook
+
+from ..errors import AccelError
+from ..hooks import add_hook
+from . import fused
+
+logger = logging.getLogger(__name__)
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+HEAD_DIMS = (64, 128)  # what the GPU kernel is tuned for (every supported DiT); 8-bit MMAs need >= 32 anyway
+INTERPRETED_HEAD_DIMS = (16, 32, 64, 128)  # Triton's interpreter (CI): the tiny test pipelines have 16
+# Read once at import, not per call: the calls are traced by dynamo inside compiled blocks, and fused.interpreted()
+# imports triton, which dynamo cannot trace (a graph break per attention call, seen on CPU).
+_INTERPRETED = fused.interpreted()
+_HEAD_DIMS = INTERPRETED_HEAD_DIMS if _INTERPRETED else HEAD_DIMS
+
+
+def _triton():
+    return importlib.import_module("omni_accel.kernels.fp8_attention_triton")
+
+
+# The kernel's operand precisions: (Q K^T, P V). "int8_fp8" is SageAttention2's choice: 8-bit integers with a scale
+# per token keep the scores ~3x more accurate than e4m3 (measured in tests/test_kernels.py), at the same
+# tensor-core rate on Hopper.
+MODES = {"fp8": (False, True), "int8_fp8": (True, True), "int8": (True, False)}
+DEFAULT_MODE = "int8_fp8"
+
+
+def _per_head_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, H, D) -> e4m3 values and a float32 scale per (B, H) with x ~= values * scale."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    return (xf / scale[:, None, :, None]).to(torch.float8_e4m3fn), scale
+
+
+def _per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, H, D) -> int8 values as a (B, H, S, D) view and a float32 scale per (B, H, S)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / 127.0
+    values = torch.round(xf / scale[..., None]).to(torch.int8)
+    return values.transpose(1, 2), scale.transpose(1, 2).contiguous()
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = DEFAULT_MODE):
+    """The kernel's operands from diffusers' (B, S, H, D) q / k / v, as (B, H, S, D) views, and their scales.
+    An e4m3 V is stored transposed (tokens contiguous): Hopper's FP8 MMA wants the reduced dim contiguous."""
+    qk_int8, pv_fp8 = MODES[mode]
+    k = k.float()
+    k = k - k.mean(dim=1, keepdim=True)  # softmax-invariant shift; see the module docstring
+    if qk_int8:
+        q_op, q_scale = _per_token_int8(q)
+        k_op, k_scale = _per_token_int8(k)
+    else:
+        q_op, q_scale = _per_head_fp8(q)
+        k_op, k_scale = _per_head_fp8(k)
+        q_op, k_op = q_op.transpose(1, 2), k_op.transpose(1, 2)
+    if pv_fp8:
+        v8, v_scale = _per_head_fp8(v)
+        v_op = v8.permute(0, 2, 3, 1).contiguous().transpose(2, 3)
+    else:
+        v_op, v_scale = v.transpose(1, 2), torch.ones(1, device=v.device)
+    return q_op, k_op, v_op, q_scale, k_scale, v_scale
+
+
+@torch.library.custom_op("omni_accel::fp8_attention_core", mutates_args=())
+def fp8_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
+                       k_scale: torch.Tensor, v_scale: torch.Tensor, sm_scale: float, out_dtype: torch.dtype,
+                       qk_int8: bool, pv_fp8: bool) -> torch.Tensor:
+    batch, heads, seq_q, head_dim = q.shape
+    out = torch.empty(batch, seq_q, heads, head_dim, dtype=out_dtype, device=q.device)
+    return _triton().launch(q, k, v, q_scale, k_scale, v_scale, sm_scale, out, qk_int8, pv_fp8,
+                            interpreted=not q.is_cuda)
+
+
+@fp8_attention_core.register_fake
+def _(q, k, v, q_scale, k_scale, v_scale, sm_scale, out_dtype, qk_int8, pv_fp8):
+    batch, heads, seq_q, head_dim = q.shape
+    return q.new_empty((batch, seq_q, heads, head_dim), dtype=out_dtype)
+
+
+def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None,
+                  mode: str = DEFAULT_MODE) -> torch.Tensor:
+    """Non-causal, unmasked attention of (B, S, H, D) tensors (diffusers' dispatcher layout), output like query."""
+    if not (query.is_cuda or _INTERPRETED):
+        raise AccelError("attention='fp8' runs a Triton kernel on CUDA tensors (or in Triton's interpreter with "
+                         "TRITON_INTERPRET=1); use attention='auto' on this device.")
+    if mode not in MODES:
+        raise AccelError(f"fp8 attention mode={mode!r} is not known; use one of {', '.join(MODES)}.")
+    sm_scale = scale if scale is not None else query.shape[-1] ** -0.5
+    operands = quantize_qkv(query, key, value, mode)
+    return fp8_attention_core(*operands, float(sm_scale), query.dtype, *MODES[mode])
+
+
+def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+                 is_causal: bool) -> bool:
+    """Whether the FP8 kernel serves this call; everything else goes to the original dispatcher."""
+    return (attn_mask is None and not is_causal and not dropout_p and query.ndim == 4
+            and query.shape[-1] in _HEAD_DIMS and key.shape[2] == query.shape[2] == value.shape[2]
+            and query.dtype.is_floating_point)
+
+
+class _Route:
+    """How many FP8-routed transformer forwards are running (nesting-safe). No per-call counters here: compiled
+    blocks read this class, and dynamo would guard on (and recompile for) every counter value."""
+
+    depth = 0
+
+
+class _RouteHook(ModelHook):
+    def new_forward(self, module, *args, **kwargs):
+        _Route.depth += 1
+        try:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        finally:
+            _Route.depth -= 1
+
+
+def _make_dispatch(original: Callable) -> Callable:
+    def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        if _Route.depth and fp8_eligible(query, key, value, attn_mask, dropout_p, is_causal):
+            return fp8_attention(query, key, value, scale)
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
+                        parallel_config=parallel_config)
+
+    dispatch_attention_fn._omni_accel_fp8_original = original
+    return dispatch_attention_fn
+
+
+_ROUTED: dict[str, list] = {}  # module name -> [original dispatch_attention_fn, transformers routed through it]
+
+
+def route_transformer(transformer: torch.nn.Module) -> Callable[[], None]:
+    """Send ``transformer``'s eligible attention calls to the FP8 kernel; return the undo. The module globals are
+    shared by every pipeline of the family in the process, so they are swapped once and put back with the last
+    routed transformer's undo."""
+    undos = [add_hook(transformer, "fp8_attention", _RouteHook())]
+    modules = {type(transformer).__module__}
+    modules |= {type(m.processor).__module__ for m in transformer.modules() if getattr(m, "processor", None)}
+    for name in sorted(modules):
+        module = sys.modules.get(name)
+        if name not in _ROUTED:
+            current = getattr(module, "dispatch_attention_fn", None)
+            if current is None:
+                continue  # this module does not dispatch attention
+            _ROUTED[name] = [current, 0]
+            module.dispatch_attention_fn = _make_dispatch(current)
+        _ROUTED[name][1] += 1
+        undos.append(lambda name=name, module=module: _unroute(name, module))
+
+    def undo_all() -> None:
+        for u in reversed(undos):
+            u()
+
+    return undo_all
+
+
+def _unroute(name: str, module: Any) -> None:
+    entry = _ROUTED[name]
+    entry[1] -= 1
+    if entry[1] == 0:
+        module.dispatch_attention_fn = entry[0]
+        del _ROUTED[name]

@@ -1,0 +1,120 @@
+"""Triton kernel behind omni_accel/kernels/fp8_attention.py: flash attention with FP8 e4m3 operands on both GEMMs.
+
+Imported only when the FP8 attention path runs (triton is optional). One program owns BLOCK_M queries of one
+(batch, head) and streams the keys in BLOCK_N tiles with the online softmax: S = Q K^T in FP8 with an fp32
+accumulator, P = exp2(S - running max) rounded to FP8 (scaled by P_SCALE first, so small probabilities stay out of
+e4m3's subnormals), O += P V in FP8 with an fp32 accumulator; one rescale by the V scale and the softmax sum at the
+end. Hopper's FP8 MMAs want both operands K-major: Q and K have the head dim contiguous, and V comes transposed
+(head dim x tokens) from the quantization step.
+
+Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (how CI tests it), with one fixed small tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+P_SCALE = 256.0  # P in [0, 1] -> [0, 256]: e4m3 is normal down to 2^-6, so p >= 2^-14 keeps 3 mantissa bits
+
+_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in ((128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3), (128, 256, 8, 2))
+]
+
+
+@triton.jit
+def _fp8_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    seq_q, seq_k, n_heads, qk_scale,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+    QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, P_MULT: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + dims[None, :],
+                mask=rows[:, None] < seq_q, other=0.0)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    # softmax in base 2: exp(x) = exp2(x * log2(e)); the dequantization scales fold into the same factor
+    if QK_INT8:  # one scale per token: per query row here, per key column in the loop
+        row_scale = qk_scale * tl.load(q_scale_ptr + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+    else:  # one scale per (batch, head)
+        row_scale = tl.zeros([BLOCK_M], tl.float32) + qk_scale * tl.load(q_scale_ptr + bh) * tl.load(k_scale_ptr + bh)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(0, seq_k, BLOCK_N):
+        keys = start_n + cols
+        if EVEN_K:
+            k = tl.load(k_base + keys[None, :] * stride_ks + dims[:, None])
+            v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :] * stride_vd)
+        else:
+            k = tl.load(k_base + keys[None, :] * stride_ks + dims[:, None], mask=keys[None, :] < seq_k, other=0.0)
+            v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :] * stride_vd, mask=keys[:, None] < seq_k,
+                        other=0.0)
+        if QK_INT8:
+            col_scale = tl.load(k_scale_ptr + bh * seq_k + keys, mask=keys < seq_k, other=0.0)
+            s = tl.dot(q, k).to(tl.float32) * row_scale[:, None] * col_scale[None, :]
+        else:
+            s = tl.dot(q, k) * row_scale[:, None]
+        if not EVEN_K:
+            s = tl.where(keys[None, :] < seq_k, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if PV_FP8:
+            acc = tl.dot((p * P_MULT).to(tl.float8e4nv), v, acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    if PV_FP8:
+        out = acc * (tl.load(v_scale_ptr + bh) / P_MULT) / l_i[:, None]
+    else:
+        out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_os + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
+
+
+_autotuned = triton.autotune(configs=_CONFIGS, key=["seq_q", "seq_k", "HEAD_DIM", "EVEN_K", "QK_INT8", "PV_FP8"])(
+    _fp8_attention_kernel)
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+           v_scale: torch.Tensor, sm_scale: float, out: torch.Tensor, qk_int8: bool, pv_fp8: bool,
+           interpreted: bool) -> torch.Tensor:
+    """q, k: (B, H, S, D) views with D contiguous (e4m3, or int8 with per-token scales (B, H, S));
+    v: (B, H, S_k, D) view, any strides (e4m3 with S_k contiguous when ``pv_fp8``, else 16-bit);
+    out: (B, S, H, D) with D contiguous, written in place and returned."""
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    args = (q, k, v, out, q_scale, k_scale, v_scale, seq_q, seq_k, heads, sm_scale * 1.4426950408889634,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), v.stride(3), out.stride(0), out.stride(1), out.stride(2))
+    flags = dict(HEAD_DIM=head_dim, QK_INT8=qk_int8, PV_FP8=pv_fp8, P_MULT=P_SCALE)
+    if interpreted:  # one small tile: the interpreter's cost grows with the tile, and autotuning would run it 5x
+        block = 16
+        grid = (triton.cdiv(seq_q, block), batch * heads)
+        _fp8_attention_kernel[grid](*args, BLOCK_M=block, BLOCK_N=block, EVEN_K=seq_k % block == 0, **flags)
+        return out
+
+    def grid(meta):
+        return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
+
+    # EVEN_K for the largest tile tried: 4608 = 18 x 256 covers FLUX 1024², one mask-free path for every config
+    _autotuned[grid](*args, EVEN_K=seq_k % 256 == 0, **flags)
+    return out

@@ -1,0 +1,189 @@
+"""compile="max"'s whole-forward CUDA graphs: keying, static buffers and output cloning, and when the pass refuses.
+
+The CPU has no CUDA graphs, so these tests replay through ``RerunBackend``: a stand-in with a real graph's
+contract -- the captured function reads the *static* inputs and a replay rewrites the *same* output tensors in
+place. A graph runner that forgot to copy new inputs in, or returned the static outputs without cloning them,
+fails here exactly as it would on a GPU. The real capture is measured on the H200 (benchmarks/bench_transformer.py).
+"""
+
+import logging
+
+import pytest
+import torch
+
+import omni_accel
+import omni_accel.compiler as compiler
+from omni_accel.cuda_graphs import MAX_GRAPHS, GraphedForward
+from omni_accel.testing import run, tiny_pipeline
+
+
+class RerunBackend:
+    def __init__(self):
+        self.captures = 0
+
+    def capture(self, fn):
+        self.captures += 1
+        outputs = fn()
+        leaves = [t for t in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
+
+        def replay():
+            fresh = [t for t in torch.utils._pytree.tree_flatten(fn())[0] if isinstance(t, torch.Tensor)]
+            for static, new in zip(leaves, fresh):
+                static.copy_(new)
+
+        return outputs, replay
+
+
+class FailingBackend:
+    def capture(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def _graphed(forward, module, backend, warmup=1):
+    return GraphedForward(forward, module, torch.device("cpu"), backend=backend, warmup=warmup)
+
+
+def test_replays_match_eager_and_hand_out_outputs_the_next_replay_cannot_touch():
+    lin = torch.nn.Linear(4, 4)
+    backend = RerunBackend()
+    graphed = _graphed(lambda x, scale=1.0: (lin(x) * scale,), lin, backend)
+    xs = [torch.randn(2, 4) for _ in range(4)]
+    with torch.no_grad():
+        outs = [graphed(x) for x in xs]
+        expected = [(lin(x),) for x in xs]
+    for got, want in zip(outs, expected):  # outputs of earlier replays still hold their own values
+        assert torch.equal(got[0], want[0])
+    assert backend.captures == 1
+    assert graphed.stats == {"replays": 3, "captures": 1, "eager_calls": 1}
+
+
+def test_each_input_signature_gets_its_own_graph():
+    lin = torch.nn.Linear(4, 4)
+    backend = RerunBackend()
+    graphed = _graphed(lambda x, scale=1.0: lin(x) * scale, lin, backend, warmup=0)
+    with torch.no_grad():
+        a = graphed(torch.ones(2, 4))
+        b = graphed(torch.ones(3, 4))  # new shape
+        c = graphed(torch.ones(2, 4), scale=2.0)  # a non-tensor argument is baked into a replay: new graph
+        d = graphed(torch.ones(2, 4))
+    assert backend.captures == 3
+    assert torch.equal(c, 2 * a) and torch.equal(d, a) and b.shape == (3, 4)
+
+
+def test_calls_that_cannot_be_graphed_run_eagerly():
+    lin = torch.nn.Linear(4, 4)
+    backend = RerunBackend()
+    graphed = _graphed(lambda x, extra=None: lin(x), lin, backend, warmup=0)
+    x = torch.randn(2, 4)
+    graphed(x)  # grad mode on: a training step, not a graph
+    with torch.no_grad():
+        graphed(x, extra=[{"unhashable": {1}}])
+    assert backend.captures == 0 and graphed.stats["eager_calls"] == 2
+
+
+def test_a_failed_capture_leaves_that_signature_eager_and_says_so(caplog):
+    lin = torch.nn.Linear(4, 4)
+    graphed = _graphed(lambda x: lin(x), lin, FailingBackend(), warmup=0)
+    x = torch.randn(2, 4)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="omni_accel.cuda_graphs"):
+        first, second = graphed(x), graphed(x)
+    assert torch.equal(first, lin(x).detach()) and torch.equal(second, first)
+    assert graphed.stats["captures"] == 0 and graphed.stats["eager_calls"] == 2
+    assert "CUDA graph capture of Linear failed (operation not permitted when stream is capturing)" in caplog.text
+
+
+def test_moved_weights_drop_the_graphs_that_point_at_the_old_ones():
+    lin = torch.nn.Linear(4, 4)
+    backend = RerunBackend()
+    graphed = _graphed(lambda x: lin(x), lin, backend, warmup=0)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        graphed(x)
+        lin.weight = torch.nn.Parameter(torch.full((4, 4), 0.5))  # new storage: a stale graph would read freed memory
+        out = graphed(x)
+    assert backend.captures == 2
+    assert torch.equal(out, lin(x))
+
+
+def test_at_most_max_graphs_signatures_are_kept(caplog):
+    lin = torch.nn.Linear(4, 4)
+    backend = RerunBackend()
+    graphed = _graphed(lambda x: lin(x), lin, backend, warmup=0)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="omni_accel.cuda_graphs"):
+        for rows in range(1, MAX_GRAPHS + 3):
+            graphed(torch.randn(rows, 4))
+    assert backend.captures == MAX_GRAPHS and graphed.stats["eager_calls"] == 2
+    assert f"has {MAX_GRAPHS} CUDA graphs, the most kept" in caplog.text
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Let compile="max" install its graphs on the CPU, replayed by RerunBackend, with plain (fast) inductor."""
+    backends = []
+
+    def graphed_forward(forward, module, device):
+        backends.append(RerunBackend())
+        return GraphedForward(forward, module, device, backend=backends[-1])
+
+    monkeypatch.setattr(compiler, "GraphedForward", graphed_forward)
+    monkeypatch.setattr(compiler, "compile_options", lambda mode, device: {"dynamic": False})
+    monkeypatch.setattr(compiler, "cuda_graphs_blocker", lambda ctx: None)
+    return backends
+
+
+def test_compile_max_graphs_the_transformer_forward_losslessly_and_restores(cpu_graphs):
+    torch._dynamo.reset()
+    pipe, kwargs = tiny_pipeline("flux")
+    kwargs = dict(kwargs, num_inference_steps=4)
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, compile=True)  # the same compiled blocks, no graphs: what each replay must equal
+    try:
+        compiled = run(pipe, kwargs)
+    finally:
+        omni_accel.restore(pipe)
+    omni_accel.accelerate(pipe, compile="max")
+    try:
+        out = run(pipe, kwargs)
+        report = pipe.omni_accel.report()
+    finally:
+        omni_accel.restore(pipe)
+    graphs = [a for a in report["applied"] if a.get("cuda_graphs")]
+    assert len(graphs) == 1 and graphs[0]["graph_stats"] == {"replays": 3, "captures": 1, "eager_calls": 1}
+    assert report["last_call"]["transformer_forwards"] == 4  # the stats hook stays outside the graph
+    assert torch.equal(out, compiled)
+    assert (out - plain).abs().max().item() <= 1e-3
+    assert torch.equal(run(pipe, kwargs), plain)
+
+
+@pytest.mark.parametrize("knobs, reason", [
+    (dict(), "CUDA graphs need a CUDA device; the pipeline runs on cpu"),
+    (dict(cache="tea_cache"), "cache='tea_cache' decides per step inside the forward whether blocks run"),
+    (dict(offload="block"), "offload='block' moves weights in hooks during the forward"),
+    (dict(sp=2), "parallel degree 2: the forward exchanges tensors with other ranks"),
+    (dict(env="0"), "OMNI_ACCEL_CUDA_GRAPHS=0 is set"),
+])
+def test_compile_max_says_why_it_runs_without_graphs(knobs, reason, monkeypatch):
+    from omni_accel.config import AccelConfig
+    from omni_accel.pass_base import PassContext
+    from omni_accel.pipelines import adapter_for
+
+    if knobs.pop("env", None):
+        monkeypatch.setenv("OMNI_ACCEL_CUDA_GRAPHS", "0")
+        device = torch.device("cuda")
+    else:
+        device = torch.device("cpu" if not knobs else "cuda")
+    pipe, _ = tiny_pipeline("flux")
+    ctx = PassContext(pipe, adapter_for(pipe), AccelConfig(compile="max", **knobs), device)
+    assert compiler.cuda_graphs_blocker(ctx) == reason
+
+
+def test_compile_max_on_cpu_reports_graphs_off_with_the_reason():
+    torch._dynamo.reset()
+    pipe, _ = tiny_pipeline("flux")
+    omni_accel.accelerate(pipe, compile="max")
+    try:
+        applied = [a for a in pipe.omni_accel.report()["applied"] if "cuda_graphs" in a]
+    finally:
+        omni_accel.restore(pipe)
+    assert applied == [{"pass": "compile", "cuda_graphs": False,
+                        "cuda_graphs_off_because": "CUDA graphs need a CUDA device; the pipeline runs on cpu"}]
