@@ -557,6 +557,10 @@ STEP_CONFIGS = {
     "fb_cache_0.6": dict(attention="auto", cache="fb_cache", cache_config={"residual_diff_threshold": 0.6}),
     "fuse+tea_cache+compile": dict(attention="auto", fuse_qkv=True, cache="tea_cache", compile=True),
     "fp8+fuse+tea_cache+compile": dict(attention="auto", quant="fp8", fuse_qkv=True, cache="tea_cache", compile=True),
+    "max": dict(attention="auto", compile="max"),
+    "fp8+max": dict(attention="auto", quant="fp8", compile="max"),
+    "fp8+fp8attn+compile": dict(attention="fp8", quant="fp8", compile=True),
+    "fp8+fp8attn+tea_cache+compile": dict(attention="fp8", quant="fp8", cache="tea_cache", compile=True),
 }
 
 

@@ -69,7 +69,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     def runs_here(b: Backend) -> bool:
         if b.name == "fp8" and fused.interpreted():
             return True  # Triton's interpreter runs it on CPU tensors (CI)
-        if b.name == "fp8" and device.type == "cuda":
+        if b.name == "fp8" and device.type == "cuda" and torch.cuda.is_available():
             return torch.cuda.get_device_capability(device) >= (8, 9)
         return device.type == "cuda" or not b.needs_cuda
 
