@@ -90,7 +90,7 @@ class GraphedForward:
         self.backend = backend if backend is not None else CudaGraphBackend(device)
         self.warmup = warmup
         self.graphs: dict[Hashable, _Captured] = {}
-        self.eager_calls: dict[Hashable, int] = {}
+        self.warmup_calls: dict[Hashable, int] = {}  # eager calls per signature not yet captured
         self.uncapturable: set[Hashable] = set()
         self.stats = {"replays": 0, "captures": 0, "eager_calls": 0}
         self._weights = self._weight_addresses()
@@ -104,10 +104,10 @@ class GraphedForward:
         self._drop_if_weights_moved()
         captured = self.graphs.get(key)
         if captured is None:
-            seen = self.eager_calls.get(key, 0)
+            seen = self.warmup_calls.get(key, 0)
             if seen < self.warmup or len(self.graphs) >= MAX_GRAPHS:
                 self._warn_if_full()
-                self.eager_calls[key] = seen + 1
+                self.warmup_calls[key] = seen + 1
                 return self._eager(args, kwargs)
             captured = self._capture(key, leaves, spec)
             if captured is None:
@@ -118,7 +118,7 @@ class GraphedForward:
     def reset(self) -> None:
         """Free every graph and its memory pool (restore() and weight moves call this)."""
         self.graphs.clear()
-        self.eager_calls.clear()
+        self.warmup_calls.clear()
         self.uncapturable.clear()
 
     # -- internals --------------------------------------------------------------------------------------

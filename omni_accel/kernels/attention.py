@@ -51,7 +51,8 @@ BACKENDS: dict[str, Backend] = {
         Backend("sage", "sage", None, True, "sageattention", note="SageAttention (lossy int8 QK)"),
         Backend("flex", "flex", None, False, note="torch flex_attention"),
         Backend("xformers", "xformers", None, True, "xformers", note="xformers memory-efficient attention"),
-        Backend("fp8", "", None, True, "triton", note="omni_accel's FP8 e4m3 flash attention (Triton; lossy)"),
+        Backend("fp8", "", None, True, "triton",
+                note="omni_accel's 8-bit flash attention: int8 QK^T, e4m3 PV (Triton; lossy)"),
     )
 }
 ALIASES = {"native": "sdpa", "flash": "flash_attn", "flash3": "fa3", "sageattention": "sage"}
@@ -64,13 +65,10 @@ def _installed(package: str | None) -> bool:
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Backend names that can run on ``device`` with what is installed (``auto`` is always accepted too)."""
     device = torch.device(device)
-    from . import fused
 
     def runs_here(b: Backend) -> bool:
-        if b.name == "fp8" and fused.interpreted():
-            return True  # Triton's interpreter runs it on CPU tensors (CI)
-        if b.name == "fp8" and device.type == "cuda" and torch.cuda.is_available():
-            return torch.cuda.get_device_capability(device) >= (8, 9)
+        if b.name == "fp8":
+            return _fp8_refusal(device) is None
         return device.type == "cuda" or not b.needs_cuda
 
     return [b.name for b in BACKENDS.values() if _installed(b.package) and runs_here(b)]
@@ -112,19 +110,27 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> Back
     return backend
 
 
-def _check_fp8(device: torch.device) -> Backend:
+def _fp8_refusal(device: torch.device) -> str | None:
+    """Why attention='fp8' cannot run on ``device``, or None. The capability is read only where torch sees CUDA:
+    ``available_backends("cuda")`` also lists what a GPU would take on machines without one."""
     from . import fused
 
     if not _installed("triton"):
-        raise AccelError("attention='fp8' needs the 'triton' package, which is not installed; install it or use "
-                         "attention='auto'.")
-    if device.type != "cuda" and not fused.interpreted():
-        raise AccelError(f"attention='fp8' needs a CUDA GPU with FP8 tensor cores but the pipeline runs on {device}; "
-                         "use attention='auto'.")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "attention='fp8' needs the 'triton' package, which is not installed; install it or use attention='auto'."
+    if device.type != "cuda" and not fused.interpreted():  # the interpreter runs it on CPU tensors (CI)
+        return (f"attention='fp8' needs a CUDA GPU with FP8 tensor cores but the pipeline runs on {device}; "
+                "use attention='auto'.")
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
-        raise AccelError(f"attention='fp8' needs FP8 tensor cores (compute capability 8.9 or newer); this GPU has "
-                         f"{major}.{minor}. Use attention='auto'.")
+        return (f"attention='fp8' needs FP8 tensor cores (compute capability 8.9 or newer); this GPU has "
+                f"{major}.{minor}. Use attention='auto'.")
+    return None
+
+
+def _check_fp8(device: torch.device) -> Backend:
+    refusal = _fp8_refusal(device)
+    if refusal is not None:
+        raise AccelError(refusal)
     return BACKENDS["fp8"]
 
 

@@ -1,14 +1,14 @@
-"""FP8 attention (``attention="fp8"``, lossy): both attention GEMMs in FP8 e4m3 on Hopper, through a Triton kernel.
+"""FP8 attention (``attention="fp8"``, lossy): both attention GEMMs with 8-bit operands on Hopper, in a Triton kernel.
 
 Why: with FP8 linears the FLUX step's largest bf16 piece is attention (23-25 ms of 107 on an H200, cuDNN at
 ~640 TFLOP/s), and no FP8 attention ships with torch or installs on the GPU machine (FA3 cannot be built there).
 
 How it is split, and why:
 - Quantization is plain torch (``quantize_qkv``), so under ``compile=True`` inductor fuses it into the kernel that
-  already writes q / k (RMSNorm + RoPE). One scale per (batch, head) for each of Q, K, V. K is "smoothed" first
-  (its mean over the tokens subtracted, as SageAttention does): that adds the same q.mean_k to every score of a
-  query row, which softmax ignores, and it removes the per-channel offsets of DiT keys that would otherwise spend
-  e4m3's range.
+  already writes q / k (RMSNorm + RoPE). By default (``MODES``) Q and K become int8 with a scale per token and V
+  e4m3 with a scale per (batch, head). K is "smoothed" first (its mean over the tokens subtracted, as SageAttention
+  does): that adds the same q.mean_k to every score of a query row, which softmax ignores, and it removes the
+  per-channel offsets of DiT keys that would otherwise spend the 8-bit range.
 - The kernel (``fp8_attention_triton.py``) is one custom op, ``omni_accel::fp8_attention_core``, opaque to
   inductor like SDPA is.
 - Routing: the attention pass swaps the processors' module-global ``dispatch_attention_fn`` for a wrapper that
@@ -20,7 +20,6 @@ How it is split, and why:
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from typing import Any, Callable
 
@@ -30,8 +29,6 @@ from diffusers.hooks import ModelHook
 from ..errors import AccelError
 from ..hooks import add_hook
 from . import fused
-
-logger = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 HEAD_DIMS = (64, 128)  # what the GPU kernel is tuned for (every supported DiT); 8-bit MMAs need >= 32 anyway

@@ -1,11 +1,12 @@
-"""Triton kernel behind omni_accel/kernels/fp8_attention.py: flash attention with FP8 e4m3 operands on both GEMMs.
+"""Triton kernel behind omni_accel/kernels/fp8_attention.py: flash attention with 8-bit operands.
 
 Imported only when the FP8 attention path runs (triton is optional). One program owns BLOCK_M queries of one
-(batch, head) and streams the keys in BLOCK_N tiles with the online softmax: S = Q K^T in FP8 with an fp32
-accumulator, P = exp2(S - running max) rounded to FP8 (scaled by P_SCALE first, so small probabilities stay out of
-e4m3's subnormals), O += P V in FP8 with an fp32 accumulator; one rescale by the V scale and the softmax sum at the
-end. Hopper's FP8 MMAs want both operands K-major: Q and K have the head dim contiguous, and V comes transposed
-(head dim x tokens) from the quantization step.
+(batch, head) and streams the keys in BLOCK_N tiles with the online softmax. S = Q K^T: int8 with per-token scales
+(``QK_INT8``, int32 accumulator) or e4m3 with per-head scales (fp32 accumulator). P = exp2(S - running max); with
+``PV_FP8`` it is rounded to e4m3 (scaled by P_SCALE first, so small probabilities stay out of e4m3's subnormals) and
+O += P V runs in e4m3, else in V's 16-bit dtype; fp32 accumulator either way, one rescale by the V scale and the
+softmax sum at the end. Hopper's 8-bit MMAs want both operands K-major: Q and K have the head dim contiguous, and an
+e4m3 V comes transposed (tokens contiguous) from the quantization step.
 
 Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (how CI tests it), with one fixed small tile.
 """
