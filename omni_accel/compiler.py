@@ -21,6 +21,8 @@ from .pass_base import AccelPass, PassContext
 
 logger = logging.getLogger(__name__)
 
+CUDA_GRAPHS_ENV = "OMNI_ACCEL_CUDA_GRAPHS"  # "0" turns compile="max"'s CUDA graphs off (A/B runs, debugging)
+
 
 def compile_options(mode: bool | str, device: torch.device) -> dict:
     if mode == "max":
@@ -39,6 +41,12 @@ class CompilePass(AccelPass):
         return config.compile is not False
 
     def check(self, ctx: PassContext) -> None:
+        graphs_env = os.environ.get(CUDA_GRAPHS_ENV)
+        if graphs_env not in (None, "0", "1"):
+            raise AccelError(
+                f"{CUDA_GRAPHS_ENV}={graphs_env!r} is not understood; set it to 0 to turn off the CUDA graphs of "
+                "compile='max', or to 1 (or unset it) to keep them."
+            )
         if ctx.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
             raise AccelError(
                 "compile=True on CPU needs a C++ compiler for inductor and none was found on PATH; "
@@ -92,8 +100,8 @@ def cuda_graphs_blocker(ctx: PassContext) -> str | None:
     A replay re-runs the recorded kernels and none of the Python in between, so every pass that decides or
     communicates inside the forward at run time rules graphs out."""
     cfg = ctx.config
-    if os.environ.get("OMNI_ACCEL_CUDA_GRAPHS", "1") == "0":
-        return "OMNI_ACCEL_CUDA_GRAPHS=0 is set"
+    if os.environ.get(CUDA_GRAPHS_ENV, "1") == "0":
+        return f"{CUDA_GRAPHS_ENV}=0 is set"
     if ctx.device.type != "cuda":
         return f"CUDA graphs need a CUDA device; the pipeline runs on {ctx.device}"
     if cfg.cache is not None:

@@ -187,3 +187,13 @@ def test_compile_max_on_cpu_reports_graphs_off_with_the_reason():
         omni_accel.restore(pipe)
     assert applied == [{"pass": "compile", "cuda_graphs": False,
                         "cuda_graphs_off_because": "CUDA graphs need a CUDA device; the pipeline runs on cpu"}]
+
+
+def test_an_unknown_cuda_graphs_setting_is_refused_before_anything_is_patched(monkeypatch):
+    monkeypatch.setenv("OMNI_ACCEL_CUDA_GRAPHS", "false")
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(omni_accel.AccelError) as err:
+        omni_accel.accelerate(pipe, compile="max")
+    assert str(err.value) == ("OMNI_ACCEL_CUDA_GRAPHS='false' is not understood; set it to 0 to turn off the CUDA "
+                              "graphs of compile='max', or to 1 (or unset it) to keep them.")
+    assert "omni_accel" not in vars(pipe)
