@@ -85,3 +85,28 @@ def test_attention_bench_tiny_cpu_matches_the_fp32_reference(tmp_path):
         # fp32 on the CPU: only summation order differs from the reference; a layout or chunking slip is O(1)
         assert math.isfinite(r["rel_err"]) and r["rel_err"] < 1e-3, r
     assert "sdpa_cudnn" in result["skipped"] and result["env"]["torch"]
+
+
+def _graphs_check():
+    spec = importlib.util.spec_from_file_location(
+        "check_cuda_graphs_families", os.path.join(ROOT, "benchmarks", "check_cuda_graphs_families.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_graphs_check_runs_its_case_on_cpu_and_says_the_graphs_did_not_replay(capsys):
+    """On CPU the compile pass leaves the graphs off, so the check must fail the case for the missing replays while
+    its output and restore comparisons hold (the GPU run is where it passes)."""
+    import pytest
+    import torch
+
+    check = _graphs_check()
+    row = check.check_case("wan22", torch.device("cpu"))
+    assert row["failures"] == ["no graph replay"]
+    assert row["graph_stats"] == [] and row["restore_exact"]
+    assert row["max_abs_diff_max_vs_compile"] == 0.0 and row["max_abs_diff_max_vs_eager"] < check.COMPILE_TOLERANCE
+    with pytest.raises(SystemExit) as exc:
+        check.main(["--cases", "flux,nope"])
+    assert exc.value.code == 2
+    assert "unknown cases ['nope']; choose from flux, flux_kontext," in capsys.readouterr().err

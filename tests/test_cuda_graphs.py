@@ -3,7 +3,8 @@
 The CPU has no CUDA graphs, so these tests replay through ``RerunBackend``: a stand-in with a real graph's
 contract -- the captured function reads the *static* inputs and a replay rewrites the *same* output tensors in
 place. A graph runner that forgot to copy new inputs in, or returned the static outputs without cloning them,
-fails here exactly as it would on a GPU. The real capture is measured on the H200 (benchmarks/bench_transformer.py).
+fails here exactly as it would on a GPU. The real capture is checked on the H200 for every family
+(benchmarks/check_cuda_graphs_families.py) and timed there (bench_transformer.py, bench_cuda_graphs.py).
 """
 
 import logging

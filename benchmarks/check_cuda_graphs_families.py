@@ -1,0 +1,126 @@
+"""compile="max"'s CUDA graphs on real hardware, every family: outputs, captures per signature, restore.
+
+The CI tests replay through a CPU stand-in; this script checks the real capture on a GPU. For each tiny pipeline of
+omni_accel.testing (true CFG in qwen_image, and in qwen_image_two_signatures with a negative prompt of another
+length, so two graphs; batched CFG in sd3; two transformers in wan22) it runs, in one process:
+
+  eager -> compile=True -> compile="max" (3 calls: eager, capture, replay) -> restore
+
+and records the max abs difference of the compile="max" outputs against compile=True (the graphs replay the same
+compiled kernels, so this should be ~0) and against eager, the graph counters from report(), and whether restore()
+gives back the eager output exactly. Exit status 1 when a case fails a check.
+
+The graphs, not max-autotune, are under test here: autotuning each tiny family's GEMMs would spend the device
+budget on nothing this script checks, so compile="max" is run with compile=True's inductor options (the graphs
+are installed by the compile pass either way). `--autotune` keeps the real options.
+
+    python benchmarks/check_cuda_graphs_families.py --out benchmarks/results/check_cuda_graphs_families_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import omni_accel  # noqa: E402
+import omni_accel.compiler as compiler  # noqa: E402
+from omni_accel.testing import run, tiny_pipeline  # noqa: E402
+
+# name -> (tiny family, call overrides). The tiny qwen_image negative prompt has the prompt's token count (one
+# signature); "blurry" is 9 text tokens shorter, so each step's two true-CFG forwards need two graphs.
+CASES = {name: (name, {}) for name in
+         ["flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit", "wan", "wan22", "sd3", "z_image"]}
+CASES["qwen_image_two_signatures"] = ("qwen_image", {"negative_prompt": "blurry"})
+COMPILE_TOLERANCE = 1e-3  # fp32, compiled vs eager (fused reductions reorder sums)
+# graphs vs compile=True: the same kernels, but inductor re-picks each reduction's launch config by timing after the
+# dynamo reset between the two, which may reorder a sum; a stale or overwritten graph buffer is off by O(1)
+GRAPHS_TOLERANCE = 1e-5
+
+
+def graph_stats(pipe) -> list[dict]:
+    applied = pipe.omni_accel.report()["applied"]
+    return [dict(a["graph_stats"], component=a.get("component")) for a in applied if a.get("cuda_graphs")]
+
+
+def accelerated_runs(pipe, kwargs, calls: int, **knobs) -> tuple[list[torch.Tensor], list[dict]]:
+    omni_accel.accelerate(pipe, attention="auto", **knobs)
+    try:
+        outs = [run(pipe, kwargs) for _ in range(calls)]
+        stats = graph_stats(pipe)
+    finally:
+        omni_accel.restore(pipe)
+        torch._dynamo.reset()
+    return outs, stats
+
+
+def check_case(name: str, device: torch.device) -> dict:
+    family, overrides = CASES[name]
+    pipe, kwargs = tiny_pipeline(family)
+    kwargs.update(overrides)
+    pipe.to(device)
+    t0 = time.perf_counter()
+    eager = run(pipe, kwargs)
+    compiled, _ = accelerated_runs(pipe, kwargs, 2, compile=True)
+    graphed, stats = accelerated_runs(pipe, kwargs, 3, compile="max")
+    restored = run(pipe, kwargs)
+    diff_vs_compile = max((g - compiled[-1]).abs().max().item() for g in graphed)
+    diff_vs_eager = max((g - eager).abs().max().item() for g in graphed)
+    replays = sum(s["replays"] for s in stats)
+    row = {
+        "case": name, "family": family, "call_overrides": overrides, "shape": list(eager.shape), "graph_stats": stats,
+        "max_abs_diff_max_vs_compile": diff_vs_compile, "max_abs_diff_max_vs_eager": diff_vs_eager,
+        "restore_exact": bool(torch.equal(restored, eager)), "seconds": round(time.perf_counter() - t0, 1),
+    }
+    failures = []
+    if not stats or replays == 0:
+        failures.append("no graph replay")
+    if diff_vs_compile > GRAPHS_TOLERANCE:
+        failures.append(f"graphs differ from compile=True by {diff_vs_compile:.3g} > {GRAPHS_TOLERANCE}")
+    if diff_vs_eager > COMPILE_TOLERANCE:
+        failures.append(f"graphs differ from eager by {diff_vs_eager:.3g} > {COMPILE_TOLERANCE}")
+    if not row["restore_exact"]:
+        failures.append("restore() output differs from eager")
+    row["failures"] = failures
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    ap.add_argument("--autotune", action="store_true", help="keep compile='max''s max-autotune (slow cold start)")
+    ap.add_argument("--out", default="benchmarks/results/check_cuda_graphs_families.json")
+    args = ap.parse_args(argv)
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
+    if not torch.cuda.is_available():
+        print("this check needs a CUDA GPU (CUDA graphs do not exist on CPU; CI covers the CPU stand-in)")
+        return 2
+    device = torch.device("cuda")
+    if not args.autotune:
+        compiler.compile_options = lambda mode, device: {"dynamic": False}
+    import diffusers
+
+    result = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "diffusers": diffusers.__version__,
+              "dtype": "float32", "autotune": args.autotune, "rows": []}
+    for name in args.cases.split(","):
+        row = check_case(name, device)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    result["failed"] = [r["case"] for r in result["rows"] if r["failures"]]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print("failed:", result["failed"] or "none")
+    return 1 if result["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
