@@ -438,6 +438,11 @@ def test_torchrun_two_ranks_rank0_serves_and_fans_out(tiny_dirs, tmp_path):
         r = c.images.generate(prompt="again", size="32x32", extra_body={"num_inference_steps": 1})
         assert png_size(r.data[0].b64_json) == (32, 32)
         assert_error(httpx.post(url + GEN, json={"prompt": "x", "size": "abc"}), 400, param="size")
+        # without parallel degrees rank 0 answers without waiting for rank 1's copy of the call, which on a busy
+        # host may still be running: give it time before the SIGTERM (a 400 is refused before any broadcast)
+        deadline = time.monotonic() + 60
+        while len(re.findall(r"rank 1 ran batch", log.read_text())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         stop_process_group(proc, 30)
     text = log.read_text()
