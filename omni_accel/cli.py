@@ -176,6 +176,26 @@ def _load_pipeline(args: argparse.Namespace, device: str, dtype) -> tuple[Any, d
     return pipe, {}, path
 
 
+def _default_size(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--default-size WxH`` of serve / demo, parsed before the model is loaded so a typo costs no load."""
+    if not args.default_size:
+        return None
+    from .serve.schemas import parse_size
+
+    try:
+        return parse_size(args.default_size)
+    except ValueError as exc:
+        raise CliError(f"--default-size: {exc}")
+
+
+def _load_server_pipeline(args: argparse.Namespace, device: str, dtype) -> tuple[Any, dict, str]:
+    """``_load_pipeline`` for the long-running commands (serve, demo): no per-call progress bars in their logs."""
+    pipe, defaults, source = _load_pipeline(args, device, dtype)
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    return pipe, defaults, source
+
+
 def _check_sampling_args(args: argparse.Namespace) -> None:
     for name, value in (("--steps", args.steps), ("--height", args.height), ("--width", args.width),
                         ("--frames", args.frames)):

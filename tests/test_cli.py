@@ -164,3 +164,15 @@ def test_real_builtin_model_when_shipped(tmp_path, capsys):
                  str(out)]) == 0
     with Image.open(out) as im:
         assert im.size == (builtin.BUILTIN_DEFAULTS["width"], builtin.BUILTIN_DEFAULTS["height"])
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("serve", ["--default-size", "12by"], "error: --default-size: size='12by' is not 'WIDTHxHEIGHT'"),
+    ("demo", ["--default-size", "12by"], "error: --default-size: size='12by' is not 'WIDTHxHEIGHT'"),
+    ("demo", ["--default-steps", "0"], "error: --default-steps 0 is invalid: it must be >= 1."),
+])
+def test_serve_and_demo_refuse_bad_defaults_before_loading_the_model(capsys, command, flags, message):
+    # the model path does not exist: an error naming it would mean the model was looked for before the flags
+    assert main([command, "--model", "/nonexistent/model", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "/nonexistent/model" not in err

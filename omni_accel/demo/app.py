@@ -240,7 +240,7 @@ def theme():
 
 
 def run(args) -> int:
-    from ..cli import CliError, _load_pipeline, _resolve_device, _torch_dtype
+    from ..cli import CliError, _default_size, _load_server_pipeline, _resolve_device, _torch_dtype
 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     try:
@@ -249,23 +249,14 @@ def run(args) -> int:
         raise CliError("omni-accel demo needs the demo extra: pip install 'omni-accel[demo]'")
     import torch
 
-    from ..serve.schemas import parse_size
-
     device = _resolve_device(args.device)
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     args.offload = None
-    pipe, defaults, source = _load_pipeline(args, device, dtype)
-    if hasattr(pipe, "set_progress_bar_config"):
-        pipe.set_progress_bar_config(disable=True)
-    native = None
-    if args.default_size:
-        try:
-            native = parse_size(args.default_size)
-        except ValueError as exc:
-            raise CliError(f"--default-size: {exc}")
+    native = _default_size(args)
+    if args.default_steps is not None and args.default_steps < 1:
+        raise CliError(f"--default-steps {args.default_steps} is invalid: it must be >= 1.")
+    pipe, defaults, source = _load_server_pipeline(args, device, dtype)
     if args.default_steps is not None:
-        if args.default_steps < 1:
-            raise CliError(f"--default-steps {args.default_steps} is invalid: it must be >= 1.")
         defaults["num_inference_steps"] = args.default_steps
     backend = DemoBackend.from_pipeline(pipe, defaults, device, native)
     if not args.no_warmup:

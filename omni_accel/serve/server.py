@@ -95,9 +95,9 @@ def load_model(args):
 
     import omni_accel
 
-    from ..cli import CliError, _accel_config, _check_attention_early, _load_pipeline, _resolve_device, _torch_dtype
+    from ..cli import (CliError, _accel_config, _check_attention_early, _default_size, _load_server_pipeline,
+                       _resolve_device, _torch_dtype)
     from .engine import LoadedModel
-    from .schemas import parse_size
 
     device = args.device
     if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
@@ -106,15 +106,8 @@ def load_model(args):
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     config = _accel_config(args, device)
     _check_attention_early(args.attention, device, dtype)
-    pipe, defaults, source = _load_pipeline(args, device, dtype)
-    if hasattr(pipe, "set_progress_bar_config"):
-        pipe.set_progress_bar_config(disable=True)
-    native = None
-    if args.default_size:
-        try:
-            native = parse_size(args.default_size)
-        except ValueError as exc:
-            raise CliError(f"--default-size: {exc}")
+    native = _default_size(args)
+    pipe, defaults, source = _load_server_pipeline(args, device, dtype)
     omni_accel.accelerate(pipe, config=config)
     model = LoadedModel.from_pipeline(pipe, _model_id(args), defaults, native)
     w, h = model.native_size
