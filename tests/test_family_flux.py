@@ -7,9 +7,8 @@ import inspect
 import pytest
 import torch
 
-import omni_accel
 from omni_accel.pipelines import adapter_for, get_adapter
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_accelerated, tiny_pipeline
 
 FAMILY = "flux"
 
@@ -74,12 +73,7 @@ def test_odd_token_count_resolution(tiny):
 @pytest.mark.parametrize("attention", ["auto", "math"])
 def test_accelerate_attention_then_restore(tiny, attention):
     pipe, kwargs, reference = tiny
-    omni_accel.accelerate(pipe, attention=attention)
-    try:
-        out = run(pipe, kwargs)
-        report = pipe.omni_accel.report()
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, attention=attention)
     assert (out - reference).abs().max().item() <= 1e-4
     assert report["family"] == FAMILY
     assert report["last_call"]["transformer_forwards"] == kwargs["num_inference_steps"]  # distilled: 1 per step
@@ -91,25 +85,15 @@ def test_true_cfg_counts_two_forwards_per_step(tiny):
     adapter = adapter_for(pipe)
     cfg_kwargs = dict(kwargs, **{adapter.cfg_scale_arg: 2.0, adapter.negative_prompt_arg: "blurry"})
     plain = run(pipe, cfg_kwargs)
-    omni_accel.accelerate(pipe)
-    try:
-        out = run(pipe, cfg_kwargs)
-        forwards = pipe.omni_accel.report()["last_call"]["transformer_forwards"]
-    finally:
-        omni_accel.restore(pipe)
-    assert forwards == 2 * kwargs["num_inference_steps"]
+    out, report = run_accelerated(pipe, cfg_kwargs)
+    assert report["last_call"]["transformer_forwards"] == 2 * kwargs["num_inference_steps"]
     assert (out - plain).abs().max().item() <= 1e-4
 
 
 def test_accelerate_compile_then_restore(tiny):
     pipe, kwargs, reference = tiny
-    omni_accel.accelerate(pipe, compile=True)
-    try:
-        out = run(pipe, kwargs)
-        applied = [p["pass"] for p in pipe.omni_accel.report()["applied"]]
-    finally:
-        omni_accel.restore(pipe)
-    assert "compile" in applied
+    out, report = run_accelerated(pipe, kwargs, compile=True)
+    assert "compile" in [p["pass"] for p in report["applied"]]
     assert (out - reference).abs().max().item() <= 1e-3
     assert torch.equal(run(pipe, kwargs), reference)
 
@@ -122,12 +106,7 @@ def test_kontext_edit_pipeline():
     reference = run(pipe, kwargs)
     assert reference.shape[-2:] == (kwargs["height"], kwargs["width"])
     assert torch.equal(run(pipe, kwargs), reference)
-    omni_accel.accelerate(pipe, attention="math")
-    try:
-        out = run(pipe, kwargs)
-        forwards = pipe.omni_accel.report()["last_call"]["transformer_forwards"]
-    finally:
-        omni_accel.restore(pipe)
-    assert forwards == kwargs["num_inference_steps"]
+    out, report = run_accelerated(pipe, kwargs, attention="math")
+    assert report["last_call"]["transformer_forwards"] == kwargs["num_inference_steps"]
     assert (out - reference).abs().max().item() <= 1e-4
     assert torch.equal(run(pipe, kwargs), reference)

@@ -10,7 +10,7 @@ import torch
 
 import omni_accel
 from omni_accel.pipelines import adapter_for, get_adapter
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_accelerated, tiny_pipeline
 from omni_accel.testing.tiny_flux2 import build
 
 FAMILY = "flux2"
@@ -81,12 +81,7 @@ def test_odd_token_count_resolution(tiny):
 @pytest.mark.parametrize("attention", ["auto", "math"])
 def test_accelerate_attention_then_restore(tiny, attention):
     pipe, kwargs, reference = tiny
-    omni_accel.accelerate(pipe, attention=attention)
-    try:
-        out = run(pipe, kwargs)
-        report = pipe.omni_accel.report()
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, attention=attention)
     assert (out - reference).abs().max().item() <= 1e-4
     assert report["family"] == FAMILY
     assert report["last_call"]["transformer_forwards"] == kwargs["num_inference_steps"]  # guidance-distilled
@@ -112,12 +107,7 @@ def test_klein_true_cfg_two_forwards_per_step(klein):
 
 def test_accelerate_compile_then_restore(tiny):
     pipe, kwargs, reference = tiny
-    omni_accel.accelerate(pipe, compile=True)
-    try:
-        out = run(pipe, kwargs)
-        applied = [p["pass"] for p in pipe.omni_accel.report()["applied"]]
-    finally:
-        omni_accel.restore(pipe)
-    assert "compile" in applied
+    out, report = run_accelerated(pipe, kwargs, compile=True)
+    assert "compile" in [p["pass"] for p in report["applied"]]
     assert (out - reference).abs().max().item() <= 1e-3
     assert torch.equal(run(pipe, kwargs), reference)

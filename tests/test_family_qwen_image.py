@@ -9,7 +9,7 @@ import torch
 
 import omni_accel
 from omni_accel.pipelines import adapter_for, get_adapter
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_accelerated, tiny_pipeline
 
 ADAPTER = get_adapter("qwen_image")
 VARIANTS = ("qwen_image", "qwen_image_edit", "qwen_image_edit_plus")
@@ -82,12 +82,7 @@ def test_text_to_image(built):
 def test_text_to_image_accelerate_then_restore(built):
     pipe, kwargs, reference = built("qwen_image")
     for attention in ("auto", "math"):
-        omni_accel.accelerate(pipe, attention=attention)
-        try:
-            out = run(pipe, kwargs, seed=0)
-            report = pipe.omni_accel.report()
-        finally:
-            omni_accel.restore(pipe)
+        out, report = run_accelerated(pipe, kwargs, seed=0, attention=attention)
         assert (out - reference).abs().max().item() <= 1e-4, attention
         assert report["last_call"]["transformer_forwards"] == 2 * STEPS  # true CFG
     assert torch.equal(run(pipe, kwargs, seed=0), reference)
@@ -128,12 +123,7 @@ def test_edit_variants(built, variant):
 
 def test_compile_then_restore(built):
     pipe, kwargs, reference = built("qwen_image")
-    omni_accel.accelerate(pipe, compile=True)
-    try:
-        out = run(pipe, kwargs, seed=0)
-        report = pipe.omni_accel.report()
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, seed=0, compile=True)
     assert (out - reference).abs().max().item() <= 1e-3
     assert report["last_call"]["transformer_forwards"] == 2 * STEPS
     assert torch.equal(run(pipe, kwargs, seed=0), reference)

@@ -9,7 +9,7 @@ import torch
 
 import omni_accel
 from omni_accel.pipelines import adapter_for, get_adapter
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_accelerated, tiny_pipeline
 
 ADAPTER = get_adapter("sd3")
 STEPS = 2
@@ -62,12 +62,7 @@ def test_adapter_matches_model(built):
 def test_accelerate_attention_then_restore(built):
     pipe, kwargs, reference = built
     for attention in ("auto", "math"):
-        omni_accel.accelerate(pipe, attention=attention)
-        try:
-            out = run(pipe, kwargs, seed=0)
-            report = pipe.omni_accel.report()
-        finally:
-            omni_accel.restore(pipe)
+        out, report = run_accelerated(pipe, kwargs, seed=0, attention=attention)
         assert (out - reference).abs().max().item() <= 1e-4, attention
         assert report["last_call"]["transformer_forwards"] == STEPS  # batched CFG: one forward per step
     assert torch.equal(run(pipe, kwargs, seed=0), reference)
@@ -106,12 +101,7 @@ def test_compile_then_restore():
     # one block (the context_pre_only last-block type) keeps this to a single inductor graph
     pipe, kwargs = tiny_pipeline("sd3", seed=0, num_layers=1)
     reference = run(pipe, kwargs, seed=0)
-    omni_accel.accelerate(pipe, compile=True)
-    try:
-        out = run(pipe, kwargs, seed=0)
-        report = pipe.omni_accel.report()
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, seed=0, compile=True)
     assert (out - reference).abs().max().item() <= 1e-3
     assert report["last_call"]["transformer_forwards"] == STEPS
     assert torch.equal(run(pipe, kwargs, seed=0), reference)

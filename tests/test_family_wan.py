@@ -9,7 +9,7 @@ import torch
 
 import omni_accel
 from omni_accel.pipelines import adapter_for, get_adapter
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_accelerated, tiny_pipeline
 
 ADAPTER = get_adapter("wan")
 VARIANTS = ("wan", "wan_i2v", "wan22")
@@ -81,12 +81,7 @@ def test_adapter_matches_model(built, variant):
 def test_accelerate_attention_then_restore(built, variant):
     pipe, kwargs, reference = built(variant)
     for attention in ("auto", "math"):
-        omni_accel.accelerate(pipe, attention=attention)
-        try:
-            out = run(pipe, kwargs, seed=0)
-            report = pipe.omni_accel.report()
-        finally:
-            omni_accel.restore(pipe)
+        out, report = run_accelerated(pipe, kwargs, seed=0, attention=attention)
         assert (out - reference).abs().max().item() <= 1e-4, attention
         assert report["last_call"]["transformer_forwards"] == STEPS * 2  # true CFG; both experts counted
     assert torch.equal(run(pipe, kwargs, seed=0), reference)
@@ -111,12 +106,7 @@ def test_odd_token_count():
 
 def test_compile_then_restore(built):
     pipe, kwargs, reference = built("wan")
-    omni_accel.accelerate(pipe, compile=True)
-    try:
-        out = run(pipe, kwargs, seed=0)
-        report = pipe.omni_accel.report()
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, seed=0, compile=True)
     assert (out - reference).abs().max().item() <= 1e-3
     assert report["last_call"]["transformer_forwards"] == STEPS * 2
     assert torch.equal(run(pipe, kwargs, seed=0), reference)

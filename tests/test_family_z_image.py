@@ -8,9 +8,8 @@ import inspect
 import pytest
 import torch
 
-import omni_accel
 from omni_accel.pipelines import adapter_for, get_adapter
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_accelerated, tiny_pipeline
 
 FAMILY = "z_image"
 
@@ -73,12 +72,7 @@ def test_odd_token_counts(tiny):
 @pytest.mark.parametrize("attention", ["auto", "math"])
 def test_accelerate_attention_then_restore(tiny, attention):
     pipe, kwargs, reference = tiny
-    omni_accel.accelerate(pipe, attention=attention)
-    try:
-        out = run(pipe, kwargs)
-        report = pipe.omni_accel.report()
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, attention=attention)
     assert (out - reference).abs().max().item() <= 1e-4
     assert report["family"] == FAMILY
     # batched CFG (guidance_scale 4.0 > 0): still one transformer forward per step
@@ -90,24 +84,15 @@ def test_without_cfg_one_forward_per_step(tiny):
     pipe, kwargs, _ = tiny
     turbo = dict(kwargs, guidance_scale=0.0)
     plain = run(pipe, turbo)
-    omni_accel.accelerate(pipe)
-    try:
-        out = run(pipe, turbo)
-        forwards = pipe.omni_accel.report()["last_call"]["transformer_forwards"]
-    finally:
-        omni_accel.restore(pipe)
-    assert forwards == kwargs["num_inference_steps"]
+    out, report = run_accelerated(pipe, turbo)
+    assert report["last_call"]["transformer_forwards"] == kwargs["num_inference_steps"]
     assert (out - plain).abs().max().item() <= 1e-4
 
 
 def test_accelerate_compile_then_restore(tiny):
     pipe, kwargs, reference = tiny
-    omni_accel.accelerate(pipe, compile=True)
-    try:
-        out = run(pipe, kwargs)
-        applied = [p for p in pipe.omni_accel.report()["applied"] if p["pass"] == "compile"]
-    finally:
-        omni_accel.restore(pipe)
+    out, report = run_accelerated(pipe, kwargs, compile=True)
+    applied = [p for p in report["applied"] if p["pass"] == "compile"]
     assert applied and applied[0]["blocks"] == 3
     assert (out - reference).abs().max().item() <= 1e-3
     assert torch.equal(run(pipe, kwargs), reference)

@@ -2,6 +2,7 @@
 
     pipe, kwargs = omni_accel.testing.tiny_pipeline("flux")
     image = omni_accel.testing.run(pipe, kwargs, seed=0)  # a fresh generator each call: comparable outputs
+    out, report = omni_accel.testing.run_accelerated(pipe, kwargs, attention="math")  # accelerate, run, restore
 
 ``kwargs`` holds the call arguments (prompt, tiny size, 2 steps, output_type) but no generator, so the same dict
 can be reused; ``run`` adds a fresh seeded generator and returns the output as a float32 CPU tensor.
