@@ -5,8 +5,8 @@
         --attention auto --compile on -o fox.png
     omni-accel info
 
-Subcommands are registered in ``SUBCOMMANDS`` (name -> (add_arguments, run)), so later ones (serve, demo, bench,
-calibrate) plug in the same way. ``main(argv)`` returns the exit code: 0 ok, 2 for bad input (unknown flag
+Subcommands are registered in ``SUBCOMMANDS`` (name -> (help, add_arguments, run)); serve, demo, calibrate and
+bench live in their own modules and are imported only when run. ``main(argv)`` returns the exit code: 0 ok, 2 for bad input (unknown flag
 values, an AccelError, a model path that does not exist), 1 for an unexpected failure.
 """
 
@@ -48,6 +48,16 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="out.png",
                    help="output image (default out.png). Video pipelines (e.g. Wan): a .gif path gets every frame "
                         "as an animated GIF, any other extension gets the first frame only")
+    add_model_arguments(p)
+    add_acceleration_arguments(p)
+    r = p.add_argument_group("output")
+    r.add_argument("--report", choices=["table", "json", "none"], default="table",
+                   help="how to print pipe.omni_accel.report() after saving (default table)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model, sampling, dtype and device flags (shared by generate and bench); read by ``_load_pipeline`` and
+    ``_call_kwargs``."""
     g = p.add_argument_group("model and sampling")
     g.add_argument("--model", default=os.environ.get("OMNI_ACCEL_MODEL"),
                    help="local diffusers pipeline folder, loaded with DiffusionPipeline.from_pretrained "
@@ -65,10 +75,6 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights dtype (env OMNI_ACCEL_DTYPE; default bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--device", default=os.environ.get("OMNI_ACCEL_DEVICE"),
                    help="cpu or cuda[:N] (env OMNI_ACCEL_DEVICE; default cuda if available, else cpu)")
-    add_acceleration_arguments(p)
-    r = p.add_argument_group("output")
-    r.add_argument("--report", choices=["table", "json", "none"], default="table",
-                   help="how to print pipe.omni_accel.report() after saving (default table)")
 
 
 def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
@@ -287,18 +293,23 @@ def format_report(report: dict, saved: dict, wall_s: float) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def under_torchrun(command: Callable[[], int]) -> int:
+    """Run ``command`` inside the process group when launched by torchrun with more than one rank."""
     from . import distributed
 
-    t0 = time.perf_counter()
     launched = distributed.torchrun_env() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched:  # before any .to("cuda"): init pins this rank to its own GPU (LOCAL_RANK)
         distributed.init()
     try:
-        return _generate(args, t0)
+        return command()
     finally:
         if launched:
             distributed.shutdown()
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    return under_torchrun(lambda: _generate(args, t0))
 
 
 def _generate(args: argparse.Namespace, t0: float) -> int:
@@ -407,6 +418,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
              "(pip install 'omni-accel[demo]')", *_lazy_subcommand("omni_accel.demo.app")),
     "calibrate": ("fit a TeaCache profile (coefficients + threshold) that meets a PSNR target",
                   *_lazy_subcommand("omni_accel.cache.cli")),
+    "bench": ("time the plain pipeline and the accelerated one side by side in one process: s/call, ms/step, "
+              "TFLOP/s, peak memory, speed-up and the output difference", *_lazy_subcommand("omni_accel.bench")),
 }
 
 

@@ -390,3 +390,21 @@ def test_cli_generate_under_torchrun(tmp_path, qwen_single_image):
     assert {"sequence_parallel", "cfg_parallel"} <= {p["pass"] for p in report["applied"]}, report["applied"]
     assert report["last_call"].get("cfg_parallel.split_steps") == 2, report["last_call"]
     _assert_same_image(out, qwen_single_image)
+
+
+def test_cli_bench_under_torchrun(tmp_path):
+    """`torchrun --nproc_per_node=2 -m omni_accel bench ... --cfg-parallel 2`: every rank runs both pipelines (the
+    parallel one needs both in every call), rank 0 alone prints and writes; the CFG-split output equals the plain."""
+    from omni_accel.testing import tiny_pipeline
+
+    pipe, _ = tiny_pipeline("qwen_image")
+    pipe.save_pretrained(tmp_path / "tiny_qwen")
+    out = tmp_path / "bench.json"
+    proc = _run(TORCHRUN + ["--nproc_per_node=2", "-m", "omni_accel", "bench", "a red fox in the snow", "--model",
+                            str(tmp_path / "tiny_qwen"), "--height", "32", "--width", "32", *QWEN_FLAGS,
+                            "--cfg-parallel", "2", "--repeats", "2", "--json", "--out", str(out)], timeout=300)
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1, proc.stdout[-3000:]  # rank 0 only
+    plain, parallel = json.loads(out.read_text())["rows"]
+    assert plain["world_size"] == parallel["world_size"] == 2 and parallel["config"] == "cfg_parallel=2"
+    assert "cfg_parallel" in parallel["applied"] and parallel["max_abs_diff_vs_plain"] <= 1e-4
