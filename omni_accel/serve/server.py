@@ -173,7 +173,7 @@ def run(args) -> int:
 
     try:
         import fastapi  # noqa: F401
-        import multipart  # noqa: F401
+        import python_multipart  # noqa: F401 -- the module name since 0.0.13 (FastAPI needs it for uploads)
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
