@@ -18,7 +18,7 @@ writes.
 from __future__ import annotations
 
 import argparse
-import inspect
+import contextlib
 import json
 import logging
 import math
@@ -28,8 +28,9 @@ import time
 from typing import Any
 
 from .cli import (CliError, _accel_config, _call_kwargs, _check_attention_early, _check_sampling_args,
-                  _load_server_pipeline, _resolve_device, _torch_dtype, add_acceleration_arguments,
-                  add_model_arguments, under_torchrun)
+                  _load_pipeline_quietly, _resolve_device, _torch_dtype, add_acceleration_arguments,
+                  add_model_arguments, call_parameters, under_torchrun)
+from .testing import output_tensor
 
 logger = logging.getLogger("omni_accel.bench")
 
@@ -75,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     config = _accel_config(args, device)  # AccelError on bad values, before any loading
     _check_attention_early(args.attention, device, dtype)
-    pipe, defaults, source = _load_server_pipeline(args, device, dtype)
+    pipe, defaults, source = _load_pipeline_quietly(args, device, dtype)
     kwargs = _call_kwargs(pipe, args, defaults)
     if "output_type" in kwargs:
         kwargs["output_type"] = "pt"  # tensors in [0, 1]: compared without a PIL round trip
@@ -103,9 +104,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _default_of(pipe, name: str) -> Any:
-    cls = getattr(type(pipe), "_omni_accel_original_class", type(pipe))
-    param = inspect.signature(cls.__call__).parameters.get(name)
-    return None if param is None or param.default is inspect.Parameter.empty else param.default
+    param = call_parameters(pipe).get(name)
+    return None if param is None or param.default is param.empty else param.default
 
 
 def _plain_runs(pipe, kwargs: dict, args: argparse.Namespace, device: str, quiet: bool) -> dict:
@@ -137,7 +137,7 @@ def _timed_runs(pipe, kwargs: dict, args: argparse.Namespace, device, label: str
     with tqdm(total=total, desc=f"{label} calls", disable=quiet, leave=False) as bar:
         for i in range(total):
             timed = i >= args.warmup
-            if timed and i == args.warmup and device.type == "cuda":
+            if i == args.warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             counting = count_flops and i == 0 and args.warmup > 0
             seconds, output, counted = _one_call(pipe, kwargs, args.seed, device, counting)
@@ -157,16 +157,12 @@ def _one_call(pipe, kwargs: dict, seed: int, device, count_flops: bool) -> tuple
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    with torch.inference_mode():
-        if counter is not None:
-            with counter:
-                result = pipe(**call)
-        else:
-            result = pipe(**call)
+    with torch.inference_mode(), counter if counter is not None else contextlib.nullcontext():
+        result = pipe(**call)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    return seconds, _as_tensor(result), counter.get_total_flops() if counter is not None else None
+    return seconds, output_tensor(result), counter.get_total_flops() if counter is not None else None
 
 
 def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -186,17 +182,6 @@ def _cpu_attention_mapping() -> dict:
 _CPU_ATTENTION_FLOPS = _cpu_attention_mapping()
 
 
-def _as_tensor(result):
-    """The images (or video frames) of a pipeline output as one float32 CPU tensor."""
-    import numpy as np
-    import torch
-
-    images = result.frames if getattr(result, "frames", None) is not None else result.images
-    if isinstance(images, list):
-        images = np.stack([np.asarray(i) for i in images])
-    return torch.as_tensor(images).detach().float().cpu()
-
-
 def _result(args, kwargs: dict, source: str, dtype, device: str, steps: int | None, world: int,
             plain: dict | None, accelerated: dict, report: dict, config) -> dict:
     import diffusers
@@ -213,7 +198,8 @@ def _result(args, kwargs: dict, source: str, dtype, device: str, steps: int | No
     rows = []
     if plain is not None:
         rows.append(_row("plain", plain, steps, flops, common))
-    changed = {k: v for k, v in config.as_dict().items() if k != "device" and v != type(config)().as_dict()[k]}
+    defaults = type(config)().as_dict()
+    changed = {k: v for k, v in config.as_dict().items() if k != "device" and v != defaults[k]}
     row = _row(",".join(f"{k}={v}" for k, v in changed.items()) or "defaults", accelerated, steps, flops, common)
     row["accelerate_kwargs"] = changed
     row["applied"] = list(dict.fromkeys(p["pass"] for p in report["applied"]))

@@ -194,8 +194,9 @@ def _default_size(args: argparse.Namespace) -> tuple[int, int] | None:
         raise CliError(f"--default-size: {exc}")
 
 
-def _load_server_pipeline(args: argparse.Namespace, device: str, dtype) -> tuple[Any, dict, str]:
-    """``_load_pipeline`` for the long-running commands (serve, demo): no per-call progress bars in their logs."""
+def _load_pipeline_quietly(args: argparse.Namespace, device: str, dtype) -> tuple[Any, dict, str]:
+    """``_load_pipeline`` without the pipeline's per-call progress bars: serve and demo keep them out of their logs,
+    bench shows one bar over its calls instead."""
     pipe, defaults, source = _load_pipeline(args, device, dtype)
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=True)
@@ -207,6 +208,12 @@ def _check_sampling_args(args: argparse.Namespace) -> None:
                         ("--frames", args.frames)):
         if value is not None and value < 1:
             raise CliError(f"{name} {value} is invalid: it must be a positive integer.")
+
+
+def call_parameters(pipe) -> "dict[str, inspect.Parameter]":
+    """The parameters of the stock pipeline's ``__call__`` (accelerate() swaps in a subclass)."""
+    cls = getattr(type(pipe), "_omni_accel_original_class", type(pipe))
+    return dict(inspect.signature(cls.__call__).parameters)
 
 
 def _call_kwargs(pipe, args: argparse.Namespace, defaults: dict) -> dict:
@@ -222,8 +229,7 @@ def _call_kwargs(pipe, args: argparse.Namespace, defaults: dict) -> dict:
         "negative_prompt": args.negative_prompt,
         "num_frames": args.frames,
     }
-    cls = getattr(type(pipe), "_omni_accel_original_class", type(pipe))  # accelerate() swaps in a subclass
-    accepted = inspect.signature(cls.__call__).parameters
+    accepted = call_parameters(pipe)
     kwargs = {}
     for key, value in wanted.items():
         if value is None:

@@ -240,7 +240,7 @@ def theme():
 
 
 def run(args) -> int:
-    from ..cli import CliError, _default_size, _load_server_pipeline, _resolve_device, _torch_dtype
+    from ..cli import CliError, _default_size, _load_pipeline_quietly, _resolve_device, _torch_dtype
 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     try:
@@ -255,7 +255,7 @@ def run(args) -> int:
     native = _default_size(args)
     if args.default_steps is not None and args.default_steps < 1:
         raise CliError(f"--default-steps {args.default_steps} is invalid: it must be >= 1.")
-    pipe, defaults, source = _load_server_pipeline(args, device, dtype)
+    pipe, defaults, source = _load_pipeline_quietly(args, device, dtype)
     if args.default_steps is not None:
         defaults["num_inference_steps"] = args.default_steps
     backend = DemoBackend.from_pipeline(pipe, defaults, device, native)

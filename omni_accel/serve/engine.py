@@ -62,12 +62,12 @@ class LoadedModel:
     def from_pipeline(cls, pipe: Any, model_id: str, defaults: dict | None = None,
                       native_size: tuple[int, int] | None = None) -> "LoadedModel":
         """Wrap an (already accelerated or plain) pipeline."""
+        from ..cli import call_parameters
         from ..pipelines import adapter_for
 
         adapter = adapter_for(pipe)
         defaults = dict(defaults or {})
-        klass = getattr(type(pipe), "_omni_accel_original_class", type(pipe))
-        params = inspect.signature(klass.__call__).parameters
+        params = call_parameters(pipe)
         vae_scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
         multiple = vae_scale * 2
         if native_size is None:

@@ -95,7 +95,7 @@ def load_model(args):
 
     import omni_accel
 
-    from ..cli import (CliError, _accel_config, _check_attention_early, _default_size, _load_server_pipeline,
+    from ..cli import (CliError, _accel_config, _check_attention_early, _default_size, _load_pipeline_quietly,
                        _resolve_device, _torch_dtype)
     from .engine import LoadedModel
 
@@ -107,7 +107,7 @@ def load_model(args):
     config = _accel_config(args, device)
     _check_attention_early(args.attention, device, dtype)
     native = _default_size(args)
-    pipe, defaults, source = _load_server_pipeline(args, device, dtype)
+    pipe, defaults, source = _load_pipeline_quietly(args, device, dtype)
     omni_accel.accelerate(pipe, config=config)
     model = LoadedModel.from_pipeline(pipe, _model_id(args), defaults, native)
     w, h = model.native_size

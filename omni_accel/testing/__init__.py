@@ -49,8 +49,12 @@ def run(pipe: Any, call_kwargs: dict, seed: int = 0, **extra: Any) -> torch.Tens
     """Call ``pipe`` with ``call_kwargs`` and a fresh generator seeded ``seed``; the output as float32 on CPU."""
     kwargs = dict(call_kwargs, **extra)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(seed)
-    out = pipe(**kwargs)
-    images = out.frames if hasattr(out, "frames") else out.images
+    return output_tensor(pipe(**kwargs))
+
+
+def output_tensor(result: Any) -> torch.Tensor:
+    """The images (or video frames) of a pipeline output as one float32 CPU tensor."""
+    images = result.frames if getattr(result, "frames", None) is not None else result.images
     if isinstance(images, list):
         images = torch.stack([torch.as_tensor(__import__("numpy").asarray(i)) for i in images])
     return torch.as_tensor(images).detach().float().cpu()
