@@ -56,7 +56,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import sample_ms  # noqa: E402
+from benchmarks.timing import sample_ms, write_result  # noqa: E402
 
 T_START = time.perf_counter()
 
@@ -447,21 +447,17 @@ def main(argv: list[str] | None = None) -> int:
               "skipped": skipped, "rows": []}
     log(f"env {result['env']}")
     log(f"kernels: {[k.name for k in kernels]}; skipped: {skipped}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-
     def on_row(row: dict) -> None:
         result["rows"].append(row)
         shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()
                  if k not in ("traceback", "note", "layout", "dtype", "B")}
         log(json.dumps(shown))
-        with open(args.out, "w") as fh:  # rewritten after every row: a crash later keeps what was measured
-            json.dump(result, fh, indent=1)
+        write_result(args.out, result)  # after every row: a crash later keeps what was measured
 
     for name in names:
         shape_rows(name, table[name], kernels, args, device, dtype, on_row)
     result["total_s"] = round(time.perf_counter() - T_START, 1)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_result(args.out, result)
     print_table(result["rows"])
     try:
         plot(result, args.plot or os.path.splitext(args.out)[0] + ".png")

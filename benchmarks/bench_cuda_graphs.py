@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import omni_accel  # noqa: E402
+from benchmarks.timing import write_result  # noqa: E402
 from omni_accel.builtin import BUILTIN_DEFAULTS, load_builtin  # noqa: E402
 
 CONFIGS = [("compile", dict(compile=True), "1"), ("max_no_graphs", dict(compile="max"), "0"),
@@ -80,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     base = result["rows"][0]["s_per_call"]
     for row in result["rows"]:
         row["speedup_vs_compile"] = round(base / row["s_per_call"], 3)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_result(args.out, result)
     return 0
 
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import sample_ms  # noqa: E402
+from benchmarks.timing import sample_ms, write_result  # noqa: E402
 from omni_accel.kernels import fp8  # noqa: E402
 
 # (name, M, K, N): FLUX.1-dev block linears (dim 3072, MLP 12288; single block: qkv 3x, proj_mlp, proj_out 15360 in)
@@ -99,9 +99,7 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 -- one failing shape must not lose the others
             rows.append({"shape": spec[0], "error": repr(exc)})
         print(json.dumps(rows[-1]), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"env": env, "iters": iters, "rows": rows}, fh, indent=1)
+    write_result(args.out, {"env": env, "iters": iters, "rows": rows})
     return 0
 
 

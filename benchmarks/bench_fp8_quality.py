@@ -10,7 +10,6 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import omni_accel  # noqa: E402
+from benchmarks.timing import write_result  # noqa: E402
 from omni_accel.builtin import BUILTIN_DEFAULTS, dataset as ds, load_builtin  # noqa: E402
 from omni_accel.cache.metrics import psnr, ssim  # noqa: E402
 
@@ -70,9 +70,7 @@ def main(argv=None) -> int:
               "env": {"torch": torch.__version__, "diffusers": diffusers.__version__,
                       "python": platform.python_version(), "machine": platform.machine(),
                       "cpu_count": os.cpu_count()}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_result(args.out, result)
     return 0
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import sample_ms  # noqa: E402
+from benchmarks.timing import sample_ms, write_result  # noqa: E402
 from omni_accel.kernels import fused  # noqa: E402
 
 FLUX = dict(img=4096, txt=512, dim=3072, heads=24, head_dim=128, dual=19, single=38)
@@ -249,15 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     result = {"benchmark": "bench_kernels", "shapes": dict(shape, batch=1), "dtype": "bfloat16",
               "env": environment(device), "rows": []}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for spec in rows_for(shape):
         row = run_row(spec, shape, device, dtype, iters, compile_=not args.no_compile)
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
         result["flux_step_estimate"] = step_estimate(result["rows"])
         result["errors"] = [f"{r['kernel']} @ {r['tokens']}: {r['error']}" for r in result["rows"] if "error" in r]
-        with open(args.out, "w") as f:  # rewritten after every row: a crash later keeps what was measured
-            json.dump(result, f, indent=1)
+        write_result(args.out, result)  # after every row: a crash later keeps what was measured
     print(json.dumps(result["flux_step_estimate"]))
     return 0
 

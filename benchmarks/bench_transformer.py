@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -40,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import sample_ms  # noqa: E402
+from benchmarks.timing import sample_ms, write_result  # noqa: E402
 
 T_START = time.perf_counter()
 
@@ -786,9 +785,7 @@ def main(argv=None) -> int:
               "rows": [], "skipped": [], "errors": [], "flops": {}}
 
     def write() -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_result(args.out, result)
 
     write()
     budget = args.time_budget

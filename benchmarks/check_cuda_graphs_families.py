@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import omni_accel  # noqa: E402
 import omni_accel.compiler as compiler  # noqa: E402
+from benchmarks.timing import write_result  # noqa: E402
 from omni_accel.testing import run, tiny_pipeline  # noqa: E402
 
 # name -> (tiny family, call overrides). The tiny qwen_image negative prompt has the prompt's token count (one
@@ -115,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     result["failed"] = [r["case"] for r in result["rows"] if r["failures"]]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_result(args.out, result)
     print("failed:", result["failed"] or "none")
     return 1 if result["failed"] else 0
 

@@ -21,6 +21,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script (and by each torchrun rank): the benchmarks package sits under ROOT
+
+from benchmarks.timing import write_result  # noqa: E402
+
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "parallel_vs_diffusers_cpu.json")
 
 # (label, tiny-flux overrides): text tokens = max_sequence_length; image tokens = (height / 16) x (width / 16)
@@ -128,9 +132,7 @@ def _run_ranks(out: str) -> None:
                       model="tiny FLUX.1 (omni_accel.testing.tiny_pipeline('flux'), random weights, fp32)",
                       max_abs_diff="of the output image vs the same pipeline in one process",
                       **_versions(), rows=rows)
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(out, result)
         print(json.dumps(result, indent=1))
     dist_util.shutdown()
 

@@ -1,7 +1,10 @@
-"""Timing shared by the benchmark scripts: per-call milliseconds by CUDA events on a GPU, perf_counter elsewhere."""
+"""Shared by the benchmark scripts: per-call milliseconds (CUDA events on a GPU, perf_counter elsewhere) and the
+writing of the raw result file."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Callable
 
@@ -24,3 +27,11 @@ def sample_ms(fn: Callable[[], object], device: torch.device, iters: int) -> lis
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def write_result(path: str, result: dict) -> None:
+    """Write ``result`` as indented JSON to ``path``, creating its folder (scripts call this after every row too,
+    so that a crash later keeps what was measured)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
