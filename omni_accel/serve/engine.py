@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import inspect
 import io
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -27,21 +27,45 @@ from typing import Any, Callable
 logger = logging.getLogger("omni_accel.serve")
 
 BUILTIN_ID = "omni-accel-builtin"
+DEFAULT_STEPS = 28  # for a pipeline whose __call__ names no default
+MAX_REFERENCES = 16  # what a multi-reference pipeline is trusted with (the server's --max-input-images is lower)
 
 
 @dataclass
 class Limits:
-    """Per-request limits of the server (all configurable on the command line)."""
+    """Per-request limits of the server (all configurable on the command line). ``max_size`` / ``max_pixels`` /
+    ``max_cost`` left at None are sized to the served model by ``resolved``."""
 
     max_n: int = 4
     max_steps: int = 100
-    max_size: int = 2048  # largest side in pixels
-    max_pixels: int = 2048 * 2048  # largest output width*height
+    max_size: int | None = None  # largest side in pixels (None: twice the model's native side)
+    max_pixels: int | None = None  # largest output width*height (None: max_size squared)
+    max_cost: float | None = None  # megapixel-steps of one request (None: COST_HEADROOM x a native-size request)
     max_body_bytes: int = 20 * 2**20
     max_upload_bytes: int = 20 * 2**20
     max_input_pixels: int = 4096 * 4096  # decoded pixels of one uploaded image (decompression bombs)
     max_input_images: int = 4
     request_timeout_s: float = 300.0
+
+    def resolved(self, model: "LoadedModel") -> "Limits":
+        """These limits with the model-sized ones filled in: the largest side defaults to twice the model's
+        native one, the cost bound to COST_HEADROOM times a request of ``max_n`` native-size images at the model's
+        default steps (a CPU worker must not be held for many minutes by one request at the default limits)."""
+        m = model.size_multiple
+        max_size = self.max_size or max(m, 2 * max(model.native_size) // m * m)
+        native_cost = request_cost(1, model.native_size[0], model.native_size[1], model.default_steps)
+        return dataclasses.replace(
+            self, max_size=max_size, max_pixels=self.max_pixels or max_size * max_size,
+            max_cost=self.max_cost or round(COST_HEADROOM * native_cost, 3))
+
+
+COST_HEADROOM = 8.0  # the default cost bound in native-size, default-step images
+
+
+def request_cost(images: int, width: int, height: int, steps: int, frames: int = 1) -> float:
+    """Megapixel-steps: the unit of the per-request cost bound and of the worker's time estimates (the transformer
+    works on every pixel of every image or frame at every step)."""
+    return images * frames * width * height * steps / 1e6
 
 
 @dataclass
@@ -56,6 +80,8 @@ class LoadedModel:
     size_multiple: int
     can_edit: bool
     accepted: frozenset = frozenset()
+    max_references: int = 1  # reference images an edit takes at most (several for multi-reference pipelines)
+    min_reference_side: int = 1  # smallest side of a reference image the pipeline accepts
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -81,11 +107,17 @@ class LoadedModel:
             if key not in defaults and key in params and params[key].default is not inspect.Parameter.empty:
                 defaults[key] = params[key].default
         return cls(pipe=pipe, id=model_id, family=adapter.family, defaults=defaults, native_size=native_size,
-                   size_multiple=multiple, can_edit=adapter.is_edit_pipeline(pipe), accepted=frozenset(params))
+                   size_multiple=multiple, can_edit=adapter.is_edit_pipeline(pipe), accepted=frozenset(params),
+                   max_references=MAX_REFERENCES if adapter.takes_several_references(pipe) else 1,
+                   min_reference_side=adapter.min_reference_side or multiple)
 
     @property
     def pipeline_class(self) -> str:
         return type(self.pipe).__name__
+
+    @property
+    def default_steps(self) -> int:
+        return int(self.defaults.get("num_inference_steps") or DEFAULT_STEPS)
 
 
 # ------------------------------------------------------------------------------------------------ one call
@@ -177,6 +209,10 @@ class Job:
         return [(self.seed + i) % 2**63 for i in range(self.n)]
 
     @property
+    def cost(self) -> float:
+        return request_cost(self.n, self.width, self.height, self.steps)
+
+    @property
     def key(self) -> tuple | None:
         """Requests with equal keys can share one pipeline call; edits never batch (None)."""
         if self.op != "generate":
@@ -189,6 +225,10 @@ class QueueFull(Exception):
     def __init__(self, retry_after: int):
         super().__init__(f"queue full, retry after {retry_after}s")
         self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """Raised by ``submit`` once the engine drains or stops."""
 
 
 class Engine:
@@ -210,8 +250,9 @@ class Engine:
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
+        self._running_since = 0.0
         self._stopping = False
-        self._avg_batch_s = 1.0
+        self._seconds_per_cost: float | None = None  # measured: seconds of one megapixel-step (running average)
         self._thread = threading.Thread(target=self._loop, name="omni-accel-serve-worker", daemon=True)
 
     # -- admission ----------------------------------------------------------------------------------------
@@ -219,15 +260,42 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.drain()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def drain(self) -> None:
+        """Stop admitting and answer every queued request at once (its future is cancelled: 503); a running
+        batch goes on (``wait_idle``, then ``abandon_running``)."""
         with self._cond:
             self._stopping = True
             for job in self._pending:
                 job.cancelled = True
                 job.future.cancel()
             self._pending.clear()
+            self._gauge()
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the running batch to end; True when nothing runs."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._running:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+        return True
+
+    def abandon_running(self) -> int:
+        """Answer the running batch's requests now (503) and let it abort at its next step where it can."""
+        with self._cond:
+            for job in self._running:
+                job.cancelled = True
+                job.future.cancel()
+            return len(self._running)
 
     @property
     def queue_depth(self) -> int:
@@ -242,19 +310,28 @@ class Engine:
         return self._stopping
 
     def retry_after(self) -> int:
-        batches_ahead = len(self._pending) / max(self.max_concurrency, 1) + 1
-        return max(1, math.ceil(self._avg_batch_s * batches_ahead))
+        """Seconds until the queue has a free place: the running batch's expected remaining time (when it ends,
+        the worker takes the next batch off the queue). Estimated from the measured seconds per megapixel-step;
+        1 s before anything was measured."""
+        with self._cond:
+            return self._retry_after_locked()
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self._cond:
             if self._stopping:
-                raise RuntimeError("the server is shutting down")
+                raise ShuttingDown()
             if len(self._pending) >= self.max_queue:
-                raise QueueFull(self.retry_after())
+                raise QueueFull(self._retry_after_locked())
             self._pending.append(job)
             self._gauge()
             self._cond.notify()
         return job.future
+
+    def _retry_after_locked(self) -> int:
+        if not self._running or self._seconds_per_cost is None:
+            return 1
+        expected = self._seconds_per_cost * sum(job.cost for job in self._running)
+        return max(1, math.ceil(expected - (time.monotonic() - self._running_since)))
 
     def cancel(self, job: Job) -> str | None:
         """Cancel ``job``: dropped if still queued ("queued"), flagged if running ("running"), None if done."""
@@ -305,7 +382,7 @@ class Engine:
                     batch = None
                 else:
                     batch = self._take_batch()
-                    self._running = batch
+                    self._running, self._running_since = batch, time.monotonic()
                     self._gauge()
             if batch is None:
                 try:
@@ -317,23 +394,13 @@ class Engine:
             with self._cond:
                 self._running = []
                 self._gauge()
+                self._cond.notify_all()
 
     def _run_batch(self, batch: list[Job]) -> None:
-        first = batch[0]
-        spec = {
-            "op": first.op,
-            "prompts": [job.prompt for job in batch for _ in range(job.n)],
-            "negative_prompts": ([job.negative_prompt for job in batch for _ in range(job.n)]
-                                 if first.negative_prompt is not None else None),
-            "seeds": [s for job in batch for s in job.seeds],
-            "width": first.width, "height": first.height, "steps": first.steps,
-            "guidance_scale": first.guidance_scale, "true_cfg_scale": first.true_cfg_scale,
-            "images": first.images,
-        }
         abort = (lambda: all(job.cancelled for job in batch)) if self.can_abort else None
         t0 = time.perf_counter()
         try:
-            images = self.executor(spec, abort)
+            images = self.executor(batch_spec(batch), abort)
             encoded = [png_bytes(im) for im in images]
         except Aborted:
             logger.info("omni_accel.serve: batch of %d request(s) aborted: all cancelled", len(batch))
@@ -341,13 +408,20 @@ class Engine:
                 job.future.cancel()
             return
         except BaseException as exc:  # noqa: BLE001 -- answer every request of the batch, keep serving
+            if len(batch) > 1:
+                # one request's values may have made the call fail: run each alone so that only its own fails
+                logger.warning("omni_accel.serve: a batch of %d failed (%r); running its requests one by one",
+                               len(batch), exc)
+                for job in batch:
+                    if not job.future.done():
+                        self._run_batch([job])
+                return
             logger.exception("omni_accel.serve: pipeline call failed")
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(exc)
+            if not batch[0].future.done():
+                batch[0].future.set_exception(exc)
             return
         elapsed = time.perf_counter() - t0
-        self._avg_batch_s = 0.7 * self._avg_batch_s + 0.3 * elapsed
+        self._measured(elapsed, sum(job.cost for job in batch))
         if self.metrics is not None:
             self.metrics.observe_batch(self.model, len(batch), len(images), elapsed)
         offset = 0
@@ -357,13 +431,26 @@ class Engine:
             if not job.future.done():
                 job.future.set_result(list(zip(part, job.seeds)))
 
+    def _measured(self, seconds: float, cost: float) -> None:
+        rate = seconds / max(cost, 1e-9)
+        old = self._seconds_per_cost
+        self._seconds_per_cost = rate if old is None else 0.7 * old + 0.3 * rate
+
+
+def batch_spec(batch: list[Job]) -> dict:
+    """The plain-data description of one pipeline call for ``batch`` (what a distributed server broadcasts)."""
+    first = batch[0]
+    return {
+        "op": first.op,
+        "prompts": [job.prompt for job in batch for _ in range(job.n)],
+        "negative_prompts": ([job.negative_prompt for job in batch for _ in range(job.n)]
+                             if first.negative_prompt is not None else None),
+        "seeds": [s for job in batch for s in job.seeds],
+        "width": first.width, "height": first.height, "steps": first.steps,
+        "guidance_scale": first.guidance_scale, "true_cfg_scale": first.true_cfg_scale,
+        "images": first.images,
+    }
+
 
 def random_seed() -> int:
     return secrets.randbelow(2**31)
-
-
-def env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default

@@ -140,11 +140,15 @@ class SpeechAdmission:
         self.waiting = 0
         self.running = 0
         self._slot = asyncio.Semaphore(1)  # FIFO: waiters are woken in arrival order
-        self._avg_run_s = 5.0  # a first guess for Retry-After, replaced by measured run times
+        self._avg_run_s: float | None = None  # measured run time (running average), for Retry-After
         self._started = 0.0
 
     def retry_after(self) -> int:
-        return max(1, math.ceil(self._avg_run_s * (self.waiting + 1)))
+        """Seconds until a waiting place frees: the running request's expected remaining time (1 s before any
+        request was measured)."""
+        if not self.running or self._avg_run_s is None:
+            return 1
+        return max(1, math.ceil(self._avg_run_s - (time.monotonic() - self._started)))
 
     async def enter(self, request: Request, deadline: float, timeout_s: float) -> None:
         """Wait for the slot: ApiError 429 when the queue is full, 504 at ``deadline`` (``timeout_s`` after the
@@ -176,7 +180,8 @@ class SpeechAdmission:
 
     def leave(self) -> None:
         """The generation thread ended: the pipeline is free for the next request."""
-        self._avg_run_s = 0.7 * self._avg_run_s + 0.3 * (time.monotonic() - self._started)
+        seconds = time.monotonic() - self._started
+        self._avg_run_s = seconds if self._avg_run_s is None else 0.7 * self._avg_run_s + 0.3 * seconds
         self._set_running(0)
         self._slot.release()
 
@@ -459,13 +464,11 @@ def load_pipeline(args):
 def build_speech_server(args, pipeline):
     """The uvicorn server of a speech-only ``omni-accel serve`` around ``pipeline`` (``run`` loads it; tests pass
     one they already have)."""
-    import uvicorn
+    from .server import uvicorn_server
 
     settings = SpeechSettings.from_args(args, args.served_model_name or folder_name(args.speech_model))
     app = create_speech_app(pipeline, settings, api_key=args.api_key, max_body=int(args.max_body_mb * 2**20))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            limit_concurrency=4 * (args.max_queue + 1) + 64, timeout_graceful_shutdown=5)
-    return uvicorn.Server(config), settings
+    return uvicorn_server(app, args), settings
 
 
 def run(args) -> int:
