@@ -590,7 +590,7 @@ def slow(spec, should_abort=None):  # a pipeline call of `seconds` that stops at
 engine.executor = slow
 engine.start()
 print("serving", flush=True)
-sys.exit(serve(server, engine))
+sys.exit(serve(server))
 """
 
 

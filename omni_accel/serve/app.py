@@ -1,4 +1,4 @@
-"""The FastAPI app of ``omni-accel serve``: OpenAI-compatible image endpoints over the batching engine."""
+"""The FastAPI app of ``omni-accel serve``: OpenAI-compatible image endpoints over the image job queue."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine, Job, Limits, LoadedModel, QueueFull, ShuttingDown, random_seed, request_cost
-from .errors import (ApiError, StreamAborted, bad_request, error_body, pipeline_failure, queue_full_error,
-                     shutting_down_error, timeout_error)
+from .engine import ImageRequest, Limits, LoadedModel, random_seed, request_cost
+from .errors import ApiError, StreamAborted, bad_request, error_body
+from .jobs import ClientGone, JobQueue, await_job, submit_or_raise
 from .images import decode_upload, fit_area
 from .metrics import ServeMetrics
 from .schemas import (
@@ -239,10 +239,11 @@ def install_error_handlers(api: FastAPI) -> None:
                                        "internal_error"), status_code=500)
 
 
-def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = None, api_key: str | None = None,
+def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = None, api_key: str | None = None,
                metrics: ServeMetrics | None = None, url_cache: int = 64, world_size: int = 1,
                body_timeout_s: float = 15.0):
-    """The ASGI app (FastAPI inside the guard middleware). ``engine`` must be started by the caller."""
+    """The ASGI app (FastAPI inside the guard middleware); ``engine`` is the model's image job queue
+    (``serve.engine.image_queue(model)``)."""
     check_api_key(api_key)  # before anything is built
     limits = (limits or Limits()).resolved(model)
     metrics = metrics or engine.metrics or ServeMetrics()
@@ -281,8 +282,8 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
                               f"nearest valid size is '{rw}x{rh}'", "size", "invalid_size")
         return w, h
 
-    def build_job(op: str, *, prompt: str, n: int, size: str | None, seed: int | None, steps: int | None,
-                  guidance: float | None, true_cfg: float | None, negative: str | None, images=()) -> Job:
+    def build_request(op: str, *, prompt: str, n: int, size: str | None, seed: int | None, steps: int | None,
+                      guidance: float | None, true_cfg: float | None, negative: str | None) -> ImageRequest:
         w, h = check_size(size)
         steps = steps if steps is not None else min(model.default_steps, limits.max_steps)
         cost = request_cost(n, w, h, steps)
@@ -297,9 +298,9 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
             true_cfg = model.defaults.get("true_cfg_scale")
         if negative is None:
             negative = model.defaults.get("negative_prompt")
-        return Job(op=op, prompt=prompt, n=n, width=w, height=h, steps=steps,
-                   seed=seed if seed is not None else random_seed(), guidance_scale=guidance,
-                   true_cfg_scale=true_cfg, negative_prompt=negative, images=list(images))
+        return ImageRequest(op=op, prompt=prompt, n=n, width=w, height=h, steps=steps,
+                            seed=seed if seed is not None else random_seed(), guidance_scale=guidance,
+                            true_cfg_scale=true_cfg, negative_prompt=negative)
 
     def check_references(uploaded: list, fitted: list) -> None:
         """Every reference image, as the pipeline will get it, has the smallest side the pipeline accepts."""
@@ -311,56 +312,28 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
                                   f"{model.pipeline_class} needs reference images of at least {least} pixels on "
                                   "each side", "image", "image_too_small")
 
-    async def execute(job: Job, request: Request, response_format: str) -> ImagesResponse:
+    async def execute(params: ImageRequest, route: str, request: Request, response_format: str):
+        job = submit_or_raise(engine, engine.kinds["image"].job(params, route))
         try:
-            future = engine.submit(job)
-        except ShuttingDown:
-            raise shutting_down_error()
-        except QueueFull as exc:
-            metrics.rejected.inc()
-            raise queue_full_error(engine.queue_depth, engine.max_queue, exc.retry_after)
-        waiter = asyncio.wrap_future(future)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limits.request_timeout_s
-        while not waiter.done():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                stage = engine.cancel(job)
-                if stage is not None:
-                    metrics.cancelled.labels(stage, "timeout").inc()
-                    raise timeout_error(limits.request_timeout_s)
-                break
-            await asyncio.wait({waiter}, timeout=min(0.25, remaining))
-            if not waiter.done() and await request.is_disconnected():
-                stage = engine.cancel(job)
-                if stage is not None:
-                    metrics.cancelled.labels(stage, "disconnect").inc()
-                    logger.info("omni_accel.serve: client disconnected; cancelled its %s request", stage)
-                    return Response(status_code=499)
-        if not waiter.done():
-            await asyncio.wait({waiter})
-        if waiter.cancelled():
-            raise shutting_down_error() if engine.stopping else ApiError(
-                503, "the request was cancelled (the work was aborted)", type="server_error", code="cancelled")
-        exc = waiter.exception()
-        if exc is not None:
-            raise pipeline_failure(exc)
+            result = await await_job(engine, job, request, limits.request_timeout_s)
+        except ClientGone:
+            return Response(status_code=499)
         data = []
-        for png, seed in waiter.result():
+        for png, seed in result:
             if response_format == "url":
                 data.append(ImageData(url=f"{str(request.base_url).rstrip('/')}/files/images/{urls.put(png)}.png",
                                       seed=seed))
             else:
                 data.append(ImageData(b64_json=base64.b64encode(png).decode("ascii"), seed=seed))
-        return ImagesResponse(created=int(time.time()), data=data, size=f"{job.width}x{job.height}")
+        return ImagesResponse(created=int(time.time()), data=data, size=f"{params.width}x{params.height}")
 
     # -- endpoints --------------------------------------------------------------------------------------
     async def generations(body, request: Request):
         check_model(body.model)
-        job = build_job("generate", prompt=body.prompt, n=body.n, size=body.size, seed=body.seed,
-                        steps=body.num_inference_steps, guidance=body.guidance_scale, true_cfg=body.true_cfg_scale,
-                        negative=body.negative_prompt)
-        return await execute(job, request, body.response_format)
+        params = build_request("generate", prompt=body.prompt, n=body.n, size=body.size, seed=body.seed,
+                               steps=body.num_inference_steps, guidance=body.guidance_scale,
+                               true_cfg=body.true_cfg_scale, negative=body.negative_prompt)
+        return await execute(params, "/v1/images/generations", request, body.response_format)
 
     generations.__annotations__["body"] = GenerationRequest  # a class of this server: not resolvable by name
     api.post("/v1/images/generations", response_model=ImagesResponse, responses=ERROR_RESPONSES,
@@ -417,11 +390,11 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
             scale = min(1.0, (min(limits.max_pixels, model.native_size[0] * model.native_size[1]) / (w * h)) ** 0.5)
             w, h = max(m, int(w * scale) // m * m), max(m, int(h * scale) // m * m)
             size = f"{min(w, limits.max_size // m * m)}x{min(h, limits.max_size // m * m)}"
-        job = build_job("edit", prompt=prompt, n=n, size=size, seed=seed, steps=num_inference_steps,
-                        guidance=guidance_scale, true_cfg=true_cfg_scale, negative=negative_prompt)
-        job.images = [fit_area(im, job.width, job.height) for im in decoded]
-        check_references(decoded, job.images)
-        return await execute(job, request, response_format)
+        params = build_request("edit", prompt=prompt, n=n, size=size, seed=seed, steps=num_inference_steps,
+                               guidance=guidance_scale, true_cfg=true_cfg_scale, negative=negative_prompt)
+        params.images = [fit_area(im, params.width, params.height) for im in decoded]
+        check_references(decoded, params.images)
+        return await execute(params, "/v1/images/edits", request, response_format)
 
     @api.get("/files/images/{name}", responses={404: ERROR_RESPONSES[404]}, summary="An image of response_format=url",
              response_class=Response)

@@ -1,28 +1,26 @@
-"""The model, the bounded queue and the batching worker of ``omni-accel serve``.
+"""The image side of ``omni-accel serve``: the served model, its limits, the pipeline call of one batch, and the
+image job kind on the shared job mechanism (serve/jobs.py).
 
-One worker thread owns the pipeline (a diffusers pipeline is not safe to call from two threads). It takes the
-oldest pending request and every other pending request of the same shape (kind, size, steps, guidance, true CFG,
-negative prompt or not) -- up to ``max_concurrency`` requests and ``max_batch_images`` images -- and calls the
-pipeline once with the list of their prompts and one seeded generator per image, so a batched image is the image
-the same request would get alone. Requests wait in a bounded queue (``max_queue``; full -> 429); a request that is
-cancelled (client gone, timeout) before its batch starts is dropped; a running batch whose requests are all
-cancelled is aborted at the next denoising step (single process only: ranks must stay in step).
+The image queue's worker takes the oldest pending request and every other pending request of the same shape
+(size, steps, guidance, true CFG, negative prompt or not) -- up to ``max_concurrency`` requests and
+``max_batch_images`` images -- and calls the pipeline once with the list of their prompts and one seeded generator
+per image, so a batched image is the image the same request would get alone. Edits never batch. A running batch
+whose requests are all cancelled is aborted at the next denoising step (single process only: ranks must stay in
+step).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import inspect
 import io
 import logging
-import math
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from .jobs import Aborted, Job, JobKind, JobQueue  # noqa: F401 -- Aborted: raised by the step callback
 
 logger = logging.getLogger("omni_accel.serve")
 
@@ -121,10 +119,6 @@ class LoadedModel:
 
 
 # ------------------------------------------------------------------------------------------------ one call
-class Aborted(Exception):
-    """Raised from the step callback when every request of the running batch was cancelled."""
-
-
 def build_call_kwargs(model: LoadedModel, spec: dict) -> dict:
     """The pipeline kwargs of a batch ``spec`` (plain data: identical on every rank)."""
     import torch
@@ -156,17 +150,12 @@ def build_call_kwargs(model: LoadedModel, spec: dict) -> dict:
 
 
 def run_spec(model: LoadedModel, spec: dict, should_abort: Callable[[], bool] | None = None) -> list:
-    """Call the pipeline for one batch; returns the PIL images in prompt order."""
+    """Call the pipeline for one batch; returns the PIL images in prompt order. ``should_abort`` (a JobControl
+    when the job queue calls) is asked at every step and hears the steps done."""
     import torch
 
     kwargs = build_call_kwargs(model, spec)
-    if should_abort is not None and "callback_on_step_end" in model.accepted:
-        def _callback(_pipe, _i, _t, _kw):
-            if should_abort():
-                raise Aborted()
-            return {}
-
-        kwargs["callback_on_step_end"] = _callback
+    add_step_callback(model, kwargs, should_abort, spec["steps"])
     with torch.inference_mode():
         out = model.pipe(**kwargs)
     from ..cli import _to_pil_list
@@ -179,15 +168,34 @@ def run_spec(model: LoadedModel, spec: dict, should_abort: Callable[[], bool] | 
     return images
 
 
+def add_step_callback(model: LoadedModel, kwargs: dict, control: Callable[[], bool] | None, steps: int) -> None:
+    """diffusers' ``callback_on_step_end``: stop the call when ``control()`` says every job of it was cancelled,
+    and report the steps done to ``control.progress`` (a JobControl has it)."""
+    if control is None or "callback_on_step_end" not in model.accepted:
+        return
+    progress = getattr(control, "progress", None)
+
+    def _callback(_pipe, index, _t, _kw):
+        if control():
+            raise Aborted()
+        if progress is not None:
+            progress(index + 1, steps)
+        return {}
+
+    kwargs["callback_on_step_end"] = _callback
+
+
 def png_bytes(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
 
 
-# ------------------------------------------------------------------------------------------------ jobs
+# ------------------------------------------------------------------------------------------------ image jobs
 @dataclass
-class Job:
+class ImageRequest:
+    """The params of one image job."""
+
     op: str  # "generate" | "edit"
     prompt: str
     n: int
@@ -199,10 +207,6 @@ class Job:
     true_cfg_scale: float | None = None
     negative_prompt: str | None = None
     images: list = field(default_factory=list)
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    cancelled: bool = False
-    started: bool = False
-    enqueued: float = field(default_factory=time.monotonic)
 
     @property
     def seeds(self) -> list[int]:
@@ -221,235 +225,63 @@ class Job:
                 self.negative_prompt is not None)
 
 
-class QueueFull(Exception):
-    def __init__(self, retry_after: int):
-        super().__init__(f"queue full, retry after {retry_after}s")
-        self.retry_after = retry_after
+class ImageKind(JobKind):
+    """Image jobs: batched by shape up to ``max_batch_images`` images a call; results are (PNG, seed) lists."""
 
+    name = "image"
 
-class ShuttingDown(Exception):
-    """Raised by ``submit`` once the engine drains or stops."""
-
-
-class Engine:
-    """Bounded queue + the batching worker thread. ``executor(spec, should_abort)`` runs one batch (rank 0 of a
-    distributed server broadcasts the spec first); ``on_idle`` is called when no work came for ``idle_s``."""
-
-    def __init__(self, model: LoadedModel, *, max_queue: int = 32, max_concurrency: int = 4,
-                 max_batch_images: int = 8, executor: Callable | None = None, on_idle: Callable | None = None,
-                 idle_s: float = 30.0, can_abort: bool = True, metrics: Any = None):
+    def __init__(self, model: LoadedModel, max_batch_images: int, metrics: Any = None):
         self.model = model
-        self.max_queue = max_queue
-        self.max_concurrency = max_concurrency
-        self.max_batch_images = max(max_batch_images, 1)
-        self.executor = executor or (lambda spec, abort: run_spec(model, spec, abort))
-        self.on_idle = on_idle
-        self.idle_s = idle_s
-        self.can_abort = can_abort
+        self.max_batch_images = max(1, max_batch_images)
         self.metrics = metrics
-        self._cond = threading.Condition()
-        self._pending: collections.deque[Job] = collections.deque()
-        self._running: list[Job] = []
-        self._running_since = 0.0
-        self._stopping = False
-        self._seconds_per_cost: float | None = None  # measured: seconds of one megapixel-step (running average)
-        self._thread = threading.Thread(target=self._loop, name="omni-accel-serve-worker", daemon=True)
 
-    # -- admission ----------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
+    def job(self, request: ImageRequest, route: str) -> Job:
+        return Job(kind=self, route=route, params=request, cost=request.cost, key=request.key)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        self.drain()
-        with self._cond:
-            self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def fits(self, batch: list[Job], job: Job) -> bool:
+        return sum(j.params.n for j in batch) + job.params.n <= self.max_batch_images
 
-    def drain(self) -> None:
-        """Stop admitting and answer every queued request at once (its future is cancelled: 503); a running
-        batch goes on (``wait_idle``, then ``abandon_running``)."""
-        with self._cond:
-            self._stopping = True
-            for job in self._pending:
-                job.cancelled = True
-                job.future.cancel()
-            self._pending.clear()
-            self._gauge()
-            self._cond.notify_all()
+    def spec(self, batch: list[Job]) -> dict:
+        return batch_spec([job.params for job in batch])
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the running batch to end; True when nothing runs."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._running:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, 0.1))
-        return True
-
-    def abandon_running(self) -> int:
-        """Answer the running batch's requests now (503) and let it abort at its next step where it can."""
-        with self._cond:
-            for job in self._running:
-                job.cancelled = True
-                job.future.cancel()
-            return len(self._running)
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._pending)
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    def retry_after(self) -> int:
-        """Seconds until the queue has a free place: the running batch's expected remaining time (when it ends,
-        the worker takes the next batch off the queue). Estimated from the measured seconds per megapixel-step;
-        1 s before anything was measured."""
-        with self._cond:
-            return self._retry_after_locked()
-
-    def submit(self, job: Job) -> concurrent.futures.Future:
-        with self._cond:
-            if self._stopping:
-                raise ShuttingDown()
-            if len(self._pending) >= self.max_queue:
-                raise QueueFull(self._retry_after_locked())
-            self._pending.append(job)
-            self._gauge()
-            self._cond.notify()
-        return job.future
-
-    def _retry_after_locked(self) -> int:
-        if not self._running or self._seconds_per_cost is None:
-            return 1
-        expected = self._seconds_per_cost * sum(job.cost for job in self._running)
-        return max(1, math.ceil(expected - (time.monotonic() - self._running_since)))
-
-    def cancel(self, job: Job) -> str | None:
-        """Cancel ``job``: dropped if still queued ("queued"), flagged if running ("running"), None if done."""
-        with self._cond:
-            if job.future.done():
-                return None
-            job.cancelled = True
-            if not job.started:
-                try:
-                    self._pending.remove(job)
-                except ValueError:
-                    pass
-                job.future.cancel()
-                self._gauge()
-                return "queued"
-            return "running"
-
-    def _gauge(self) -> None:
+    def finish(self, batch: list[Job], images: list, seconds: float) -> list:
+        encoded = [png_bytes(im) for im in images]
         if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._pending))
-            self.metrics.running.set(len(self._running))
-
-    # -- the worker ---------------------------------------------------------------------------------------
-    def _take_batch(self) -> list[Job]:
-        first = self._pending.popleft()
-        batch, images = [first], first.n
-        if first.key is not None:
-            for job in list(self._pending):
-                if len(batch) >= self.max_concurrency:
-                    break
-                if job.key == first.key and images + job.n <= self.max_batch_images:
-                    self._pending.remove(job)
-                    batch.append(job)
-                    images += job.n
+            self.metrics.observe_batch(self.model, len(batch), len(images), seconds)
+        results, offset = [], 0
         for job in batch:
-            job.started = True
-        return batch
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopping:
-                    if not self._cond.wait(self.idle_s) and self.on_idle is not None and not self._pending:
-                        break
-                if self._stopping:
-                    return
-                if not self._pending:
-                    batch = None
-                else:
-                    batch = self._take_batch()
-                    self._running, self._running_since = batch, time.monotonic()
-                    self._gauge()
-            if batch is None:
-                try:
-                    self.on_idle()
-                except Exception:  # noqa: BLE001
-                    logger.exception("omni_accel.serve: idle hook failed")
-                continue
-            self._run_batch(batch)
-            with self._cond:
-                self._running = []
-                self._gauge()
-                self._cond.notify_all()
-
-    def _run_batch(self, batch: list[Job]) -> None:
-        abort = (lambda: all(job.cancelled for job in batch)) if self.can_abort else None
-        t0 = time.perf_counter()
-        try:
-            images = self.executor(batch_spec(batch), abort)
-            encoded = [png_bytes(im) for im in images]
-        except Aborted:
-            logger.info("omni_accel.serve: batch of %d request(s) aborted: all cancelled", len(batch))
-            for job in batch:
-                job.future.cancel()
-            return
-        except BaseException as exc:  # noqa: BLE001 -- answer every request of the batch, keep serving
-            if len(batch) > 1:
-                # one request's values may have made the call fail: run each alone so that only its own fails
-                logger.warning("omni_accel.serve: a batch of %d failed (%r); running its requests one by one",
-                               len(batch), exc)
-                for job in batch:
-                    if not job.future.done():
-                        self._run_batch([job])
-                return
-            logger.exception("omni_accel.serve: pipeline call failed")
-            if not batch[0].future.done():
-                batch[0].future.set_exception(exc)
-            return
-        elapsed = time.perf_counter() - t0
-        self._measured(elapsed, sum(job.cost for job in batch))
-        if self.metrics is not None:
-            self.metrics.observe_batch(self.model, len(batch), len(images), elapsed)
-        offset = 0
-        for job in batch:
-            part = encoded[offset:offset + job.n]
-            offset += job.n
-            if not job.future.done():
-                job.future.set_result(list(zip(part, job.seeds)))
-
-    def _measured(self, seconds: float, cost: float) -> None:
-        rate = seconds / max(cost, 1e-9)
-        old = self._seconds_per_cost
-        self._seconds_per_cost = rate if old is None else 0.7 * old + 0.3 * rate
+            results.append(list(zip(encoded[offset:offset + job.params.n], job.params.seeds)))
+            offset += job.params.n
+        return results
 
 
-def batch_spec(batch: list[Job]) -> dict:
+def batch_spec(batch: list[ImageRequest]) -> dict:
     """The plain-data description of one pipeline call for ``batch`` (what a distributed server broadcasts)."""
     first = batch[0]
     return {
+        "kind": ImageKind.name,
         "op": first.op,
-        "prompts": [job.prompt for job in batch for _ in range(job.n)],
-        "negative_prompts": ([job.negative_prompt for job in batch for _ in range(job.n)]
+        "prompts": [r.prompt for r in batch for _ in range(r.n)],
+        "negative_prompts": ([r.negative_prompt for r in batch for _ in range(r.n)]
                              if first.negative_prompt is not None else None),
-        "seeds": [s for job in batch for s in job.seeds],
+        "seeds": [s for r in batch for s in r.seeds],
         "width": first.width, "height": first.height, "steps": first.steps,
         "guidance_scale": first.guidance_scale, "true_cfg_scale": first.true_cfg_scale,
         "images": first.images,
     }
+
+
+def image_queue(model: LoadedModel, *, max_queue: int = 32, max_concurrency: int = 4, max_batch_images: int = 8,
+                executor: Callable | None = None, on_idle: Callable | None = None, idle_s: float = 30.0,
+                can_abort: bool = True, metrics: Any = None) -> JobQueue:
+    """The job queue of an image model: ``executor(spec, control)`` runs one batch (default: ``run_spec`` here;
+    rank 0 of a distributed server broadcasts first). Its image kind is ``queue.kinds["image"]``."""
+    queue = JobQueue("images", executor or (lambda spec, control: run_spec(model, spec, control)),
+                     max_queue=max_queue, max_batch=max_concurrency, metrics=metrics, on_idle=on_idle, idle_s=idle_s,
+                     can_abort=can_abort,
+                     gauges=(metrics.queue_depth, metrics.running) if metrics is not None else None)
+    queue.kinds["image"] = ImageKind(model, max_batch_images, metrics)
+    return queue
 
 
 def random_seed() -> int:

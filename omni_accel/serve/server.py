@@ -163,9 +163,10 @@ def _warmup(model) -> None:
 
 
 def build_server(args, model, *, leader=None, world_size: int = 1):
-    """(uvicorn.Server, engine) for rank 0 / a single process."""
+    """(uvicorn.Server, the image job queue) for rank 0 / a single process; ``server.drains`` are all its job
+    queues (``serve`` stops them)."""
     from .app import create_app
-    from .engine import Engine, Limits
+    from .engine import Limits, image_queue
     from .metrics import ServeMetrics
 
     limits = Limits(max_n=args.max_n, max_steps=args.max_steps, max_size=args.max_size,
@@ -175,18 +176,19 @@ def build_server(args, model, *, leader=None, world_size: int = 1):
     metrics = ServeMetrics()
     from .distributed import PING_S
 
-    engine = Engine(model, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
-                    max_batch_images=args.max_batch_images, metrics=metrics,
-                    executor=leader.execute if leader else None, on_idle=leader.ping if leader else None,
-                    idle_s=PING_S, can_abort=leader is None)
+    engine = image_queue(model, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
+                         max_batch_images=args.max_batch_images, metrics=metrics,
+                         executor=leader.executor("image") if leader else None,
+                         on_idle=leader.ping if leader else None, idle_s=PING_S, can_abort=leader is None)
     app = create_app(model, engine, limits=limits, api_key=args.api_key, metrics=metrics, url_cache=args.url_cache,
                      world_size=world_size, body_timeout_s=args.idle_timeout)
-    if getattr(args, "speech_model", None):  # speech routes beside the image ones, with their own queue
+    queues = [engine]
+    if getattr(args, "speech_model", None):  # speech routes beside the image ones, with a queue of their own
         from .speech import SpeechSettings, folder_name, install, load_pipeline
 
-        install(app.fastapi, load_pipeline(args), SpeechSettings.from_args(args, folder_name(args.speech_model)),
-                metrics)
-    return uvicorn_server(app, args, drains=[engine]), engine
+        queues.append(install(app.fastapi, load_pipeline(args),
+                              SpeechSettings.from_args(args, folder_name(args.speech_model)), metrics))
+    return uvicorn_server(app, args, drains=queues), engine
 
 
 def uvicorn_server(app, args, drains=()):
@@ -205,17 +207,25 @@ def uvicorn_server(app, args, drains=()):
     return DrainingServer(config, drains=list(drains), grace_s=args.shutdown_grace)
 
 
-def serve(server, engine, leader=None) -> int:
-    """Run ``server`` until it is told to stop (drained on a signal); then stop the worker and the followers."""
+def serve(server, leader=None) -> int:
+    """Run ``server`` until it is told to stop (drained on a signal); then stop its job queues and the followers."""
     try:
         server.run()
     finally:
         # under torchrun the running call cannot be aborted (every rank is in it): wait for it before the stop
         # broadcast, which must not interleave with the call's collectives
-        engine.stop(timeout=None if leader is not None else 30.0)
+        for queue in server.drains:
+            queue.stop(timeout=None if leader is not None else 30.0)
         if leader is not None:
             leader.stop()
     return 0
+
+
+def image_runner(model):
+    """The pipeline call of an image spec on this rank (rank 0's executor, or a follower's runner)."""
+    from .engine import run_spec
+
+    return lambda spec, control=None: run_spec(model, spec, control)
 
 
 def run(args) -> int:
@@ -245,21 +255,22 @@ def run(args) -> int:
         model = load_model(args)
         if not args.no_warmup:
             _warmup(model)  # every rank: the same local call, no collectives outside the pipeline's own
+        runners = {"image": image_runner(model)}
         if rank != 0:
             from .distributed import follower_loop
 
-            follower_loop(model)
+            follower_loop(runners)
             return 0
         leader = None
         if world > 1:
             from .distributed import Leader
 
-            leader = Leader(model)
+            leader = Leader(runners)
         server, engine = build_server(args, model, leader=leader, world_size=world)
         engine.start()
         print(f"omni-accel serve: {model.id} ({model.pipeline_class}) on http://{args.host}:{args.port} "
               f"(world size {world})", file=sys.stderr, flush=True)
-        return serve(server, engine, leader)
+        return serve(server, leader)
     finally:
         if world > 1:
             from .. import distributed as odist
