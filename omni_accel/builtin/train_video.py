@@ -298,12 +298,23 @@ def load_pipeline(folder: str, device):
     return pipe
 
 
+@torch.no_grad()
+def prompt_states(pipe, captions: list[str]) -> torch.Tensor:
+    """The states WanPipeline.encode_prompt makes for these captions, computed here: the pipeline's own path cleans
+    prompts with ftfy, which a bare training machine may lack (the captions need no cleaning)."""
+    ids = pipe.tokenizer(captions, padding="max_length", max_length=TEXT_LEN, truncation=True,
+                         return_tensors="pt").input_ids.to(pipe.device)
+    return text_states(pipe.text_encoder, ids)
+
+
 def generate(pipe, captions: list[str], args, guidance: float, seed: int, batch: int = 32) -> np.ndarray:
     out = []
     for i in range(0, len(captions), batch):
-        out.append(pipe(captions[i:i + batch], height=args.size, width=args.size, num_frames=args.frames,
-                        num_inference_steps=args.eval_steps,
-                        guidance_scale=guidance, max_sequence_length=TEXT_LEN, output_type="np",
+        chunk = captions[i:i + batch]
+        negative = prompt_states(pipe, [""] * len(chunk)) if guidance > 1 else None
+        out.append(pipe(prompt_embeds=prompt_states(pipe, chunk), negative_prompt_embeds=negative,
+                        height=args.size, width=args.size, num_frames=args.frames,
+                        num_inference_steps=args.eval_steps, guidance_scale=guidance, output_type="np",
                         generator=torch.Generator(pipe.device).manual_seed(seed + i)).frames)
     return (np.concatenate(out) * 255).round().astype(np.uint8)
 
@@ -337,6 +348,15 @@ def save_strip(pipe, path: str, args, seed: int = 7) -> list[str]:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     strip.save(path)
     return caps
+
+
+def save_plot(log: dict, results: str) -> None:
+    """The loss curves; a training machine without matplotlib skips them (re-plot later with --plot-log)."""
+    try:
+        T.save_loss_plot(log, os.path.join(results, "builtin_video_training_loss.png"))
+    except ImportError as exc:
+        log["loss_plot"] = f"skipped ({exc}); run: python -m omni_accel.builtin.train_video --plot-log LOG --out -"
+        print(f"[plot] {log['loss_plot']}", flush=True)
 
 
 # ----------------------------------------------------------------------------- precision probe
@@ -382,9 +402,9 @@ def parse_args(argv=None):
     ap.add_argument("--vae-lr", type=float, default=1.5e-3)
     ap.add_argument("--vae-kl", type=float, default=1e-4)
     ap.add_argument("--vae-shape-weight", type=float, default=20.0)
-    ap.add_argument("--vae-eval-every", type=int, default=1000, help="reconstruction metric every N VAE steps (0: off)")
+    ap.add_argument("--vae-eval-every", type=int, default=500, help="reconstruction metric every N VAE steps (0: off)")
     ap.add_argument("--stat-batches", type=int, default=16, help="batches of 64 clips for the latent statistics")
-    ap.add_argument("--bank", type=int, default=65536, help="clips in the transformer stage's latent bank")
+    ap.add_argument("--bank", type=int, default=32768, help="clips in the transformer stage's latent bank")
     ap.add_argument("--bank-batch", type=int, default=256)
     ap.add_argument("--dit-steps", type=int, default=100000)
     ap.add_argument("--dit-minutes", type=float, default=3.2, help="wall-clock cap of the transformer stage")
@@ -400,6 +420,8 @@ def parse_args(argv=None):
                     help="folder for the loss / sample PNGs and the JSON log")
     ap.add_argument("--print-every", type=int, default=250)
     ap.add_argument("--smoke", action="store_true", help="tiny model and a few steps: checks the code path in seconds")
+    ap.add_argument("--plot-log", default=None, metavar="LOG",
+                    help="only draw the loss curves of a finished run's JSON log into --results")
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -418,6 +440,10 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.benchmark = True
     if args.probe:
         run_probe(args, device, arch)
+        return {}
+    if args.plot_log:
+        with open(args.plot_log) as fh:
+            T.save_loss_plot(json.load(fh), os.path.join(args.results, "builtin_video_training_loss.png"))
         return {}
     t0 = time.time()
     log = {"args": vars(args).copy(), "arch": arch, "vae": [], "vae_eval": [], "dit": [], "torch": torch.__version__,
@@ -441,7 +467,7 @@ def main(argv=None) -> dict:
     log["train_seconds"] = round(time.time() - t0, 1)
     log_path = os.path.join(args.results, "builtin_video_training_log.json")
     os.makedirs(args.results, exist_ok=True)
-    T.save_loss_plot(log, os.path.join(args.results, "builtin_video_training_loss.png"))
+    save_plot(log, args.results)
     pipe = load_pipeline(args.out, device)
     log["sample_captions"] = save_strip(pipe, os.path.join(args.results, "builtin_video_samples.png"), args)
     captions = heldout_captions()[: 2 if args.smoke else None]
