@@ -401,6 +401,17 @@ class Token2Wav:
 
 
 # -- the pipeline -------------------------------------------------------------------------------------------
+def match_voice(voices: list[str], voice: str | None) -> str:
+    """The voice of ``voices`` that ``voice`` names (case-insensitive; None: the first), or AccelError."""
+    if voice is None:
+        return voices[0]
+    for name in voices:
+        if name.lower() == str(voice).lower():
+            return name
+    raise AccelError(f"voice={voice!r} is not one of this model's voices ({', '.join(voices)}); pick one "
+                     "of them (GET /v1/audio/voices lists them).")
+
+
 class SpeechPipeline:
     """thinker -> talker -> token2wav for a Qwen2.5-Omni checkpoint folder. See the module docstring."""
 
@@ -505,13 +516,7 @@ class SpeechPipeline:
         return list(self.token2wav.speakers)
 
     def resolve_voice(self, voice: str | None) -> str:
-        if voice is None:
-            return self.voices[0]
-        for name in self.voices:
-            if name.lower() == str(voice).lower():
-                return name
-        raise AccelError(f"voice={voice!r} is not one of this model's voices ({', '.join(self.voices)}); pick one "
-                         "of them (GET /v1/audio/voices lists them).")
+        return match_voice(self.voices, voice)
 
     def prompt_ids(self, text: str, system: str | None = None) -> list[int]:
         messages = [{"role": "system", "content": family.SYSTEM_PROMPT if system is None else system},

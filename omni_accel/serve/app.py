@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Literal
+from typing import Callable, Literal
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -241,9 +241,10 @@ def install_error_handlers(api: FastAPI) -> None:
 
 def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = None, api_key: str | None = None,
                metrics: ServeMetrics | None = None, url_cache: int = 64, world_size: int = 1,
-               body_timeout_s: float = 15.0):
+               body_timeout_s: float = 15.0, replicas: Callable[[], dict] | None = None):
     """The ASGI app (FastAPI inside the guard middleware); ``engine`` is the model's image job queue
-    (``serve.engine.image_queue(model)``)."""
+    (``serve.engine.image_queue(model)``, or an ingress's RemoteQueue). ``replicas()``: the replicas behind an
+    ingress by state, for /health and /metrics."""
     check_api_key(api_key)  # before anything is built
     limits = (limits or Limits()).resolved(model)
     metrics = metrics or engine.metrics or ServeMetrics()
@@ -429,20 +430,33 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
         check_model(model_id)  # 404 naming the served model
         return card()
 
-    @api.get("/health", response_model=Health, summary="Liveness and queue state")
+    @api.get("/health", response_model=Health, summary="Liveness, queue state (and replicas behind an ingress); "
+                                                        "503 while no replica runs")
     async def health():
-        return Health(status="stopping" if engine.stopping else "ok", model=model.id,
-                      queue_depth=engine.queue_depth, running=engine.running, world_size=world_size)
+        states = replicas() if replicas is not None else None
+        status = "stopping" if engine.stopping else replica_status(states) if states is not None else "ok"
+        body = Health(status=status, model=model.id, queue_depth=engine.queue_depth, running=engine.running,
+                      world_size=world_size, replicas=states)
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=503 if status == "unavailable" else 200)
 
     @api.get("/metrics", response_class=Response, summary="Prometheus metrics (text exposition format)")
     async def prometheus():
         metrics.queue_depth.set(engine.queue_depth)
+        for state, count in (replicas() if replicas is not None else {}).items():
+            metrics.replicas.labels(state).set(count)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app = _Guard(api, metrics=metrics, api_key=api_key, max_body=limits.max_body_bytes, body_timeout_s=body_timeout_s)
     app.fastapi = api  # for app.fastapi.openapi()
     app.limits = limits
     return app
+
+
+def replica_status(states: dict[str, int]) -> str:
+    """ok: every replica runs; degraded: some run while others (re)start; unavailable: none runs."""
+    if not states.get("running"):
+        return "unavailable"
+    return "degraded" if states.get("starting") else "ok"
 
 
 def openapi_json(app) -> str:

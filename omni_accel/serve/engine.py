@@ -93,6 +93,11 @@ class LoadedModel:
     frame_multiple: int = 1  # video pipelines: frames come as frame_multiple * k + 1 (the VAE's time compression)
     fps: int | None = None  # video pipelines: frames per second of the clips it was trained on
     created: int = field(default_factory=lambda: int(time.time()))
+    # facts of the pipeline the routes read, kept in a copy without it (``without_pipeline``)
+    pipeline_name: str = ""
+    scheduler_name: str = ""
+    flow_shift_key: str | None = None  # the scheduler's flow-shift setting (a per-request flow_shift sets it)
+    experts: int = 1  # transformers taking turns over the steps (Wan 2.2 A14B: 2)
 
     @classmethod
     def from_pipeline(cls, pipe: Any, model_id: str, defaults: dict | None = None,
@@ -119,6 +124,7 @@ class LoadedModel:
                 side = int(sample) * vae_scale if sample else 1024
                 native_size = (side, side)
         temporal = getattr(pipe, "vae_scale_factor_temporal", None)
+        scheduler = getattr(pipe, "scheduler", None)
         video = temporal is not None and "num_frames" in params
         return cls(pipe=pipe, id=model_id, family=adapter.family, defaults=defaults, native_size=native_size,
                    size_multiple=multiple, can_edit=adapter.is_edit_pipeline(pipe), accepted=frozenset(params),
@@ -126,15 +132,32 @@ class LoadedModel:
                    min_reference_side=adapter.min_reference_side or multiple,
                    native_frames=int(defaults.get("num_frames") or 1) if video else None,
                    frame_multiple=int(temporal) if video else 1,
-                   fps=int(adapter.extra.get("fps", DEFAULT_FPS)) if video else None)
+                   fps=int(adapter.extra.get("fps", DEFAULT_FPS)) if video else None,
+                   pipeline_name=type(pipe).__name__, scheduler_name=type(scheduler).__name__,
+                   flow_shift_key=flow_shift_key(scheduler),
+                   experts=sum(getattr(pipe, name, None) is not None for name in ("transformer", "transformer_2")))
 
     @property
     def pipeline_class(self) -> str:
-        return type(self.pipe).__name__
+        return self.pipeline_name or type(self.pipe).__name__
+
+    def without_pipeline(self) -> "LoadedModel":
+        """This model's description without its pipeline: all the routes read, for an ingress whose replicas hold
+        the pipeline (serve/ray_app.py)."""
+        return dataclasses.replace(self, pipe=None)
 
     @property
     def default_steps(self) -> int:
         return int(self.defaults.get("num_inference_steps") or DEFAULT_STEPS)
+
+
+def flow_shift_key(scheduler) -> str | None:
+    """The scheduler's flow-shift setting: UniPC's ``flow_shift`` (Wan's default) or FlowMatch's ``shift``."""
+    config = getattr(scheduler, "config", None) or {}
+    for key in ("flow_shift", "shift"):
+        if key in config:
+            return key
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ one call

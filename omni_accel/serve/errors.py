@@ -59,7 +59,10 @@ def shutting_down_error() -> ApiError:
 def pipeline_failure(exc: BaseException, what: str = "the pipeline") -> ApiError:
     """The answer for an exception raised by the pipeline call. A ``ValueError`` (``AccelError`` included) is the
     pipeline refusing the request's values -- diffusers' ``check_inputs`` raises it -- so it is the client's: 400.
-    Anything else is the server's: 500."""
+    Anything else is the server's: 500. A failure that is already an answer (an ``ApiError``: a replica lost, a
+    result refused) is that answer."""
+    if isinstance(exc, ApiError):
+        return exc
     if isinstance(exc, ValueError):
         return ApiError(400, f"{what} refused the request: {exc}", code="pipeline_refused")
     return ApiError(500, f"{what} call failed: {exc.__class__.__name__}: {exc}", type="server_error",

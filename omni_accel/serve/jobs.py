@@ -76,8 +76,14 @@ class JobKind:
         raise NotImplementedError
 
     def finish(self, batch: list["Job"], output: Any, seconds: float) -> list:
-        """Each job's result from the call's ``output`` (worker thread: encoding belongs here)."""
+        """Each job's result from the call's ``output`` (worker thread: encoding belongs here). The results are plain
+        data: a replica sends them to the ingress that owns the job (serve/remote.py)."""
         return [output] * len(batch)
+
+    def accept(self, job: "Job", result: Any) -> Any:
+        """Where the job lives, take its result in (videos: into the store) and return what its future gets. Runs on
+        the worker for a local queue, and on the ingress for a job that a replica ran; an exception fails the job."""
+        return result
 
 
 _END = object()  # a stream's end
@@ -216,7 +222,7 @@ class JobQueue:
         with self._cond:
             if self._stopping:
                 raise ShuttingDown()
-            if len(self._pending) >= self.max_queue:
+            if self._full_locked():
                 retry_after = self._retry_after_locked()
                 self._count(job.route, "rejected")
                 if self.metrics is not None:
@@ -226,6 +232,9 @@ class JobQueue:
             self._gauge()
             self._cond.notify_all()
         return job
+
+    def _full_locked(self) -> bool:
+        return len(self._pending) >= self.max_queue
 
     def cancel(self, job: Job, reason: str) -> str | None:
         """Cancel ``job`` (``reason``: disconnect, timeout, deleted, shutdown): dropped if still queued ("queued"),
@@ -274,6 +283,11 @@ class JobQueue:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def healthy(self) -> bool:
+        """False when the worker thread died while the queue was not stopping (a replica's health check)."""
+        return self._stopping or self._thread is None or self._thread.is_alive()
 
     # -- drain ----------------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -425,14 +439,31 @@ class JobQueue:
                 logger.exception("omni_accel.serve: %s call failed", kind.name)
                 self._end(batch[0], FAILED, error=exc)
             return
-        rate = seconds / max(sum(job.cost for job in batch), 1e-9)
-        old = self._seconds_per_cost.get(kind.name)
-        self._seconds_per_cost[kind.name] = rate if old is None else 0.7 * old + 0.3 * rate
+        self.measured(kind.name, seconds / max(sum(job.cost for job in batch), 1e-9))
+        settled = [self._accepted(job, result) for job, result in zip(batch, results)]
         with self._cond:
-            for job, result in zip(batch, results):
+            for job, (status, result, error) in zip(batch, settled):
                 if self.metrics is not None:
                     self.metrics.job_run.labels(job.route).observe(seconds)
-                self._end(job, CANCELLED if job.cancelled else COMPLETED, result)
+                self._end(job, status, result, error)
+
+    def _accepted(self, job: Job, result: Any) -> tuple[str, Any, BaseException | None]:
+        """(status, result, error) of a job whose call succeeded: its kind's ``accept`` may still fail it."""
+        if job.cancelled:
+            return CANCELLED, None, None
+        try:
+            return COMPLETED, job.kind.accept(job, result), None
+        except Exception as exc:  # noqa: BLE001 -- e.g. a video larger than its store: this job's failure
+            logger.warning("omni_accel.serve: a %s job's result was refused: %r", job.kind.name, exc)
+            return FAILED, None, exc
+
+    def measured(self, kind: str, seconds_per_cost: float) -> None:
+        """Fold one call's seconds per unit of cost into the kind's running average (Retry-After estimates)."""
+        old = self._seconds_per_cost.get(kind)
+        self._seconds_per_cost[kind] = seconds_per_cost if old is None else 0.7 * old + 0.3 * seconds_per_cost
+
+    def seconds_per_cost(self, kind: str) -> float | None:
+        return self._seconds_per_cost.get(kind)
 
 
 # ------------------------------------------------------------------------------------------------ handlers
@@ -447,19 +478,23 @@ async def await_job(queue: JobQueue, job: Job, request: Any, timeout_s: float, *
     waiter = None if job.stream is not None else asyncio.wrap_future(job.future)
     while True:
         wait_s = max(0.0, min(POLL_S, deadline - loop.time()))
-        if waiter is None:
-            try:
-                item = await job.stream.get(wait_s)
-            except ShuttingDown:
-                raise shutting_down_error()
-            except Exception as exc:  # noqa: BLE001 -- the pipeline's own failure
-                raise pipeline_failure(exc, job.kind.what) from exc
-            if item is not WAITING:
-                return item
-        else:
-            await asyncio.wait({waiter}, timeout=wait_s)
-            if waiter.done():
-                break
+        try:
+            if waiter is None:
+                try:
+                    item = await job.stream.get(wait_s)
+                except ShuttingDown:
+                    raise shutting_down_error()
+                except Exception as exc:  # noqa: BLE001 -- the pipeline's own failure
+                    raise pipeline_failure(exc, job.kind.what) from exc
+                if item is not WAITING:
+                    return item
+            else:
+                await asyncio.wait({waiter}, timeout=wait_s)
+                if waiter.done():
+                    break
+        except asyncio.CancelledError:  # the handler itself was cancelled (Ray Serve does so when a client leaves)
+            queue.cancel(job, "disconnect")
+            raise
         if loop.time() >= deadline:
             queue.cancel(job, "timeout")
             raise timeout_error(timeout_s)

@@ -135,11 +135,14 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "stopping"]
+    status: Literal["ok", "loading", "stopping", "degraded", "unavailable"]
     model: str
     queue_depth: int
     running: int
     world_size: int
+    replicas: dict[str, int] | None = Field(None, description="behind a Ray Serve ingress: the model replicas by "
+                                                              "state (running, starting -- restarting or scaling "
+                                                              "up --, stopping)")
 
 
 ERROR_RESPONSES = {

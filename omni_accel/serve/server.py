@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import sys
+from typing import Any
 
 logger = logging.getLogger("omni_accel.serve")
 
@@ -88,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="frames per second of the clips (default: the model's: 16 for Wan, 8 for the built-in)")
     v.add_argument("--max-frames", type=int, default=None,
                    help="frames of one video at most (default: about twice the model's native clip: 161 for Wan)")
+    from .ray_flags import add_arguments as add_ray_arguments
+
+    add_ray_arguments(p)
     sp = p.add_argument_group("speech (docs/speech.md)")
     sp.add_argument("--speech-model", default=os.environ.get("OMNI_ACCEL_SPEECH_MODEL"),
                     help="a Qwen2.5-Omni folder: serve POST /v1/audio/speech and GET /v1/audio/voices (alone, or "
@@ -132,6 +136,9 @@ def _check_args(args) -> None:
         check_api_key(args.api_key)
     except ValueError as exc:
         raise CliError(f"--api-key / OMNI_ACCEL_API_KEY: {exc}.")
+    from .ray_flags import check_arguments as check_ray_arguments
+
+    check_ray_arguments(args)
 
 
 def device_dtype_config(args):
@@ -187,48 +194,174 @@ def _warmup(model) -> None:
         logger.warning("omni_accel.serve: warm-up call failed: %r", exc)
 
 
+@dataclasses.dataclass
+class ServedModels:
+    """The models one server (or one replica) serves: the image model, and a video model and a speech pipeline when
+    the flags ask for them. An ingress holds copies without their pipelines (``without_pipelines``)."""
+
+    image: Any = None  # LoadedModel (None: a speech-only server)
+    video: Any = None  # LoadedModel of a video pipeline
+    speech: Any = None  # SpeechPipeline, or its SpeechInfo
+
+    def without_pipelines(self) -> "ServedModels":
+        from .speech import SpeechInfo
+
+        return ServedModels(image=self.image.without_pipeline() if self.image is not None else None,
+                            video=self.video.without_pipeline() if self.video is not None else None,
+                            speech=SpeechInfo.of(self.speech) if self.speech is not None else None)
+
+    def runners(self) -> dict:
+        """The pipeline call of each job kind on this rank (rank 0's executors under a Leader, a follower's
+        runners)."""
+        out = {}
+        if self.image is not None:
+            out["image"] = image_runner(self.image)
+        if self.video is not None:
+            from .videos import video_runner
+
+            out["video"] = video_runner(self.video)
+        return out
+
+
+def load_models(args, *, warmup: bool = True) -> ServedModels:
+    """Load and accelerate every model of the flags (each rank of a parallel group alike) and warm them up."""
+    models = ServedModels()
+    if not speech_only(args):
+        models.image = load_model(args)
+    if args.video_model:
+        from .videos import load_video_model
+
+        models.video = load_video_model(args)
+    if warmup and not args.no_warmup:  # every rank: the same local calls, no collectives outside the pipeline's own
+        if models.image is not None:
+            _warmup(models.image)
+        if models.video is not None:
+            from .videos import warmup as warmup_video
+
+            warmup_video(models.video)
+    return models
+
+
+def load_speech(args, models: ServedModels, *, warmup: bool = False) -> ServedModels:
+    """The speech pipeline of ``--speech-model`` (rank 0 only: speech is not parallel)."""
+    if getattr(args, "speech_model", None):
+        from .speech import load_pipeline
+        from .speech import warmup as warmup_speech
+
+        models.speech = load_pipeline(args)
+        if warmup and not args.no_warmup:
+            warmup_speech(models.speech, args)
+    return models
+
+
+def speech_only(args) -> bool:
+    return bool(getattr(args, "speech_model", None)) and args.model is None and args.video_model is None
+
+
+def limits_of(args):
+    from .engine import Limits
+
+    return Limits(max_n=args.max_n, max_steps=args.max_steps, max_size=args.max_size,
+                  max_cost=args.max_request_cost, max_body_bytes=int(args.max_body_mb * MB),
+                  max_upload_bytes=int(args.max_upload_mb * MB), max_input_pixels=args.max_input_pixels,
+                  request_timeout_s=args.request_timeout)
+
+
+def make_queues(args, models: ServedModels, metrics, *, leader=None, store=None, headroom: int = 0) -> dict:
+    """The job queue of each served model, by name ("images", "videos", "speech"), with the flags' bounds.
+    ``leader``: rank 0's broadcast-then-call executors (torchrun, a multi-GPU replica). ``store``: where finished
+    videos go (None on a replica: its ingress stores them). ``headroom`` widens every queue (a replica's queue also
+    holds what its ingress counts as running)."""
+    from .distributed import PING_S
+    from .engine import image_queue
+
+    fan_out = dict(on_idle=leader.ping if leader else None, idle_s=PING_S, can_abort=leader is None)
+    queues = {}
+    if models.image is not None:
+        queues["images"] = image_queue(models.image, max_queue=args.max_queue + headroom,
+                                       max_concurrency=args.max_concurrency, max_batch_images=args.max_batch_images,
+                                       metrics=metrics, executor=leader.executor("image") if leader else None,
+                                       **fan_out)
+    if models.video is not None:
+        from .videos import video_queue
+
+        queues["videos"] = video_queue(models.video, store, max_queue=args.max_queue + headroom, metrics=metrics,
+                                       executor=leader.executor("video") if leader else None, **fan_out)
+    if models.speech is not None:
+        from .speech import SpeechSettings, speech_queue
+
+        settings = SpeechSettings.from_args(args, speech_id(args))
+        queues["speech"] = speech_queue(models.speech, dataclasses.replace(settings,
+                                                                           max_queue=args.max_queue + headroom),
+                                        metrics, start=False)
+    return queues
+
+
+def speech_id(args) -> str:
+    from .speech import folder_name
+
+    if speech_only(args) and args.served_model_name:
+        return args.served_model_name
+    return folder_name(args.speech_model)
+
+
+def build_app(args, models: ServedModels, queues: dict, metrics, *, store=None, world_size: int = 1,
+              replicas=None):
+    """The ASGI app of every route over ``queues`` (local job queues, or an ingress's RemoteQueues): the image
+    routes, /v1/videos with ``store``, the speech routes. ``replicas`` (a callable: replica states) makes /health and
+    /metrics report the replicas behind an ingress."""
+    from .app import create_app
+    from .speech import SpeechSettings
+
+    limits = limits_of(args)
+    if models.image is None:  # a speech-only server
+        from .speech import create_speech_app
+
+        return create_speech_app(models.speech, SpeechSettings.from_args(args, speech_id(args)),
+                                 api_key=args.api_key, max_body=int(args.max_body_mb * MB), queue=queues["speech"],
+                                 metrics=metrics)
+    app = create_app(models.image, queues["images"], limits=limits, api_key=args.api_key, metrics=metrics,
+                     url_cache=args.url_cache, world_size=world_size, body_timeout_s=args.idle_timeout,
+                     replicas=replicas)
+    if models.video is not None:  # /v1/videos beside the image routes, with the video model's queue
+        from . import videos
+
+        video_limits = dataclasses.replace(limits, max_frames=args.max_frames).resolved(models.video)
+        videos.install(app.fastapi, models.video, queues["videos"], store, video_limits, models.video.fps)
+    if models.speech is not None:  # speech routes beside the image ones, with a queue of their own
+        from .speech import install
+
+        install(app.fastapi, models.speech, SpeechSettings.from_args(args, speech_id(args)), metrics,
+                queue=queues["speech"])
+    app.queues = list(queues.values())
+    return app
+
+
+def video_store(args, models: ServedModels):
+    """The bounded store of finished videos (None without a video model)."""
+    if models.video is None:
+        return None
+    from . import videos
+
+    settings = videos.VideoSettings.from_args(args)
+    return videos.VideoStore(settings.folder, settings.max_count, settings.max_bytes)
+
+
 def build_server(args, model, *, video_model=None, leader=None, world_size: int = 1):
     """(uvicorn.Server, the image job queue) for rank 0 / a single process; ``server.drains`` are all its job
     queues and ``server.cleanups`` what to close after them (``serve`` does both)."""
-    from .app import create_app
-    from .engine import Limits, image_queue
     from .metrics import ServeMetrics
 
-    limits = Limits(max_n=args.max_n, max_steps=args.max_steps, max_size=args.max_size,
-                    max_cost=args.max_request_cost, max_body_bytes=int(args.max_body_mb * MB),
-                    max_upload_bytes=int(args.max_upload_mb * MB), max_input_pixels=args.max_input_pixels,
-                    request_timeout_s=args.request_timeout)
+    models = load_speech(args, ServedModels(image=model, video=video_model))
     metrics = ServeMetrics()
-    from .distributed import PING_S
-
-    engine = image_queue(model, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
-                         max_batch_images=args.max_batch_images, metrics=metrics,
-                         executor=leader.executor("image") if leader else None,
-                         on_idle=leader.ping if leader else None, idle_s=PING_S, can_abort=leader is None)
-    app = create_app(model, engine, limits=limits, api_key=args.api_key, metrics=metrics, url_cache=args.url_cache,
-                     world_size=world_size, body_timeout_s=args.idle_timeout)
-    queues, cleanups = [engine], []
-    if video_model is not None:  # /v1/videos beside the image routes, with the video model's queue
-        from . import videos
-
-        settings = videos.VideoSettings.from_args(args)
-        store = videos.VideoStore(settings.folder, settings.max_count, settings.max_bytes)
-        video_limits = dataclasses.replace(limits, max_frames=args.max_frames).resolved(video_model)
-        queue = videos.video_queue(video_model, store, max_queue=args.max_queue, metrics=metrics,
-                                   executor=leader.executor("video") if leader else None,
-                                   on_idle=leader.ping if leader else None, idle_s=PING_S,
-                                   can_abort=leader is None)
-        videos.install(app.fastapi, video_model, queue, store, video_limits, video_model.fps)
-        queues.append(queue)
-        cleanups.append(store.close)
-    if getattr(args, "speech_model", None):  # speech routes beside the image ones, with a queue of their own
-        from .speech import SpeechSettings, folder_name, install, load_pipeline
-
-        queues.append(install(app.fastapi, load_pipeline(args),
-                              SpeechSettings.from_args(args, folder_name(args.speech_model)), metrics))
-    server = uvicorn_server(app, args, drains=queues)
-    server.cleanups = cleanups
-    return server, engine
+    store = video_store(args, models)
+    queues = make_queues(args, models, metrics, leader=leader, store=store)
+    app = build_app(args, models, queues, metrics, store=store, world_size=world_size)
+    for queue in queues.values():
+        queue.start()
+    server = uvicorn_server(app, args, drains=list(queues.values()))
+    server.cleanups = [store.close] if store is not None else []
+    return server, queues["images"]
 
 
 def uvicorn_server(app, args, drains=()):
@@ -282,7 +415,16 @@ def run(args) -> int:
         raise CliError(f"omni-accel serve needs the serve extra ({exc.name} is missing): "
                        "pip install 'omni-accel[serve]'")
     _check_args(args)
-    if args.speech_model and args.model is None and args.video_model is None:  # a speech-only server
+    if args.ray:  # replicas on Ray Serve behind one ingress (serve/ray_app.py)
+        try:
+            import ray.serve  # noqa: F401
+        except ImportError as exc:
+            raise CliError(f"omni-accel serve --ray needs Ray Serve ({exc.name} is missing): "
+                           "pip install 'omni-accel[ray]'")
+        from .ray_app import run as run_ray
+
+        return run_ray(args)
+    if speech_only(args):
         from .speech import run as run_speech
 
         return run_speech(args)
@@ -294,37 +436,35 @@ def run(args) -> int:
         odist.init()
         rank = odist.rank()
     try:
-        model = load_model(args)
-        video_model = None
-        if args.video_model:
-            from .videos import load_video_model, video_runner, warmup
-
-            video_model = load_video_model(args)
-        if not args.no_warmup:  # every rank: the same local calls, no collectives outside the pipeline's own
-            _warmup(model)
-            if video_model is not None:
-                warmup(video_model)
-        runners = {"image": image_runner(model)}
-        if video_model is not None:
-            runners["video"] = video_runner(video_model)
+        models = load_models(args)
         if rank != 0:
             from .distributed import follower_loop
 
-            follower_loop(runners)
+            follower_loop(models.runners())
             return 0
         leader = None
         if world > 1:
             from .distributed import Leader
 
-            leader = Leader(runners)
-        server, engine = build_server(args, model, video_model=video_model, leader=leader, world_size=world)
-        engine.start()
-        videos = f", videos: {video_model.id} ({video_model.pipeline_class})" if video_model is not None else ""
-        print(f"omni-accel serve: {model.id} ({model.pipeline_class}){videos} on http://{args.host}:{args.port} "
-              f"(world size {world})", file=sys.stderr, flush=True)
+            leader = Leader(models.runners())
+        server, _ = build_server(args, models.image, video_model=models.video, leader=leader, world_size=world)
+        print(f"omni-accel serve: {describe(models)} on http://{args.host}:{args.port} (world size {world})",
+              file=sys.stderr, flush=True)
         return serve(server, leader)
     finally:
         if world > 1:
             from .. import distributed as odist
 
             odist.shutdown()
+
+
+def describe(models: ServedModels) -> str:
+    """The served models in one line of the start-up message."""
+    parts = []
+    if models.image is not None:
+        parts.append(f"{models.image.id} ({models.image.pipeline_class})")
+    if models.video is not None:
+        parts.append(f"videos: {models.video.id} ({models.video.pipeline_class})")
+    if models.speech is not None:
+        parts.append("speech")
+    return ", ".join(parts)

@@ -156,12 +156,32 @@ def speech_executor(pipeline: Any) -> Callable[[dict, Any], Any]:
     return execute
 
 
-def speech_queue(pipeline: Any, settings: "SpeechSettings", metrics: Any) -> JobQueue:
+def speech_queue(pipeline: Any, settings: "SpeechSettings", metrics: Any, start: bool = True) -> JobQueue:
     queue = JobQueue("speech", speech_executor(pipeline), max_queue=settings.max_queue, max_batch=1, metrics=metrics,
                      gauges=(metrics.speech_queue_depth, metrics.speech_running))
     queue.kinds["speech"] = SpeechKind()
-    queue.start()
+    if start:
+        queue.start()
     return queue
+
+
+@dataclass
+class SpeechInfo:
+    """What the speech routes read from a SpeechPipeline, without the pipeline: an ingress whose replicas hold it
+    (serve/ray_app.py) answers voices and checks requests with this."""
+
+    voices: list[str]
+    sample_rate: int
+    engines: dict
+
+    @classmethod
+    def of(cls, pipeline: Any) -> "SpeechInfo":
+        return cls(list(pipeline.voices), int(pipeline.sample_rate), dict(getattr(pipeline, "engines", {})))
+
+    def resolve_voice(self, voice: str | None) -> str:
+        from ..ar_bridge.speech import match_voice
+
+        return match_voice(self.voices, voice)
 
 
 async def stream_body(queue: JobQueue, job: Job, first: Any, deadline: float, timeout_s: float, sse: bool,
@@ -202,12 +222,14 @@ async def stream_body(queue: JobQueue, job: Job, first: Any, deadline: float, ti
 
 
 # -- routes -------------------------------------------------------------------------------------------------
-def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any) -> JobQueue:
-    """Add /v1/audio/speech and /v1/audio/voices to ``api``, served by ``pipeline`` (a SpeechPipeline) with
-    ``settings``; returns the routes' job queue (started)."""
+def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any,
+            queue: JobQueue | None = None) -> JobQueue:
+    """Add /v1/audio/speech and /v1/audio/voices to ``api``, served by ``pipeline`` (a SpeechPipeline, or its
+    SpeechInfo when ``queue`` runs the jobs elsewhere) with ``settings``; returns the routes' job queue (a new one,
+    started, unless ``queue`` is given)."""
     from ..errors import AccelError
 
-    queue = speech_queue(pipeline, settings, metrics)
+    queue = queue if queue is not None else speech_queue(pipeline, settings, metrics)
     allowed_models = (settings.model_id, "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
     def check(req: SpeechRequest) -> str:
@@ -266,17 +288,17 @@ def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any)
 
 
 def create_speech_app(pipeline: Any, settings: SpeechSettings, *, api_key: str | None = None,
-                      max_body: int = 2**20):
+                      max_body: int = 2**20, queue: JobQueue | None = None, metrics: Any = None):
     """A speech-only app: the speech routes, /health, /v1/models, /metrics, OpenAI error bodies, the API-key
-    guard."""
+    guard (over ``queue`` when given: see ``install``)."""
     from .app import _Guard, install_error_handlers
     from .metrics import ServeMetrics
 
-    metrics = ServeMetrics()
+    metrics = metrics or ServeMetrics()
     api = FastAPI(title="omni_accel speech server", version=__import__("omni_accel").__version__,
                   description="OpenAI-compatible speech with an omni_accel speech pipeline. See docs/speech.md.")
     install_error_handlers(api)
-    queue = install(api, pipeline, settings, metrics)
+    queue = install(api, pipeline, settings, metrics, queue)
 
     @api.get("/health")
     async def health():
@@ -326,14 +348,19 @@ def build_speech_server(args, pipeline):
     return uvicorn_server(app, args, drains=app.queues), settings
 
 
-def run(args) -> int:
-    """Speech-only server (``--speech-model`` without ``--model``)."""
+def warmup(pipeline: Any, args) -> None:
+    """One short generation, so the first request does not pay for lazy initialisation."""
     from ..errors import AccelError
 
+    with contextlib.suppress(AccelError):  # a random-weight model may speak no codes for it
+        pipeline.generate("warm-up", max_codes=8, sampling=sampling_of(args))
+
+
+def run(args) -> int:
+    """Speech-only server (``--speech-model`` without ``--model``)."""
     pipeline = load_pipeline(args)
     if not args.no_warmup:
-        with contextlib.suppress(AccelError):  # a random-weight model may speak no codes for it
-            pipeline.generate("warm-up", max_codes=8, sampling=sampling_of(args))
+        warmup(pipeline, args)
     from .server import serve
 
     server, settings = build_speech_server(args, pipeline)

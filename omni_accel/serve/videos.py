@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal
 from fastapi import FastAPI, File, Form, Query, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-from .engine import Limits, LoadedModel, add_step_callback, random_seed, request_cost
+from .engine import Limits, LoadedModel, add_step_callback, flow_shift_key, random_seed, request_cost
 from .errors import ApiError, bad_request
 from .images import decode_upload
 from .jobs import CANCELLED, COMPLETED, FAILED, Job, JobKind, JobQueue, submit_or_raise
@@ -129,7 +129,7 @@ def run_video_spec(model: LoadedModel, spec: dict, control: Callable[[], bool] |
         if spec.get("boundary_ratio") is not None:
             pipe.register_to_config(boundary_ratio=spec["boundary_ratio"])
         if spec.get("flow_shift") is not None:
-            key = _shift_key(pipe.scheduler)
+            key = flow_shift_key(pipe.scheduler)
             pipe.scheduler = type(saved_scheduler).from_config(saved_scheduler.config, **{key: spec["flow_shift"]})
         with torch.inference_mode():
             frames = pipe(**kwargs).frames
@@ -142,14 +142,6 @@ def run_video_spec(model: LoadedModel, spec: dict, control: Callable[[], bool] |
     if tuple(frames.shape[:3]) != want:
         raise RuntimeError(f"the pipeline returned frames of shape {tuple(frames.shape)} for {want}")
     return frames
-
-
-def _shift_key(scheduler) -> str | None:
-    """The scheduler's flow-shift setting: UniPC's ``flow_shift`` (Wan's default) or FlowMatch's ``shift``."""
-    for key in ("flow_shift", "shift"):
-        if key in scheduler.config:
-            return key
-    return None
 
 
 # ------------------------------------------------------------------------------------------------ the store
@@ -247,13 +239,14 @@ class VideoStore:
 
 
 class VideoKind(JobKind):
-    """Video jobs: one clip a call (never batched); the frames become an H.264 MP4 and a PNG thumbnail in the
-    store (on the worker thread, after the call)."""
+    """Video jobs: one clip a call (never batched); the frames become an H.264 MP4 and a PNG thumbnail (on the
+    worker thread, after the call), which the store of the server that owns the job takes in (``accept``: here, or
+    on the ingress when a replica ran the job)."""
 
     name = "video"
     what = "the video pipeline"
 
-    def __init__(self, model: LoadedModel, store: VideoStore, metrics: Any = None):
+    def __init__(self, model: LoadedModel, store: VideoStore | None, metrics: Any = None):
         self.model = model
         self.store = store
         self.metrics = metrics
@@ -269,14 +262,20 @@ class VideoKind(JobKind):
                 "boundary_ratio": r.boundary_ratio, "flow_shift": r.flow_shift, "image": r.image}
 
     def finish(self, batch: list[Job], frames: Any, seconds: float) -> list:
+        """[(MP4 bytes, thumbnail PNG bytes)] of the clip (None for a job cancelled meanwhile)."""
         from ..video_io import encode_mp4, first_frame_png
 
         job = batch[0]
         if self.metrics is not None:
             self.metrics.observe_batch(self.model, 1, 0, seconds)
-        if not job.cancelled:
-            self.store.save(job, encode_mp4(frames, job.params.fps), first_frame_png(frames))
-        return [None]
+        if job.cancelled:
+            return [None]
+        return [(encode_mp4(frames, job.params.fps), first_frame_png(frames))]
+
+    def accept(self, job: Job, files: tuple[bytes, bytes] | None) -> None:
+        if files is not None and not job.cancelled:
+            self.store.save(job, *files)
+        return None
 
 
 def video_queue(model: LoadedModel, store: VideoStore, *, max_queue: int = 32, metrics: Any = None,
@@ -322,9 +321,8 @@ def install(api: FastAPI, model: LoadedModel, queue: JobQueue, store: VideoStore
     models = getattr(api.state, "model_cards", None)
     if models is not None:
         models.append(lambda: _card(model, limits))
-    scheduler_shift = _shift_key(model.pipe.scheduler)
-    two_experts = getattr(model.pipe, "transformer_2", None) is not None and getattr(model.pipe, "transformer", None) \
-        is not None
+    scheduler_shift = model.flow_shift_key
+    two_experts = model.experts > 1
 
     def found(video_id: str) -> Job:
         job = store.get(video_id)
@@ -353,7 +351,7 @@ def install(api: FastAPI, model: LoadedModel, queue: JobQueue, store: VideoStore
                 raise bad_request(f"{name} applies to Wan 2.2's two experts; {model.id!r} has one transformer",
                                   name, "unsupported_parameter")
         if form["flow_shift"] is not None and scheduler_shift is None:
-            raise bad_request(f"flow_shift: the scheduler {type(model.pipe.scheduler).__name__} has no flow shift",
+            raise bad_request(f"flow_shift: the scheduler {model.scheduler_name} has no flow shift",
                               "flow_shift", "unsupported_parameter")
         w, h = size_of(form)
         fps = form["fps"] or default_fps
