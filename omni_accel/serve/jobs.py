@@ -201,6 +201,8 @@ class JobQueue:
         self.kinds: dict[str, JobKind] = {}  # the kinds of job this queue's model runs, by name
         self._threads = None
         self._thread: threading.Thread | None = None
+        # False on a replica: its jobs' results go to the ingress that owns the jobs, whose kind takes them in
+        self.accepts_results = True
 
     # -- admission ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -451,6 +453,8 @@ class JobQueue:
         """(status, result, error) of a job whose call succeeded: its kind's ``accept`` may still fail it."""
         if job.cancelled:
             return CANCELLED, None, None
+        if not self.accepts_results:
+            return COMPLETED, result, None
         try:
             return COMPLETED, job.kind.accept(job, result), None
         except Exception as exc:  # noqa: BLE001 -- e.g. a video larger than its store: this job's failure

@@ -115,6 +115,11 @@ def replica_capacity(args, queue: str) -> int:
     return args.max_queue + (args.max_concurrency if queue == "images" else 1)
 
 
+def replica_requests(args) -> int:
+    """Requests one replica takes at once, all its models together (Ray Serve's max_ongoing_requests)."""
+    return sum(replica_capacity(args, name) for name in served_queues(args))
+
+
 def served_queues(args) -> list[str]:
     from .server import speech_only
 
@@ -133,7 +138,7 @@ def replica_options(args) -> dict:
     options = {
         "name": REPLICA,
         "ray_actor_options": {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0)},
-        "max_ongoing_requests": sum(replica_capacity(args, name) for name in served_queues(args)),
+        "max_ongoing_requests": replica_requests(args),
         "health_check_period_s": HEALTH_CHECK_S,
         "graceful_shutdown_timeout_s": args.shutdown_grace,
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -158,7 +163,7 @@ def replica_options(args) -> dict:
 
 def ingress_options(args) -> dict:
     most = autoscale_bounds(args.autoscale)[1] if args.autoscale else (args.replicas or 1)
-    in_flight = most * sum(replica_capacity(args, name) for name in served_queues(args))
+    in_flight = most * replica_requests(args)
     return {"name": INGRESS, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0},
             "max_ongoing_requests": args.max_connections or 4 * in_flight + 64,
             "graceful_shutdown_timeout_s": args.shutdown_grace + 5, "graceful_shutdown_wait_loop_s": 0.5}
@@ -186,9 +191,12 @@ class ModelReplica:
             models = load_models(args)
         self.models = load_speech(args, models, warmup=True)
         self.metrics = ServeMetrics()  # this replica's own (pipeline calls, forwards); the ingress counts requests
-        # one running batch more than the ingress counts per replica: its bound is Ray's max_ongoing_requests
-        self.queues = make_queues(args, self.models, self.metrics, leader=leader, headroom=args.max_concurrency)
+        # wide enough never to refuse: the replica's bound is Ray Serve's max_ongoing_requests, the system's the
+        # ingress's admission
+        self.queues = make_queues(args, self.models, self.metrics, leader=leader,
+                                  headroom=replica_requests(args) - args.max_queue)
         for queue in self.queues.values():
+            queue.accepts_results = False  # the ingress owns the jobs (a video goes to its store)
             queue.start()
         self.load_s = time.monotonic() - t0
         logger.warning("omni_accel.serve: replica ready in %.1f s (pid %d)", self.load_s, os.getpid())
@@ -308,13 +316,21 @@ def replica_states(app_name: str) -> dict[str, int]:
 def build(args: Any = None) -> serve.Application:
     """The Ray Serve application of the serve flags (a Namespace, argv, or Ray Serve's application arguments: see
     ``parse_arguments``) -- ``serve run omni_accel.serve.ray_app:build model=... replicas=2``."""
+    return application(args)
+
+
+def application(args: Any, replica: dict | None = None) -> serve.Application:
+    """``build`` with ``replica`` options over the flags' (as a Serve config file's ``deployments:`` section would
+    give, e.g. a faster ``autoscaling_config``)."""
     from .server import _check_args
 
     args = parse_arguments(args)
     _check_args(args)
     check_arguments(args)
-    replica = ModelReplica.options(**replica_options(args)).bind(args)
-    return Ingress.options(**ingress_options(args)).bind(replica, args)
+    options = replica_options(args)
+    for key, value in (replica or {}).items():
+        options[key] = {**options[key], **value} if isinstance(value, dict) and key in options else value
+    return Ingress.options(**ingress_options(args)).bind(ModelReplica.options(**options).bind(args), args)
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -62,42 +62,43 @@ def portable(exc: BaseException) -> BaseException:
 
 
 async def replica_events(queue: JobQueue, fields: dict, poll_s: float = POLL_S) -> AsyncIterator[dict]:
-    """Run one job of ``fields`` on ``queue`` (this replica's own queue) and yield its events, ending with one of
-    ``done`` (the kind's result, the queue's measured seconds per cost), ``failed`` (the exception), ``cancelled``
-    (``started``: whether it had started) or ``refused`` (the queue was full: its Retry-After). If the caller goes
-    away (the generator is cancelled or closed), the job is cancelled like a disconnected client's."""
+    """Run one job of ``fields`` on ``queue`` (this replica's own queue) and yield its events (``{"event": ...}``):
+    ``progress`` (the job started; 0-100) and ``item`` (a stream's), then one of ``done`` (the kind's result, the
+    queue's measured seconds per cost), ``failed`` (the exception), ``cancelled`` (``started``: whether it had) or
+    ``refused`` (the queue was full: its Retry-After). If the caller goes away (the generator is cancelled or
+    closed), the job is cancelled like a disconnected client's."""
     kind = queue.kinds[fields["kind"]]
     job = Job(kind=kind, route=fields["route"], params=fields["params"], cost=fields["cost"], key=fields["key"],
               id=fields["id"], stream=Stream() if fields["streamed"] else None)
     try:
         queue.submit(job)
     except QueueFull as exc:
-        yield {"refused": exc.retry_after}
+        yield {"event": "refused", "retry_after": exc.retry_after}
         return
     except ShuttingDown:
-        yield {"cancelled": True, "started": False}
+        yield {"event": "cancelled", "started": False}
         return
     waiter = asyncio.wrap_future(job.future)
     reported = (QUEUED, 0)
     try:
-        while True:
+        ended = False
+        while not ended:
             item = WAITING
-            if job.stream is not None:
+            if job.stream is not None:  # a stream ends with END, or with the job's failure / cancellation
                 try:
                     item = await job.stream.get(poll_s)
                 except Exception:  # noqa: BLE001 -- the job failed or was cancelled: its future says which
-                    await asyncio.wait({waiter})
+                    item = Stream.END
+                ended = item is Stream.END
             else:
                 await asyncio.wait({waiter}, timeout=poll_s)
+                ended = waiter.done()
             if (job.status, job.progress) != reported and job.status in (IN_PROGRESS, COMPLETED):
                 reported = (job.status, job.progress)
-                yield {"started": True, "progress": job.progress}
-            if item is Stream.END:
-                await asyncio.wait({waiter})
-            elif item is not WAITING:
-                yield {"item": item}
-            if waiter.done():
-                break
+                yield {"event": "progress", "progress": job.progress}
+            if item is not WAITING and item is not Stream.END:
+                yield {"event": "item", "item": item}
+        await asyncio.wait({waiter})
         yield final_event(queue, job)
     except (asyncio.CancelledError, GeneratorExit):
         queue.cancel(job, "disconnect")
@@ -106,10 +107,11 @@ async def replica_events(queue: JobQueue, fields: dict, poll_s: float = POLL_S) 
 
 def final_event(queue: JobQueue, job: Job) -> dict:
     if job.status == COMPLETED:
-        return {"done": job.future.result(), "seconds_per_cost": queue.seconds_per_cost(job.kind.name)}
+        return {"event": "done", "result": job.future.result(),
+                "seconds_per_cost": queue.seconds_per_cost(job.kind.name)}
     if job.status == FAILED:
-        return {"failed": portable(job.error)}
-    return {"cancelled": True, "started": job.started_at is not None}
+        return {"event": "failed", "error": portable(job.error)}
+    return {"event": "cancelled", "started": job.started_at is not None}
 
 
 # ------------------------------------------------------------------------------------------------ ingress side
@@ -237,22 +239,23 @@ class RemoteQueue(JobQueue):
             async for event in stream:
                 if job.done:
                     return
-                if "started" in event:
+                what = event["event"]
+                if what == "progress":
                     self._started(job, event["progress"])
                     continue
-                if "item" in event:
+                if what == "item":
                     if job.stream is not None and not job.cancelled:
                         job.stream.put(event["item"])
                     continue
                 answered = True
-                if "done" in event:
+                if what == "done":
                     await self._done(job, event)
-                elif "failed" in event:
-                    self._fail(job, event["failed"])
-                elif "refused" in event:  # the replica's own queue was full (its bound is wider than ours)
-                    self._fail(job, queue_full_error(self.queue_depth, self.max_queue, event["refused"]))
-                else:  # cancelled, not by us (we would not be listening): the replica drained
-                    raise ReplicaLost("the replica stopped (drained) before the job ended", event["started"])
+                elif what == "failed":
+                    self._fail(job, event["error"])
+                elif what == "refused":  # the replica's own queue was full (its bound is wider than ours)
+                    self._fail(job, queue_full_error(self.queue_depth, self.max_queue, event["retry_after"]))
+                else:  # cancelled, not by us (we would not be listening): the replica drained or its group broke
+                    raise ReplicaLost("the replica ended the job (it drained, or its group broke)", event["started"])
                 return
             raise ReplicaLost("the replica's answer ended without a result", job.status != QUEUED)
         finally:
@@ -276,7 +279,7 @@ class RemoteQueue(JobQueue):
             self._seconds_per_cost[job.kind.name] = event["seconds_per_cost"]
         self._started(job, 100)
         run_s = time.time() - job.started_at
-        status, result, error = await asyncio.to_thread(self._accepted, job, event["done"])
+        status, result, error = await asyncio.to_thread(self._accepted, job, event["result"])
         with self._cond:
             if self.metrics is not None:
                 self.metrics.job_run.labels(job.route).observe(run_s)

@@ -418,8 +418,8 @@ def run(args) -> int:
     if args.ray:  # replicas on Ray Serve behind one ingress (serve/ray_app.py)
         try:
             import ray.serve  # noqa: F401
-        except ImportError as exc:
-            raise CliError(f"omni-accel serve --ray needs Ray Serve ({exc.name} is missing): "
+        except ImportError:
+            raise CliError("omni-accel serve --ray needs Ray Serve, which is not installed: "
                            "pip install 'omni-accel[ray]'")
         from .ray_app import run as run_ray
 
