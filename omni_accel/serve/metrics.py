@@ -48,6 +48,8 @@ class ServeMetrics:
                                   "call", ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.job_run = Histogram("omni_accel_job_run_seconds", "seconds of the pipeline call a job ran in",
                                  ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.resent = Counter("omni_accel_jobs_resent", "jobs sent to another replica because theirs went away "
+                              "before starting them (Ray Serve)", ["route"], registry=r)
         self.replicas = Gauge("omni_accel_replicas", "model replicas behind a Ray Serve ingress, by state (running, "
                               "starting, stopping)", ["state"], registry=r)
         self.speech_queue_depth = Gauge("omni_accel_speech_queue_depth", "speech requests waiting", registry=r)

@@ -220,6 +220,8 @@ class RemoteQueue(JobQueue):
                 if not started and attempt < self.retries and not job.done:
                     attempt += 1
                     self.resent += 1
+                    if self.metrics is not None:
+                        self.metrics.resent.labels(job.route).inc()
                     logger.warning("omni_accel.serve: the replica of %s job %s went away before starting it (%s); "
                                    "sending it to another replica", job.kind.name, job.id, exc)
                     self._requeue(job)
