@@ -86,7 +86,7 @@ def run(args, port: int | None = None) -> dict:
     after = [a for a in answers if a[3] > kill_s and a[0] == 200]
     metrics = _metrics(url)
     result = {
-        "command": "python benchmarks/bench_ray_failover.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/bench_ray_failover.py", *sys.argv[1:]]),
         "host": platform.node(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
         "model": args.model or "built-in", "device": args.device, "replicas": args.replicas,
         "requests": args.requests, "concurrency": args.concurrency, "size": args.size, "steps": args.steps,

@@ -48,24 +48,31 @@ def deploy(argv: list[str], port: int, replica: dict | None = None) -> str:
     from omni_accel.serve.ray_app import APP_NAME, application
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if APP_NAME in serve.status().applications:  # free its resources first: the new one may need them all
+        serve.delete(APP_NAME)
     serve.run(application(argv, replica=replica), name=APP_NAME, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
-def replica_pids(count: int = 1, timeout: float = 60.0) -> list[list[int]]:
-    """The process ids of ``count`` distinct replicas (each: its ranks' pids, rank 0 first), asked through Serve's
+def describe_replicas(count: int = 1, timeout: float = 60.0) -> list[dict]:
+    """``describe()`` of ``count`` distinct replicas (pid, its ranks' pids, torch threads ...), asked through Serve's
     handle until that many have answered."""
     from ray import serve
 
     from omni_accel.serve.ray_app import APP_NAME, REPLICA
 
     handle = serve.get_deployment_handle(REPLICA, app_name=APP_NAME)
-    seen: dict[int, list[int]] = {}
+    seen: dict[int, dict] = {}
     end = time.monotonic() + timeout
     while len(seen) < count and time.monotonic() < end:
         described = handle.describe.remote().result(timeout_s=30)
-        seen[described["pid"]] = described["pids"]
+        seen[described["pid"]] = described
     return list(seen.values())
+
+
+def replica_pids(count: int = 1, timeout: float = 60.0) -> list[list[int]]:
+    """The process ids of ``count`` distinct replicas (each: its ranks' pids, rank 0 first)."""
+    return [described["pids"] for described in describe_replicas(count, timeout)]
 
 
 def health(url: str) -> dict:

@@ -203,8 +203,11 @@ class ModelReplica:
 
     def describe(self) -> dict:
         """What the ingress builds its routes from: the models without their pipelines."""
+        import torch
+
         return {"models": self.models.without_pipelines(), "load_s": self.load_s, "pid": os.getpid(),
-                "pids": self.group.pids if self.group is not None else [os.getpid()]}
+                "pids": self.group.pids if self.group is not None else [os.getpid()],
+                "threads": torch.get_num_threads()}
 
     async def run(self, queue: str, fields: dict):
         """Run one job on this replica's queue (a streamed call: serve/remote.py's events)."""
