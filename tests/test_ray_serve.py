@@ -11,6 +11,7 @@ import io
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -162,3 +163,31 @@ def test_autoscaling_adds_a_replica_under_load_and_drains_one_as_the_load_falls(
     assert states["running"] == 1 and not states["stopping"], states
     assert set(up.statuses()) == {"200"} and set(down.statuses()) == {"200"}
     assert not up.errors and not down.errors
+
+
+def test_the_serve_ray_command_deploys_on_a_cluster_and_a_sigterm_deletes_its_application(cluster):
+    """``omni-accel serve --ray --ray-address ADDR`` on the running cluster: it serves, and SIGTERM deletes its
+    application (replicas drained) and exits 0, leaving the cluster it did not start running."""
+    import subprocess
+
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen([sys.executable, "-m", "omni_accel", "serve", "--ray", "--ray-address", address,
+                             "--port", str(cluster), *REPLICA_FLAGS], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    lines = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # keep the pipe drained
+    try:
+        t0 = time.monotonic()
+        while not any("omni-accel serve: Ray Serve" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() - t0 < 120, "".join(lines[-20:])
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{cluster}"
+        r = httpx.post(url + GEN, json={"prompt": prompt(1), "size": "64x64", "num_inference_steps": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "omni-accel" not in serve.status().applications
+        assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2  # the cluster lives on
+    finally:
+        if proc.poll() is None:
+            proc.kill()

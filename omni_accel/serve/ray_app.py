@@ -344,15 +344,16 @@ def run(args) -> int:
     own_cluster = not ray.is_initialized() and args.ray_address is None and not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         ray.init(address=args.ray_address, logging_level=logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(sig, lambda *_: stop.set())
     serve.start(http_options={"host": args.host, "port": args.port, "keep_alive_timeout_s": args.idle_timeout})
     serve.run(app, name=APP_NAME, route_prefix="/")
     scale = f"{args.autoscale} replicas (autoscaling)" if args.autoscale else f"{args.replicas or 1} replica(s)"
     print(f"omni-accel serve: Ray Serve, {scale} of {args.gpus_per_replica} process(es) each, on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(1.0):  # a timed wait: signals are handled between waits
+        pass
     print("omni-accel serve: stopping (replicas finish what they hold)", file=sys.stderr, flush=True)
     serve.delete(APP_NAME)
     if own_cluster:
