@@ -4,6 +4,8 @@ to replica_events over a real JobQueue (the replica side), plus the --ray flags.
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 import sys
 
 import pytest
@@ -361,3 +363,63 @@ def test_ray_serve_application_arguments_are_the_serve_flags():
     assert group["placement_group_strategy"] == "SPREAD"
     with pytest.raises(Exception, match="are not omni-accel serve flags"):
         parse_arguments({"no_such_flag": "1"})
+
+
+# ------------------------------------------------------------------------------------------------ the ingress app
+def test_the_ingress_app_over_remote_queues_serves_images_and_videos(tmp_path):
+    """The app a Ray Serve ingress builds -- the single server's build_app over RemoteQueues, from models described
+    without their pipelines (pickled, as they cross to the ingress) -- with in-process replica queues behind it:
+    images with the openai client, and a video job polled to completion whose MP4 the ingress's store keeps."""
+    import pickle
+    import threading
+
+    import openai
+
+    from omni_accel.cli import build_parser
+    from omni_accel.serve.server import ServedModels, build_app, make_queues, uvicorn_server, video_store
+    from test_serve import free_port, wait_healthy
+    from test_serve_videos import load
+
+    dirs = {}
+    for family in ("flux", "wan"):
+        from omni_accel.testing import tiny_pipeline
+
+        dirs[family] = str(tmp_path / family)
+        tiny_pipeline(family)[0].save_pretrained(dirs[family])
+    argv, image, video = load(dirs, "wan", "--max-frames", "9", "--max-request-cost", "0.05", "--port",
+                              str(free_port()))
+    args = build_parser().parse_args(["serve", *argv])
+    models = ServedModels(image=image, video=video)
+    replica = make_queues(args, models, ServeMetrics(), headroom=8)  # the replica: the pipelines, no store
+    for queue in replica.values():
+        queue.accepts_results = False
+        queue.start()
+    described = pickle.loads(pickle.dumps(models.without_pipelines()))
+    assert described.image.pipe is None and described.video.pipeline_class == video.pipeline_class
+    metrics = ServeMetrics()
+    store = video_store(args, described)
+    remote = {name: RemoteQueue(template, Link(replica[name]), capacity=lambda: 8)
+              for name, template in make_queues(args, described, metrics, store=store).items()}
+    app = build_app(args, described, remote, metrics, store=store,
+                    replicas=lambda: {"running": 1, "starting": 0, "stopping": 0})
+    server = uvicorn_server(app, args, drains=list(remote.values()))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        assert wait_healthy(url, timeout=30)["replicas"] == {"running": 1, "starting": 0, "stopping": 0}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60)
+        result = client.images.generate(prompt="a red star", size="32x32", extra_body={"seed": 1,
+                                                                                     "num_inference_steps": 2})
+        assert base64.b64decode(result.data[0].b64_json)[:8] == b"\x89PNG\r\n\x1a\n"
+        job = client.videos.create_and_poll(prompt="a cat", size="32x32", extra_body={"num_frames": 5,
+                                                                                       "num_inference_steps": 2})
+        assert job.status == "completed" and job.progress == 100
+        mp4 = client.videos.download_content(job.id).content
+        assert mp4[4:8] == b"ftyp" and os.path.exists(store.path(job.id))  # kept where the job lives
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        for queue in replica.values():
+            queue.stop(5)
+        store.close()
