@@ -331,23 +331,27 @@ def quick_eval(pipe, captions: list[str], args, guidance: float) -> dict:
 
 
 def save_strip(pipe, path: str, args, seed: int = 7) -> list[str]:
-    """Frames 0, 4, 8, 12, 16 of eight clips (the first four from held-out triples), a caption under each row."""
-    from PIL import Image, ImageDraw
-
+    """Eight generated clips (the first four from held-out triples) as a strip PNG; returns their captions."""
     g = torch.Generator().manual_seed(seed)
     caps = vds.captions_of(vds.sample_params(4, g, only_heldout=True)) + vds.captions_of(vds.sample_params(4, g))
-    frames = generate(pipe, caps, args, 1.0, seed)
-    shown, size = list(range(0, args.frames, 4)), args.size
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    strip_image(generate(pipe, caps, args, 1.0, seed), caps).save(path)
+    return caps
+
+
+def strip_image(clips: np.ndarray, captions: list[str], every: int = 4):
+    """Frames 0, every, 2 x every ... of each clip (uint8 n x F x H x W x 3) in a row, its caption under it."""
+    from PIL import Image, ImageDraw
+
+    shown, size = list(range(0, clips.shape[1], every)), clips.shape[2]
     row_h = size + 14
-    strip = Image.new("RGB", (max(len(shown) * (size + 2), 400), len(caps) * row_h), "white")
+    strip = Image.new("RGB", (max(len(shown) * (size + 2), 400), len(captions) * row_h), "white")
     draw = ImageDraw.Draw(strip)
-    for r, (clip, cap) in enumerate(zip(frames, caps)):
+    for r, (clip, cap) in enumerate(zip(clips, captions)):
         for c, f in enumerate(shown):
             strip.paste(Image.fromarray(clip[f]), (c * (size + 2), r * row_h))
         draw.text((2, r * row_h + size + 1), cap, fill="black")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    strip.save(path)
-    return caps
+    return strip
 
 
 def save_plot(log: dict, results: str) -> None:
