@@ -101,7 +101,7 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     a.add_argument("--vae-parallel", type=int, default=1, help="VAE-parallel degree")
-    a.add_argument("--cache", default=None, help="step cache backend (tea_cache, cache_dit, fb_cache)")
+    a.add_argument("--cache", default=None, help="step cache backend (tea_cache, cache_dit, fb_cache, mag_cache)")
     a.add_argument("--cache-config", default=None, metavar="JSON",
                    help='cache options as JSON, e.g. \'{"rel_l1": 0.2}\'')
     a.add_argument("--quant", default=None, help="quantization (fp8, fp8_weight_only)")
