@@ -147,3 +147,26 @@ def test_mag_cache_refusals_name_the_reason_and_patch_nothing(family, overrides,
         omni_accel.accelerate(pipe, cache="mag_cache", **kwargs)
     assert not hasattr(pipe, "omni_accel")
     assert all(not getattr(t, "is_cache_enabled", False) for _, t in adapter_for(pipe).transformers_of(pipe))
+
+
+def test_video_cache_benchmark_runs_on_a_tiny_wan(tmp_path):
+    """benchmarks/bench_video_cache.py end to end on a tiny random Wan: one row per cache at its defaults, each with
+    block forwards below plain and per-frame PSNR / SSIM against the plain clip."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_video_cache.py")
+    spec = importlib.util.spec_from_file_location("bench_video_cache", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench_video_cache.json"
+    bench.main(["--tiny", "--prompts", "1", "--steps", "6", "--out", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["plain", "tea_cache", "mag_cache", "cache_dit"]
+    plain = rows.pop("plain")["block_forwards"]
+    assert plain == 6 * 2 * 4  # steps x CFG branches x blocks
+    for method, row in rows.items():
+        assert 0 < row["block_forwards"] < plain, method
+        assert len(row["psnr_per_frame"]) == 1 and len(row["psnr_per_frame"][0]) == 5  # 1 clip x 5 frames
+        assert row["psnr_worst_frame"] <= row["psnr_mean"] and 0 < row["ssim_worst_frame"] <= 1
