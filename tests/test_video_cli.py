@@ -110,3 +110,11 @@ def test_video_with_an_image_model_is_refused(tmp_path, capsys):
                  "-o", str(tmp_path / "x.mp4")]) == 2
     err = capsys.readouterr().err
     assert "error: --video: --model" in err and "is a FluxPipeline, which makes images" in err
+
+
+def test_bench_takes_video_and_reports_block_caches(tiny_wan_dir, capsys):
+    """omni-accel bench on a Wan folder with a cache that counts blocks, not steps (mag_cache; cache_dit alike)."""
+    assert main(["bench", PROMPT, "--video", "--model", tiny_wan_dir, "--device", "cpu", "--height", "32", "--width",
+                 "32", "--frames", "5", "--steps", "4", "--warmup", "0", "--repeats", "1", "--cache", "mag_cache"]) == 0
+    out = capsys.readouterr().out
+    assert "output 1x5x3x32x32" in out and "cache=mag_cache: " in out and "block forwards run" in out
