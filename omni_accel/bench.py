@@ -205,7 +205,8 @@ def _result(args, kwargs: dict, source: str, dtype, device: str, steps: int | No
     row["applied"] = list(dict.fromkeys(p["pass"] for p in report["applied"]))
     row["transformer_forwards"] = (report.get("last_call") or {}).get("transformer_forwards")
     if report.get("cache"):  # a cached forward still counts as a forward: these say how many were reused
-        row["cache_steps"] = {k: report["cache"][k] for k in ("backend", "computed", "reused")}
+        counted = ("computed", "reused") if "computed" in report["cache"] else ("block_forwards",)  # tea_cache
+        row["cache_steps"] = {k: report["cache"][k] for k in ("backend", *counted)}  # counts steps, the others blocks
     if plain is not None and "error" not in plain:
         row["speedup_vs_plain"] = round(statistics.median(plain["times"]) / statistics.median(accelerated["times"]), 4)
         row.update(_difference(accelerated["output"], plain["output"]))
@@ -273,6 +274,7 @@ def format_table(result: dict) -> str:
     facts = (f"{first['model']} on {first['gpu']}, world size {first['world_size']}: output {output}, "
              f"{shape['steps']} steps, {shape['dtype']}; median of {result['repeats']} timed calls after "
              f"{result['warmup']} warm-up")
-    cached = [f"{r['config']}: {r['cache_steps']['computed']} forwards computed, {r['cache_steps']['reused']} "
-              "reused from the cache" for r in result["rows"] if "cache_steps" in r]
+    cached = [f"{r['config']}: " + (f"{c['computed']} forwards computed, {c['reused']} reused from the cache"
+                                    if "computed" in c else f"{c.get('block_forwards')} block forwards run")
+              for r in result["rows"] if (c := r.get("cache_steps")) is not None]
     return "\n".join([facts, *text, *cached])

@@ -1,6 +1,7 @@
 """The ``omni-accel`` command line (also ``python -m omni_accel``).
 
     omni-accel generate "a red circle on a blue background" -o out.png              # built-in model
+    omni-accel generate --video "a red circle moving from left to right on a blue background" -o clip.mp4
     omni-accel generate "a fox" --model ./FLUX.1-dev --device cuda --dtype bfloat16 \\
         --attention auto --compile on -o fox.png
     omni-accel info
@@ -35,7 +36,9 @@ ENV_HELP = "configuration precedence: command-line arguments first, then environ
     "\n".join(f"  {k:18s} {v}" for k, v in ENV_VARS.items())
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_FPS = 16  # Wan 2.1's frame rate; the built-in video model carries its own
 COMPILE_CHOICES = {"off": False, "on": True, "max": "max"}
+OUTPUT_DEFAULTS = ("fps",)  # model defaults that describe the written file, not the pipeline call
 
 
 class CliError(Exception):
@@ -45,12 +48,15 @@ class CliError(Exception):
 # ---------------------------------------------------------------------------------------------- generate
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the text prompt")
-    p.add_argument("-o", "--output", default="out.png",
-                   help="output image (default out.png). Video pipelines (e.g. Wan): a .gif path gets every frame "
-                        "as an animated GIF, any other extension gets the first frame only")
+    p.add_argument("-o", "--output", default=None,
+                   help="output file (default out.png, or out.mp4 with --video). Video pipelines (e.g. Wan): .mp4 "
+                        "gets an H.264 MP4, .gif an animated GIF, any other extension the first frame only")
     add_model_arguments(p)
     add_acceleration_arguments(p)
     r = p.add_argument_group("output")
+    r.add_argument("--fps", type=int, default=None,
+                   help="frames per second of a video file (default: the model's, 8 for the built-in video model, "
+                        f"else {DEFAULT_FPS})")
     r.add_argument("--report", choices=["table", "json", "none"], default="table",
                    help="how to print pipe.omni_accel.report() after saving (default table)")
 
@@ -62,6 +68,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=os.environ.get("OMNI_ACCEL_MODEL"),
                    help="local diffusers pipeline folder, loaded with DiffusionPipeline.from_pretrained "
                         "(env OMNI_ACCEL_MODEL); default: the built-in model with its own defaults")
+    g.add_argument("--video", action="store_true",
+                   help="generate a video: the default model becomes the built-in video model (a WanPipeline); "
+                        "--model must then be a video pipeline")
     g.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     g.add_argument("--height", type=int, default=None, help="image height in pixels")
@@ -92,7 +101,7 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     a.add_argument("--vae-parallel", type=int, default=1, help="VAE-parallel degree")
-    a.add_argument("--cache", default=None, help="step cache backend (tea_cache, cache_dit, fb_cache)")
+    a.add_argument("--cache", default=None, help="step cache backend (tea_cache, cache_dit, fb_cache, mag_cache)")
     a.add_argument("--cache-config", default=None, metavar="JSON",
                    help='cache options as JSON, e.g. \'{"rel_l1": 0.2}\'')
     a.add_argument("--quant", default=None, help="quantization (fp8, fp8_weight_only)")
@@ -154,6 +163,12 @@ def _check_attention_early(name: str, device: str, dtype) -> None:
 def _load_pipeline(args: argparse.Namespace, device: str, dtype) -> tuple[Any, dict, str]:
     """(pipe, default call kwargs, description). Weights stay on the host when offload is asked for."""
     target = "cpu" if args.offload else device
+    video = getattr(args, "video", False)
+    if args.model is None and video:
+        from .builtin import BUILTIN_VIDEO_DEFAULTS, BUILTIN_VIDEO_FPS, load_builtin_video
+
+        pipe = load_builtin_video(dtype=dtype, device=target)  # AccelError naming the training command if absent
+        return pipe, {**BUILTIN_VIDEO_DEFAULTS, "fps": BUILTIN_VIDEO_FPS}, "built-in video model"
     if args.model is None:
         try:
             from .builtin import BUILTIN_DEFAULTS, load_builtin
@@ -178,6 +193,9 @@ def _load_pipeline(args: argparse.Namespace, device: str, dtype) -> tuple[Any, d
         pipe = DiffusionPipeline.from_pretrained(path, **{key: dtype})
     except (OSError, ValueError) as exc:
         raise CliError(f"could not load --model {args.model!r}: {exc}")
+    if video and "num_frames" not in call_parameters(pipe):
+        raise CliError(f"--video: --model {args.model!r} is a {type(pipe).__name__}, which makes images; pass a "
+                       "video pipeline folder (e.g. Wan) or leave --model out for the built-in video model.")
     pipe.to(target)
     return pipe, {}, path
 
@@ -227,8 +245,10 @@ def _call_kwargs(pipe, args: argparse.Namespace, defaults: dict) -> dict:
         "guidance_scale": args.guidance if args.guidance is not None else defaults.get("guidance_scale"),
         "true_cfg_scale": args.true_cfg_scale if args.true_cfg_scale is not None else defaults.get("true_cfg_scale"),
         "negative_prompt": args.negative_prompt,
-        "num_frames": args.frames,
+        "num_frames": args.frames if args.frames is not None else defaults.get("num_frames"),
     }
+    # the model's other defaults (e.g. max_sequence_length) have no flag: they apply as they are
+    wanted.update({k: v for k, v in defaults.items() if k not in wanted and k not in OUTPUT_DEFAULTS})
     accepted = call_parameters(pipe)
     kwargs = {}
     for key, value in wanted.items():
@@ -262,14 +282,20 @@ def _to_pil_list(images) -> list:
     return out
 
 
-def save_output(result, path: str) -> dict:
+def save_output(result, path: str, fps: int = DEFAULT_FPS) -> dict:
     """Save an image (``.images``) or video (``.frames``) result; returns what was written."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     if getattr(result, "frames", None) is not None:
         frames = _to_pil_list(result.frames[0])
+        if path.lower().endswith(".mp4"):
+            from .video_io import encode_mp4
+
+            with open(path, "wb") as fh:
+                fh.write(encode_mp4(frames, fps))
+            return {"path": path, "kind": "video", "frames": len(frames), "fps": fps, "size": list(frames[0].size)}
         if path.lower().endswith(".gif"):
-            frames[0].save(path, save_all=True, append_images=frames[1:], duration=1000 // 16, loop=0)
-            return {"path": path, "kind": "video", "frames": len(frames), "size": list(frames[0].size)}
+            frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+            return {"path": path, "kind": "video", "frames": len(frames), "fps": fps, "size": list(frames[0].size)}
         frames[0].save(path)
         return {"path": path, "kind": "video (first frame)", "frames": len(frames), "size": list(frames[0].size)}
     image = _to_pil_list(result.images[:1])[0]
@@ -293,7 +319,8 @@ def format_report(report: dict, saved: dict, wall_s: float) -> str:
         ("total s", times.get("total")),
         ("peak GPU mem GiB", last.get("peak_gpu_mem_gib")),
         ("wall s (incl. load)", round(wall_s, 3)),
-        ("saved", f"{saved['path']} ({saved['kind']}, {saved['size'][0]}x{saved['size'][1]})"),
+        ("saved", f"{saved['path']} ({saved['kind']}, {saved['size'][0]}x{saved['size'][1]}"
+                  + (f", {saved['frames']} frames at {saved['fps']} fps" if "fps" in saved else "") + ")"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -327,6 +354,9 @@ def _generate(args: argparse.Namespace, t0: float) -> int:
     device = _resolve_device(args.device)
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     _check_sampling_args(args)
+    if args.fps is not None and args.fps < 1:
+        raise CliError(f"--fps {args.fps} is invalid: it must be a positive integer.")
+    output = args.output or ("out.mp4" if args.video else "out.png")
     config = _accel_config(args, device)  # AccelError on bad values, before any loading
     _check_attention_early(args.attention, device, dtype)
     pipe, defaults, source = _load_pipeline(args, device, dtype)
@@ -338,7 +368,7 @@ def _generate(args: argparse.Namespace, t0: float) -> int:
         result = pipe(**kwargs)
     if not is_main_process():  # every rank holds the same images; only rank 0 writes and reports
         return EXIT_OK
-    saved = save_output(result, args.output)
+    saved = save_output(result, output, args.fps or defaults.get("fps", DEFAULT_FPS))
     report = pipe.omni_accel.report()
     if args.report == "json":
         print(json.dumps({"saved": saved, **report}, separators=(",", ":"), default=str))

@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import AccelError
 
-CACHE_BACKENDS = ("tea_cache", "cache_dit", "fb_cache")
+CACHE_BACKENDS = ("tea_cache", "cache_dit", "fb_cache", "mag_cache")
 OFFLOAD_MODES = ("model", "block")
 QUANT_MODES = ("fp8", "fp8_weight_only")
 TEXT_ENCODER_ENGINES = ("vllm", "transformers")

@@ -60,6 +60,7 @@ class AccelState:
         self.last_call: CallStats | None = None
         self._current: CallStats | None = None
         self._call_start_hooks: list[Callable[[], None]] = []
+        self._call_end_hooks: list[Callable[[], None]] = []
         self._pipe_class_name = type(pipe).__name__
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
@@ -80,6 +81,16 @@ class AccelState:
     def on_call_start(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` at the start of every pipeline call (caches reset their state here)."""
         self._call_start_hooks.append(fn)
+
+    def on_call_end(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at the end of every pipeline call, also when the call raised (mag_cache reads its calibration
+        here)."""
+        self._call_end_hooks.append(fn)
+
+    def remove_call_hooks(self, *fns: Callable[[], None]) -> None:
+        """Forget call-start / call-end hooks (a pass's undo)."""
+        for hooks in (self._call_start_hooks, self._call_end_hooks):
+            hooks[:] = [h for h in hooks if h not in fns]
 
     def count(self, key: str, amount: int = 1) -> None:
         """Add to a per-call counter (e.g. "cache.computed"); a no-op outside a call."""
@@ -121,6 +132,8 @@ class AccelState:
         stats = self._current
         if stats is None:
             return
+        for fn in self._call_end_hooks:
+            fn()
         self.encode_watch.stop()
         self.decode_watch.stop()
         if self.device.type == "cuda":

@@ -38,7 +38,7 @@ def _fingerprint(pipe):
         (dict(sp=0), "sp=0 is invalid: sp must be a positive integer (1 turns it off)."),
         (dict(tp=-2), "tp=-2 is invalid: tp must be a positive integer (1 turns it off)."),
         (dict(cfg_parallel=1.5), "cfg_parallel=1.5 is invalid: cfg_parallel must be a positive integer (1 turns it off)."),
-        (dict(cache="teacache"), "cache='teacache' is not known. Use one of: 'tea_cache', 'cache_dit', 'fb_cache'."),
+        (dict(cache="teacache"), "cache='teacache' is not known. Use one of: 'tea_cache', 'cache_dit', 'fb_cache', 'mag_cache'."),
         (dict(offload="disk"), "offload='disk' is not known. Use one of: 'model', 'block'."),
         (dict(quant="int4"), "quant='int4' is not known. Use one of: 'fp8', 'fp8_weight_only'."),
         (dict(compile="fast"), "compile='fast' is not known. Use False, True (regional) or 'max'."),

@@ -6,24 +6,14 @@ Needs /usr/bin/chromium (Debian: apt-get install -y chromium) -- skipped only wh
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import stop_process_group
+from conftest import running_demo
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_backend_shows_accel_errors_and_computes_psnr():
@@ -54,9 +44,6 @@ def test_demo_in_headless_chromium(tmp_path):
 
     from omni_accel.testing import tiny_pipeline
 
-    port = _free_port()
-    log = open(tmp_path / "demo.log", "w+")
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
     builtin = os.path.join(ROOT, "omni_accel", "builtin", "model", "model_index.json")
     if os.path.exists(builtin):  # the built-in model draws real shapes: a meaningful screenshot
         model_args = ["--default-size", "128x128", "--default-steps", "8"]
@@ -64,23 +51,7 @@ def test_demo_in_headless_chromium(tmp_path):
         pipe, _ = tiny_pipeline("flux")
         pipe.save_pretrained(tmp_path / "tiny_flux")
         model_args = ["--model", str(tmp_path / "tiny_flux"), "--default-size", "96x64", "--default-steps", "4"]
-    proc = subprocess.Popen([sys.executable, "-m", "omni_accel", "demo", "--port", str(port), "--max-size", "256",
-                             *model_args], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                pytest.fail(f"demo exited {proc.returncode}: {(tmp_path / 'demo.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() - t0 < 120, "demo did not start in 120 s"
-            time.sleep(0.5)
+    with running_demo(tmp_path, "--max-size", "256", "--video-model", "none", *model_args) as url:
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
             page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -100,6 +71,3 @@ def test_demo_in_headless_chromium(tmp_path):
             os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
             page.screenshot(path=os.path.join(ROOT, "docs", "demo.png"), full_page=True)
             browser.close()
-    finally:
-        stop_process_group(proc, 15)
-        log.close()

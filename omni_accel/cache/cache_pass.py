@@ -6,12 +6,14 @@ from ..errors import AccelError
 from ..pass_base import AccelPass, PassContext
 from .base import CacheBackend
 from .cache_dit_backend import CacheDitBackend, FbCacheBackend
+from .mag_cache import MagCacheBackend
 from .tea_cache import TeaCacheBackend
 
 BACKENDS: dict[str, CacheBackend] = {
     "tea_cache": TeaCacheBackend(),
     "cache_dit": CacheDitBackend(),
     "fb_cache": FbCacheBackend(),
+    "mag_cache": MagCacheBackend(),
 }
 
 
