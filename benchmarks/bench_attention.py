@@ -62,7 +62,9 @@ T_START = time.perf_counter()
 
 # name -> (S, H, D), batch 1
 SHAPES: dict[str, tuple[int, int, int]] = {
+    "short": (256, 24, 128),
     "small": (1024, 24, 128),
+    "sd3": (4429, 24, 64),  # SD3.5 1024²: 4096 image + 333 text tokens, 24 heads x 64
     "flux": (4608, 24, 128),
     "qwen_image": (4352, 24, 128),
     "wan": (32760, 40, 128),
@@ -124,6 +126,28 @@ def _omni(mode: str, core_only: bool) -> Callable:
     return call
 
 
+def _cudnn_fp8(core_only: bool) -> Callable:
+    """cuDNN's FP8 SDPA (attention="fp8" on Hopper with nvidia-cudnn-frontend). ``core_only`` times the cuDNN call
+    alone on operands quantized once; the full call adds K smoothing, per-tensor e4m3 quantization (eager here,
+    fused into RMSNorm + RoPE under compile) and the output's dequantization."""
+    from omni_accel.kernels.cudnn_fp8_attention import cudnn_fp8_attention, cudnn_fp8_sdpa, quantize_operands
+
+    if not core_only:
+        return cudnn_fp8_attention
+    cache: dict = {}
+
+    def call(q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in cache:
+            cache.clear()
+            cache[key] = quantize_operands(q, k, v)
+        q8, k8, v8, dq, dk, dv = cache[key]
+        out8 = cudnn_fp8_sdpa(q8, k8, v8, dq, dk, dv, 1.0 / dv, q.shape[-1] ** -0.5)
+        return (out8.float() * dv).to(q.dtype)
+
+    return call
+
+
 def _first(out):
     # FA3's flash_attn_func returns (out, lse) in some releases, out alone in others
     return out[0] if isinstance(out, (tuple, list)) else out
@@ -159,6 +183,10 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         ("omni_fp8_core", "BSHD", lambda: _omni("fp8", True), "omni_accel fp8 attention: e4m3 QK and PV, kernel only",
          "triton"),
         ("omni_int8_core", "BSHD", lambda: _omni("int8", True), "omni_accel: int8 QK, bf16 PV, kernel only", "triton"),
+        ("omni_cudnn_fp8", "BSHD", lambda: _cudnn_fp8(False), "omni_accel fp8 attention on cuDNN's FP8 SDPA: "
+         "smoothed K, per-tensor e4m3 q/k/v, e4m3 out; incl. eager quantization", "cudnn"),
+        ("omni_cudnn_fp8_core", "BSHD", lambda: _cudnn_fp8(True), "same, cuDNN call + output dequantization only",
+         "cudnn"),
         ("flash_attn", "BSHD", _flash_attn, "flash-attn flash_attn_func", "flash_attn"),
         ("fa3", "BSHD", _fa3, "FlashAttention-3 flash_attn_func", "flash_attn_interface"),
     ]
@@ -457,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         shape_rows(name, table[name], kernels, args, device, dtype, on_row)
     result["total_s"] = round(time.perf_counter() - T_START, 1)
+    cudnn_fp8 = sys.modules.get("omni_accel.kernels.cudnn_fp8_attention")
+    if cudnn_fp8 is not None:  # shapes cuDNN refused ran in bf16 SDPA inside the op: their fp8 rows are not cuDNN's
+        result["cudnn_fp8_refused_shapes"] = cudnn_fp8.refused_shapes()
     write_result(args.out, result)
     print_table(result["rows"])
     try:

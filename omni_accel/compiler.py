@@ -2,9 +2,10 @@
 
 Why regional: the blocks of a DiT are one module repeated 20-60 times, so dynamo traces one graph per block type
 and reuses it for every instance -- a cold start of seconds instead of minutes, with nearly the speed of
-whole-model compile. ``compile="max"`` adds inductor's GEMM autotuning (max-autotune) and, on CUDA where the
-transformer forward is pure (no cache, offload or parallel pass inside it), a CUDA graph of the whole transformer
-forward per input signature (``cuda_graphs.py``).
+whole-model compile. ``compile="max"`` adds, on CUDA where the transformer forward is pure (no cache, offload or
+parallel pass inside it), a CUDA graph of the whole transformer forward per input signature (``cuda_graphs.py``).
+It used to add inductor's GEMM autotuning too (max-autotune): measured on an H200 at FLUX 1024², the autotuned
+Triton GEMMs lost to cuBLAS (136.6 vs 133.2 ms/step), so "max" now compiles like ``True`` and adds the graphs only.
 """
 
 from __future__ import annotations
@@ -24,14 +25,27 @@ logger = logging.getLogger(__name__)
 CUDA_GRAPHS_ENV = "OMNI_ACCEL_CUDA_GRAPHS"  # "0" turns compile="max"'s CUDA graphs off (A/B runs, debugging)
 
 
+# Inductor options of every compiled block on a GPU (torch.compile(..., options=...)), chosen by measurement
+# (benchmarks/bench_peers.py, docs/kernels.md): multi-kernel lets inductor keep a whole row in registers for row
+# reductions up to 16k wide (LayerNorm, RMSNorm, FP8 scales; the default stops at 1k and loops over the row) and
+# picks per kernel at run time -- 1.6-2.5 % per FLUX step on an H200 (bf16 and FP8), a few seconds more compile.
+# Coordinate-descent tuning was measured too and dropped: over 100 s of compile for FLUX.
+CUDA_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
+# Benchmarks' A/B rows set this; None = the defaults above.
+INDUCTOR_OPTIONS: dict | None = None
+
+
 def compile_options(mode: bool | str, device: torch.device) -> dict:
-    if mode == "max":
-        # No inductor CUDA graphs: every instance of a block type replays the *same* regional graph, whose static
-        # output buffer the next block's replay overwrites while the residual stream still holds it (measured on an
-        # H200, 2026-12-03: "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
-        # The graphs come from cuda_graphs.py instead, one over the whole transformer forward.
-        return {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
-    return {"dynamic": False}
+    """torch.compile arguments of a block, the same for True and "max". No inductor CUDA graphs ("reduce-overhead"):
+    every instance of a block type replays the *same* regional graph, whose static output buffer the next block's
+    replay overwrites while the residual stream still holds it (measured on an H200, 2026-12-03). "max" takes its
+    graphs from cuda_graphs.py instead, one over the whole transformer forward."""
+    extra = INDUCTOR_OPTIONS if INDUCTOR_OPTIONS is not None else (
+        CUDA_INDUCTOR_OPTIONS if device.type == "cuda" else {})
+    options = {"dynamic": False}
+    if extra:
+        options["options"] = dict(extra)
+    return options
 
 
 class CompilePass(AccelPass):

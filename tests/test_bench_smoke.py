@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,3 +111,28 @@ def test_graphs_check_runs_its_case_on_cpu_and_says_the_graphs_did_not_replay(ca
         check.main(["--cases", "flux,nope"])
     assert exc.value.code == 2
     assert "unknown cases ['nope']; choose from flux, flux_kontext," in capsys.readouterr().err
+
+
+def test_peers_bench_tiny_cpu_rows_summary_and_table(tmp_path, capsys, monkeypatch):
+    """bench_peers.py's GPU-run code on tiny models: one peer and one of ours per model, the ratio summary and the
+    README table from the result file; a row that cannot run here is listed as skipped with the reason."""
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "peers.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
+                       "diffusers_eager,ours_bf16,torchao_fp8_rowwise", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"diffusers_eager", "ours_bf16"} and not any("error" in r for r in rows.values())
+    assert rows["diffusers_eager"]["rel_err_vs_eager"] == 0.0 and rows["ours_bf16"]["rel_err_vs_eager"] < 1e-4
+    assert {"ms_per_step", "tflops", "first_call_s", "peak_mem_gib"} <= set(rows["ours_bf16"])
+    assert result["skipped"][0]["config"] == "torchao_fp8_rowwise"
+    summary = result["summary"]["flux"]
+    assert summary["ours_best_lossless"] == "ours_bf16"
+    assert summary["lossless_vs_diffusers_eager"] == round(rows["diffusers_eager"]["ms"] / rows["ours_bf16"]["ms"], 3)
+    capsys.readouterr()
+    assert bench.main(["--table-from", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| flux | ours_bf16 |" in table and "| flux | diffusers_eager |" in table

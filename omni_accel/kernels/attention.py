@@ -7,8 +7,10 @@ Two routes, by what the backend is:
 - Other kernels (flash-attn, FA3, Sage, flex, xformers) go through diffusers' dispatcher
   (``set_attention_backend``), so only families whose processors use the dispatcher can take them.
 
-Why cuDNN first on Hopper: measured at FLUX 1024² shapes on an H200, SDPA's cuDNN kernel runs at 637 TFLOP/s
-against 331 for FA2. (torch 2.11 already prefers cuDNN there; ``auto`` pins it so older torch builds get it too.)
+``attention="auto"`` follows ``AUTO_TABLE`` (device, capability, dtype, compiled or not, head dim, FP8 stack ->
+backend), whose rows come from measurements (docs/kernels.md): in eager mode it patches nothing, so the plain
+pipeline's own kernel runs; compiled on Hopper in 16-bit it pins cuDNN SDPA (637 vs 331 TFLOP/s for FA2 at FLUX
+shapes on an H200); with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention.
 """
 
 from __future__ import annotations
@@ -74,21 +76,71 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return [b.name for b in BACKENDS.values() if _installed(b.package) and runs_here(b)]
 
 
-def _cudnn_sdpa_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    major, _ = torch.cuda.get_device_capability(device)
-    return major >= 9 and torch.backends.cudnn.is_available()
+@dataclass(frozen=True)
+class AutoRule:
+    """One row of ``attention="auto"``'s decision table: the first row that matches a pipeline decides."""
+
+    device: str  # "cuda" or "cpu"
+    min_capability: tuple[int, int] | None  # CUDA compute capability this row needs, None = any
+    dtypes: tuple[torch.dtype, ...] | None  # None = any
+    compiled: bool | None  # whether the blocks are compiled (compile=True/"max"); None = either
+    max_head_dim: int | None  # None = any
+    fp8_stack: bool | None  # quant="fp8" (lossy stack); None = either
+    backend: str
+    why: str
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
+_HALF = (torch.bfloat16, torch.float16)
+# Measured on an H200 (torch 2.11): benchmarks/bench_attention.py rows in docs/kernels.md, "attention='auto'".
+AUTO_TABLE: tuple[AutoRule, ...] = (
+    AutoRule("cuda", (9, 0), _HALF, True, 128, True, "fp8",
+             "FP8 stack on Hopper with cuDNN's FP8 SDPA: e4m3 attention (lossy, like the FP8 linears it joins)"),
+    AutoRule("cuda", (9, 0), _HALF, True, 128, None, "cudnn",
+             "compiled, Hopper+, 16-bit, head dim <= 128: cuDNN SDPA is the fastest measured kernel"),
+    AutoRule("cuda", None, None, False, None, None, "sdpa",
+             "eager: PyTorch's own SDPA choice, exactly the plain pipeline's kernel (never slower than not "
+             "calling accelerate)"),
+    AutoRule("cuda", None, None, None, None, None, "sdpa", "no measured winner here: PyTorch's own SDPA choice"),
+    AutoRule("cpu", None, None, None, None, None, "sdpa", "CPU: PyTorch SDPA (the only CPU kernels)"),
+)
+
+
+def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_dim: int | None = None,
+                fp8_stack: bool = False, capability: tuple[int, int] | None = None) -> AutoRule:
+    """The rule ``attention="auto"`` follows here. ``capability`` defaults to the device's (tests fake it)."""
+    if device.type == "cuda" and capability is None and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+    for rule in AUTO_TABLE:
+        if rule.device != device.type:
+            continue
+        if rule.min_capability is not None and (capability is None or capability < rule.min_capability):
+            continue
+        if rule.dtypes is not None and dtype not in rule.dtypes:
+            continue
+        if rule.compiled is not None and rule.compiled != compiled:
+            continue
+        if rule.max_head_dim is not None and (head_dim is None or head_dim > rule.max_head_dim):
+            continue
+        if rule.fp8_stack is not None and rule.fp8_stack != fp8_stack:
+            continue
+        if rule.backend == "fp8" and _fp8_stack_attention_refusal(device) is not None:
+            continue
+        return rule
+    return AutoRule(device.type, None, None, None, None, None, "sdpa", "no rule for this device type")
+
+
+def _fp8_stack_attention_refusal(device: torch.device) -> str | None:
+    """auto picks FP8 attention for the FP8 stack only on cuDNN's FP8 SDPA (the Triton kernel measured slower)."""
+    from .cudnn_fp8_attention import unavailable_reason
+
+    return unavailable_reason(device)
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, compiled: bool = False,
+                    head_dim: int | None = None, fp8_stack: bool = False) -> Backend:
     """Turn a user's name (or ``auto``) into a backend that runs here; raise AccelError with the choices."""
     if name == "auto":
-        if _installed("flash_attn_interface") and device.type == "cuda" and dtype != torch.float32:
-            return BACKENDS["fa3"]
-        if _cudnn_sdpa_usable(device, dtype):
-            return BACKENDS["cudnn"]
-        return BACKENDS["sdpa"]
+        return BACKENDS[choose_auto(device, dtype, compiled, head_dim, fp8_stack).backend]
     key = ALIASES.get(name, name)
     if key not in BACKENDS:
         raise AccelError(
@@ -150,6 +202,23 @@ class _SdpaKernelHook(ModelHook):
             return self.fn_ref.original_forward(*args, **kwargs)
 
 
+def _fp8_stack(ctx: PassContext) -> bool:
+    """Whether auto may take FP8 attention: the lossy FP8 stack, on a family whose attention goes through
+    diffusers' dispatcher (where the FP8 route hooks in), without sequence parallelism (its own attention path)."""
+    return (ctx.config.quant == "fp8" and ctx.adapter.attention_via_dispatcher
+            and ctx.config.sequence_degree == 1)
+
+
+def _head_dim(transformer) -> int | None:
+    """The attention head size from the transformer's config (diffusers' DiTs name it attention_head_dim, or
+    give dim and n_heads)."""
+    config = getattr(transformer, "config", {}) or {}
+    if config.get("attention_head_dim"):
+        return int(config["attention_head_dim"])
+    dim, heads = config.get("dim"), config.get("n_heads") or config.get("num_attention_heads")
+    return int(dim) // int(heads) if dim and heads else None
+
+
 def _attention_processors(transformer) -> list:
     return [m.processor for m in transformer.modules() if hasattr(m, "processor") and m.processor is not None]
 
@@ -162,7 +231,8 @@ class AttentionPass(AccelPass):
 
     def _plan(self, ctx: PassContext) -> Backend:
         dtype = ctx.pipe.transformer.dtype
-        backend = resolve_backend(ctx.config.attention, ctx.device, dtype)
+        backend = resolve_backend(ctx.config.attention, ctx.device, dtype, compiled=bool(ctx.config.compile),
+                                  head_dim=_head_dim(ctx.pipe.transformer), fp8_stack=_fp8_stack(ctx))
         if not ctx.adapter.attention_via_dispatcher and backend.sdpa is None and backend.name != "sdpa":
             # only SDPA kernels reach processors that call F.scaled_dot_product_attention themselves
             usable = [b.name for b in BACKENDS.values() if b.sdpa is not None or b.name == "sdpa"]
@@ -186,9 +256,13 @@ class AttentionPass(AccelPass):
             if backend.name == "sdpa":
                 undo = lambda: None  # noqa: E731 -- default path: nothing to patch
             elif backend.name == "fp8":
-                from .fp8_attention import route_transformer
+                from .fp8_attention import implementation_for, route_transformer
 
-                undo = route_transformer(transformer)
+                implementation = implementation_for(ctx.device)
+                undo = route_transformer(transformer, implementation)
+                ctx.state.record("attention", undo, component=name, backend="fp8", implementation=implementation,
+                                 requested=ctx.config.attention)
+                continue
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
             else:

@@ -9,10 +9,17 @@ Two modes share one module, ``Fp8Linear``:
 - ``weight_only``: the e4m3 weight is dequantized on the fly and multiplied in the activation dtype. It halves the
   weight memory of a bf16 model and runs on any device; it is not faster.
 
-Why per-channel / per-token scales rather than one scale per tensor: DiT activations have outlier tokens
-(the text tokens of joint attention, a few large channels after AdaLN), and one per-tensor scale spends the 3
-mantissa bits of e4m3 on them. Row-wise scales cost one extra reduction per linear, which torch.compile fuses
-into the producer.
+Activation scales, two ways (``quant_config={"activations": ...}``):
+
+- ``"dynamic"`` (default): one scale per token, computed at run time. Robust to any activation range; the price is
+  a reduction over every row before the cast, which torch.compile fuses into the op that produces the activation
+  but which still reads the row twice.
+- ``"static"``: one scale per layer, calibrated on real calls (the first pipeline call observes each layer's
+  largest |x|, the next one freezes the scales; or loaded from a file). The cast is then a pure elementwise
+  epilogue that inductor folds into the producer (LayerNorm + modulate, GELU), which writes one byte per value
+  instead of two and no reduction runs. e4m3 is a floating-point format (3 mantissa bits, exponents over ~2^15),
+  so one scale per tensor costs precision only to values 2^15 below the calibrated maximum; the calibrated
+  maximum is doubled (``STATIC_MARGIN``) so that a later step's slightly larger activations are not clipped.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ FP8_ALIGN = 16
 _MIN_AMAX = 1e-12  # an all-zero row would otherwise get scale 0 and divide by it
 
 Fp8Mode = Literal["w8a8", "weight_only"]
+ActivationMode = Literal["dynamic", "observing", "static"]
+# Static scales map twice the calibrated max |x| to 448: headroom for later steps, free in a floating-point format.
+STATIC_MARGIN = 2.0
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +72,13 @@ def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = amax / FP8_MAX
     x_fp8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x_fp8, scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor with one fixed scale (0-d fp32 tensor): pure elementwise, so inductor fuses it into
+    the producer of ``x``. Returns the row-wise scale layout ``_scaled_mm`` takes, (rows, 1), every row equal."""
+    x_fp8 = (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_fp8, scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
 
 
 def dequantize_rows(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,13 +129,39 @@ class Fp8Linear(torch.nn.Module):
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.weight_rel_err = _rel_err(dequantize_rows(w_fp8, w_scale, torch.float32), weight.float())
+        # activation scales: "dynamic" per token; "observing" = dynamic while recording the largest |x| seen;
+        # "static" = one calibrated scale (input_scale)
+        self.activations: ActivationMode = "dynamic"
+        device = weight.device
+        self.register_buffer("observed_amax", torch.zeros((), dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         # Set by the quant pass when the user asked for a measured output error: the layer's original weight
         # (host copy on GPUs) is used once, on the first forward, then dropped.
         self.reference_weight: torch.Tensor | None = None
         self.output_rel_err: float | None = None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
+                f"activations={self.activations}")
+
+    def observe(self) -> None:
+        """Start recording the largest |input| (dynamic quantization meanwhile); ``freeze`` turns it into the
+        static scale."""
+        self.observed_amax.zero_()
+        self.activations = "observing"
+
+    def freeze(self) -> float:
+        """Static scale from what was observed; returns the observed max |x| (0 if the layer never ran)."""
+        amax = float(self.observed_amax)
+        if amax > 0:
+            self.set_static_scale(amax * STATIC_MARGIN / FP8_MAX)
+        else:  # never called while observing (e.g. a branch not taken): keep per-token scales for it
+            self.activations = "dynamic"
+        return amax
+
+    def set_static_scale(self, scale: float) -> None:
+        self.input_scale.fill_(max(float(scale), _MIN_AMAX))
+        self.activations = "static"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -135,7 +178,13 @@ class Fp8Linear(torch.nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        x_fp8, x_scale = quantize_rows(x2)
+        if self.activations == "static":
+            x_fp8, x_scale = quantize_static(x2, self.input_scale)
+        else:
+            x_fp8, x_scale = quantize_rows(x2)
+            if self.activations == "observing":
+                # x_scale = row amax / 448, so its max is the tensor's max |x| / 448
+                self.observed_amax.copy_(torch.maximum(self.observed_amax, x_scale.amax() * FP8_MAX))
         # cuBLASLt's row-wise-scaled FP8 GEMM writes bf16; fp32 callers (CPU tests) get the result cast back.
         out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         y = torch._scaled_mm(

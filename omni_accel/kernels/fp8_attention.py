@@ -1,9 +1,15 @@
-"""FP8 attention (``attention="fp8"``, lossy): both attention GEMMs with 8-bit operands on Hopper, in a Triton kernel.
+"""FP8 attention (``attention="fp8"``, lossy): both attention GEMMs with 8-bit operands.
 
 Why: with FP8 linears the FLUX step's largest bf16 piece is attention (23-25 ms of 107 on an H200, cuDNN at
-~640 TFLOP/s), and no FP8 attention ships with torch or installs on the GPU machine (FA3 cannot be built there).
+~640 TFLOP/s), and at Wan's 32k-token video shapes attention is over half of the FLOPs.
 
-How it is split, and why:
+Two implementations behind the same routing, chosen per transformer when the pass is applied:
+- ``cudnn``: cuDNN's fused FP8 SDPA through NVIDIA's cudnn-frontend package (``cudnn_fp8_attention.py``), on
+  Hopper and newer when the package is installed -- the fast one;
+- ``triton``: omni_accel's own Triton kernel (below), everywhere else Triton runs (and in Triton's interpreter, which
+  is how CI tests the routing).
+
+The Triton implementation, and why it is split as it is:
 - Quantization is plain torch (``quantize_qkv``), so under ``compile=True`` inductor fuses it into the kernel that
   already writes q / k (RMSNorm + RoPE). By default (``MODES``) Q and K become int8 with a scale per token and V
   e4m3 with a scale per (batch, head). K is "smoothed" first (its mean over the tokens subtracted, as SageAttention
@@ -123,27 +129,53 @@ def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             and query.dtype.is_floating_point)
 
 
+IMPLEMENTATIONS = ("cudnn", "triton")
+
+
+def implementation_for(device: torch.device) -> str:
+    """cuDNN's FP8 SDPA where it runs (Hopper+, package installed), else the Triton kernel."""
+    from .cudnn_fp8_attention import unavailable_reason
+
+    return "cudnn" if unavailable_reason(device) is None and not _INTERPRETED else "triton"
+
+
 class _Route:
-    """How many FP8-routed transformer forwards are running (nesting-safe). No per-call counters here: compiled
-    blocks read this class, and dynamo would guard on (and recompile for) every counter value."""
+    """How many FP8-routed transformer forwards are running (nesting-safe), and the implementation of the
+    innermost one. No per-call counters here: compiled blocks read this class, and dynamo would guard on (and
+    recompile for) every counter value."""
 
     depth = 0
+    implementation = "triton"
 
 
 class _RouteHook(ModelHook):
+    def __init__(self, implementation: str):
+        super().__init__()
+        self.implementation = implementation
+
     def new_forward(self, module, *args, **kwargs):
         _Route.depth += 1
+        outer, _Route.implementation = _Route.implementation, self.implementation
         try:
             return self.fn_ref.original_forward(*args, **kwargs)
         finally:
             _Route.depth -= 1
+            _Route.implementation = outer
+
+
+def _routed_attention(query, key, value, scale):
+    if _Route.implementation == "cudnn":
+        from .cudnn_fp8_attention import cudnn_fp8_attention
+
+        return cudnn_fp8_attention(query, key, value, scale)
+    return fp8_attention(query, key, value, scale)
 
 
 def _make_dispatch(original: Callable) -> Callable:
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         if _Route.depth and fp8_eligible(query, key, value, attn_mask, dropout_p, is_causal):
-            return fp8_attention(query, key, value, scale)
+            return _routed_attention(query, key, value, scale)
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                         parallel_config=parallel_config)
@@ -155,11 +187,11 @@ def _make_dispatch(original: Callable) -> Callable:
 _ROUTED: dict[str, list] = {}  # module name -> [original dispatch_attention_fn, transformers routed through it]
 
 
-def route_transformer(transformer: torch.nn.Module) -> Callable[[], None]:
+def route_transformer(transformer: torch.nn.Module, implementation: str = "triton") -> Callable[[], None]:
     """Send ``transformer``'s eligible attention calls to the FP8 kernel; return the undo. The module globals are
     shared by every pipeline of the family in the process, so they are swapped once and put back with the last
     routed transformer's undo."""
-    undos = [add_hook(transformer, "fp8_attention", _RouteHook())]
+    undos = [add_hook(transformer, "fp8_attention", _RouteHook(implementation))]
     modules = {type(transformer).__module__}
     modules |= {type(m.processor).__module__ for m in transformer.modules() if getattr(m, "processor", None)}
     for name in sorted(modules):

@@ -1,0 +1,585 @@
+"""omni_accel against what users already have, one process, one GPU: diffusers eager, diffusers' best lossless recipe,
+whole-model torch.compile, the torchao FP8 per-row path, and omni_accel's bf16 and FP8 stacks.
+
+    # one H200: FLUX.1-dev-shaped 1024², then Wan-2.1-14B-shaped 480x832x81 frames, then Qwen-Image 1024²
+    python benchmarks/bench_peers.py --models flux --out benchmarks/results/bench_peers_h200_flux.json --profile \
+        --log-clocks
+    python benchmarks/bench_peers.py --models wan81,qwen_image --out benchmarks/results/bench_peers_h200_wan.json
+    # the same code on tiny random models on the CPU (seconds; what tests/test_bench_smoke.py runs)
+    python benchmarks/bench_peers.py --device cpu --tiny --configs diffusers_eager,ours_bf16 --out /tmp/peers.json
+    # the README table from a result file
+    python benchmarks/bench_peers.py --table-from benchmarks/results/bench_peers_h200_flux.json
+
+Every model is a full-size random-weight bf16 transformer built from its config on the GPU (speed does not depend on
+the weights' values) inside a real diffusers pipeline object, so ``omni_accel.accelerate`` / ``restore`` run
+unchanged; forwards are timed on ``pipe.transformer`` with the same inputs for every config. Configs:
+
+- ``diffusers_eager``: the plain transformer (PyTorch's own SDPA choice);
+- ``diffusers_best``: diffusers' documented fastest lossless recipe, ``set_attention_backend("_native_cudnn")`` +
+  ``compile_repeated_blocks(fullgraph=True)``;
+- ``torch_compile``: ``torch.compile`` of the whole transformer (default mode);
+- ``torchao_fp8_rowwise``: torchao ``quantize_(Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``
+  + the cuDNN backend + ``compile_repeated_blocks(fullgraph=True)`` (what diffusers' TorchAoConfig and cache-dit's
+  float8_per_row quantization do). It changes the weights in place, so it runs last for its model;
+- ``ours_*``: ``omni_accel.accelerate`` configs (``OURS`` below), restored between rows.
+
+Per row: median / min ms per forward over ``--iters`` forwards (CUDA events) after warm-up, ms per denoising step,
+TFLOP/s from analytic FLOPs, first-call seconds (compile, autotune, graph capture, calibration), peak GPU memory
+over the timed forwards, relative L2 error of the output against diffusers eager (bf16), mean SM clock and board
+power over the timed forwards (``--log-clocks``), and with ``--profile`` the GPU kernel time of one forward by kind
+(GEMM / attention / quantization / other fused / elementwise) plus the idle time (event time minus kernel time).
+The JSON is rewritten after every row; rows that would start after ``--time-budget`` seconds are listed as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_transformer import (  # noqa: E402
+    ClockLog,
+    analytic_flops,
+    build_pipeline,
+    build_transformer,
+    ensure_adapters,
+    first_tensor,
+    flux_spec,
+    log,
+    make_inputs,
+    measure_gemm_tflops,
+    qwen_spec,
+    sync,
+    time_forwards,
+    wan_spec,
+)
+from benchmarks.timing import sample_ms, write_result  # noqa: E402
+
+
+def wan81_spec(tiny: bool) -> dict:
+    """Wan-2.1-14B-shaped at 480x832 with 81 frames -> 21 latent frames, 32,760 video tokens: the shape Wan users
+    run (the 21-frame spec of bench_transformer.py is a quarter of the tokens and a sixteenth of the attention)."""
+    spec = wan_spec(tiny)
+    if tiny:
+        return {**spec, "model": "wan81"}
+    lat_f, lat_h, lat_w = 21, 60, 104
+    n_img = lat_f * (lat_h // 2) * (lat_w // 2)
+    return {**spec, "model": "wan81", "lat": (lat_f, lat_h, lat_w), "n_img": n_img,
+            "shape": f"480x832x81f: 81 frames -> 21 latent frames, {n_img} video + {spec['n_txt']} txt tokens, "
+                     "batch 1, CFG (2 forwards/step)"}
+
+
+SPECS = {"flux": flux_spec, "wan81": wan81_spec, "qwen_image": qwen_spec}
+FUSE_QKV_FAMILIES = ("flux", "wan81")  # diffusers' fuse_projections() exists for these processors
+
+
+# ------------------------------------------------------------------------------------------------ configs
+@dataclass
+class Row:
+    """How to set a config up on (pipe, transformer); ``setup`` returns (forward fn, undo)."""
+
+    name: str
+    setup: Callable
+    lossless: bool
+    destructive: bool = False  # changes the weights in place: runs last for its model
+    needs: tuple[str, ...] = ()  # importable packages
+    cuda_only: bool = False
+    note: str = ""
+    calibrates: bool = False  # one observing forward before timing (static FP8 scales)
+    # compiler.INDUCTOR_OPTIONS for this row: {} = none (the rows measured so far), _MK = multi-kernel (the library's
+    # GPU default since those measurements), None = whatever the library's default is
+    inductor: dict | None = field(default_factory=dict)
+
+
+def _plain(pipe, transformer, inputs, model):
+    return (lambda: transformer(**inputs)), (lambda: None)
+
+
+def _reset_compiled(module: torch.nn.Module) -> None:
+    for m in module.modules():
+        m._compiled_call_impl = None  # what nn.Module.compile() set
+
+
+def _cudnn_backend(transformer) -> Callable[[], None]:
+    """diffusers' set_attention_backend("_native_cudnn") ("native" on the CPU smoke test: cuDNN is CUDA-only); the
+    undo also puts the registry's global active backend back (reset_attention_backend leaves it changed, which
+    would leak into the next rows)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    previous = _AttentionBackendRegistry._active_backend
+    transformer.set_attention_backend("_native_cudnn" if transformer.device.type == "cuda" else "native")
+
+    def undo() -> None:
+        transformer.reset_attention_backend()
+        _AttentionBackendRegistry._active_backend = previous
+
+    return undo
+
+
+def _cudnn_regional_compile(transformer, inputs):
+    """diffusers' recipe: the cuDNN attention backend + compile_repeated_blocks(fullgraph=True)."""
+    undo_backend = _cudnn_backend(transformer)
+    transformer.compile_repeated_blocks(fullgraph=True)
+
+    def undo():
+        _reset_compiled(transformer)
+        undo_backend()
+
+    return (lambda: transformer(**inputs)), undo
+
+
+def _diffusers_best(pipe, transformer, inputs, model):
+    return _cudnn_regional_compile(transformer, inputs)
+
+
+def _torch_compile(pipe, transformer, inputs, model):
+    compiled = torch.compile(transformer)
+    return (lambda: compiled(**inputs)), (lambda: None)
+
+
+def _torchao_fp8(pipe, transformer, inputs, model):
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return _cudnn_regional_compile(transformer, inputs)
+
+
+def _ours(**knobs):
+    def setup(pipe, transformer, inputs, model):
+        import omni_accel
+
+        kwargs = dict(knobs)
+        if kwargs.pop("fuse_if_supported", False) and model in FUSE_QKV_FAMILIES:
+            kwargs["fuse_qkv"] = True
+        if kwargs.get("attention") == "cudnn" and transformer.device.type != "cuda":
+            kwargs["attention"] = "sdpa"  # the CPU smoke test: cuDNN is CUDA-only
+        omni_accel.accelerate(pipe, **kwargs)
+        return (lambda: pipe.transformer(**inputs)), (lambda: omni_accel.restore(pipe))
+
+    return setup
+
+
+_STATIC = {"activations": "static"}
+_MK = {"triton.multi_kernel": 1}
+_MK_CD = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
+ROWS: dict[str, Row] = {r.name: r for r in (
+    Row("diffusers_eager", _plain, True, note="plain diffusers, PyTorch's own SDPA choice"),
+    Row("diffusers_best", _diffusers_best, True, note="set_attention_backend('_native_cudnn') + "
+        "compile_repeated_blocks(fullgraph=True)"),
+    Row("ours_bf16", _ours(attention="auto", compile=True), True, note="accelerate(compile=True)"),
+    Row("ours_bf16_mk", _ours(attention="auto", compile=True), True, inductor=_MK,
+        note="accelerate(compile=True), inductor multi-kernel (persistent row reductions up to 16k)"),
+    Row("ours_bf16_graphs", _ours(attention="auto", compile="max"), True,
+        note="accelerate(compile='max'): regional compile + CUDA graph of the whole forward"),
+    Row("ours_fp8_dynamic", _ours(attention="cudnn", quant="fp8", fuse_if_supported=True, compile=True), False,
+        note="quant='fp8' (per-token activation scales), fuse_qkv, bf16 cuDNN attention, compile"),
+    Row("ours_fp8_static", _ours(attention="cudnn", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+                                 compile=True), False, calibrates=True,
+        note="quant='fp8' with static (calibrated) activation scales, fuse_qkv, bf16 cuDNN attention, compile"),
+    Row("ours_fp8_static_mk", _ours(attention="cudnn", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+                                    compile=True), False, calibrates=True, inductor=_MK,
+        note="ours_fp8_static with inductor multi-kernel"),
+    Row("ours_fp8_fp8attn", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+                                  compile=True), False, calibrates=True,
+        note="static FP8 linears + FP8 attention (cuDNN FP8 SDPA on Hopper), compile"),
+    Row("ours_fp8_full", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+                               compile="max"), False, calibrates=True,
+        note="ours_fp8_fp8attn + CUDA graph of the whole forward (compile='max')"),
+    Row("ours_fp8_fp8attn_mk", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+                                     compile=True), False, calibrates=True, inductor=_MK,
+        note="ours_fp8_fp8attn with inductor multi-kernel"),
+    Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+                                        compile=True), False, calibrates=True, inductor=_MK_CD,
+        note="ours_fp8_fp8attn with inductor multi-kernel and coordinate-descent tuning of its kernels"),
+    Row("ours_bf16_mk_cd", _ours(attention="auto", compile=True), True, inductor=_MK_CD,
+        note="accelerate(compile=True), inductor multi-kernel and coordinate-descent tuning"),
+    Row("ours_fp8_dynamic_fp8attn", _ours(attention="fp8", quant="fp8", fuse_if_supported=True, compile=True), False,
+        note="per-token FP8 linears + FP8 attention, compile"),
+    Row("torch_compile", _torch_compile, True, note="torch.compile(transformer), whole model, default mode"),
+    Row("torchao_fp8_rowwise", _torchao_fp8, False, destructive=True, needs=("torchao",), cuda_only=True,
+        note="torchao Float8DynamicActivationFloat8WeightConfig(PerRow) + cuDNN + compile_repeated_blocks"),
+)}
+DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
+                   "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk", "ours_fp8_static_mk",
+                   "torchao_fp8_rowwise", "torch_compile"]
+
+
+def skip_reason(row: Row, device: torch.device, model: str) -> str | None:
+    missing = [p for p in row.needs if importlib.util.find_spec(p) is None]
+    if missing:
+        return f"needs {', '.join(missing)}"
+    if row.cuda_only and device.type != "cuda":
+        return "needs CUDA"
+    if "fp8attn" in row.name or row.name == "ours_fp8_full":
+        if device.type != "cuda":
+            return "FP8 attention needs CUDA"
+    return None
+
+
+# -------------------------------------------------------------------------------------- kernel attribution
+KINDS = ("gemm", "attention", "quantization", "other fused", "elementwise")
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if n.startswith("triton"):
+        # inductor names fused kernels after the ops they contain: a max of |x| (dynamic scales) or a scaled,
+        # clamped cast (the e4m3 cast of a quantization) marks activation quantization, fused into whatever
+        # produced the activation (norm, GELU, RoPE); kernels that feed _scaled_mm carry its name too
+        if "amax" in n or ("clamp" in n and "_to_copy" in n and ("reciprocal" in n or "div" in n)):
+            return "quantization"
+        return "other fused"
+    if any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn", "cudnn")):
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "matmul", "gemv", "scaled_mm", "wgmma")):
+        return "gemm"
+    return "elementwise"
+
+
+def profile_forward(fn, device: torch.device, top: int = 15) -> dict:
+    """Kernel time of one forward by kind, and idle = the forward's event time minus the sum of its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+    kernels = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        if us > 0:
+            kernels.append((evt.key, us / 1e3, evt.count))
+    kernels.sort(key=lambda k: -k[1])
+    by_kind = {k: 0.0 for k in KINDS}
+    for name, ms, _ in kernels:
+        by_kind[kernel_kind(name)] += ms
+    busy = sum(ms for _, ms, _ in kernels)
+    event_ms = start.elapsed_time(end)
+    return {"by_kind_ms": {k: round(v, 3) for k, v in by_kind.items()}, "kernel_ms": round(busy, 3),
+            "event_ms": round(event_ms, 3), "idle_ms": round(max(0.0, event_ms - busy), 3),
+            "top": [{"kernel": n[:140], "ms": round(ms, 3), "calls": c, "kind": kernel_kind(n)}
+                    for n, ms, c in kernels[:top]]}
+
+
+# ------------------------------------------------------------------------------------------------- running
+class DeadlinePassed(BaseException):
+    """Raised by SIGALRM at ``--deadline``: a BaseException, so that no library's ``except Exception`` swallows it
+    while a long compile is interrupted."""
+
+
+def arm_deadline(seconds_from_now: float) -> None:
+    import signal
+
+    def fire(_sig, _frame):
+        raise DeadlinePassed("the run's deadline passed during this row")
+
+    signal.signal(signal.SIGALRM, fire)
+    signal.alarm(max(1, int(seconds_from_now)))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks, flops) -> dict:
+    import omni_accel
+    from omni_accel import compiler
+    from omni_accel.kernels import quant
+
+    result = {"model": spec["model"], "config": row.name, "note": row.note, "lossless": row.lossless,
+              "inductor_options": row.inductor}
+    saved_options = compiler.INDUCTOR_OPTIONS
+    compiler.INDUCTOR_OPTIONS = row.inductor
+    undo = lambda: None  # noqa: E731
+    try:
+        t0 = time.perf_counter()
+        fn, undo = row.setup(pipe, pipe.transformer, inputs, spec["model"])
+        calibration_s = 0.0
+        if row.calibrates:
+            with torch.no_grad():
+                fn()  # observes each FP8 layer's max |x| (and compiles the observing graph)
+            sync(device)
+            quant.freeze_activation_scales(pipe)
+            calibration_s = time.perf_counter() - t0
+
+        def forward():
+            with torch.no_grad():
+                return fn()
+
+        timing = time_forwards(forward, device, args.iters, args.warmup, on_warm=clocks.mark)
+        clock = clocks.since_mark()
+        ms = timing["ms"]
+        result.update(
+            ms=round(ms, 3), ms_min=round(timing["ms_min"], 3), ms_max=round(timing["ms_max"], 3),
+            ms_per_step=round(ms * spec["forwards_per_step"], 3),
+            tflops=round(flops["total"] / (ms / 1e3) / 1e12, 1),
+            first_call_s=round(calibration_s + timing["cold_start_s"], 2), calibration_s=round(calibration_s, 2),
+            peak_mem_gib=timing["peak_mem_gib"] and round(timing["peak_mem_gib"], 3),
+            rel_err_vs_eager=round(rel_err(first_tensor(timing["out"]), reference), 5), **clock)
+        if clock.get("power_w"):
+            result["energy_j_per_forward"] = round(clock["power_w"] * ms / 1e3, 2)
+        if "omni_accel" in vars(pipe):
+            report = pipe.omni_accel.report()
+            result["applied"] = [{k: v for k, v in a.items() if k not in ("weight_rel_err", "skipped")}
+                                 for a in report["applied"]]
+            if "fp8_activations" in report:
+                result["fp8_activations"] = report["fp8_activations"]
+        if args.profile and device.type == "cuda":
+            result["profile"] = profile_forward(forward, device)
+    except Exception as exc:  # noqa: BLE001 -- one failing config costs its row only
+        traceback.print_exc()
+        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    except DeadlinePassed as exc:
+        result["error"] = f"DeadlinePassed: {exc} ({time.perf_counter() - t0:.0f} s into the row)"
+        result["deadline_passed"] = True
+    finally:
+        try:
+            undo()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        if "omni_accel" in vars(pipe):
+            omni_accel.restore(pipe)
+        compiler.INDUCTOR_OPTIONS = saved_options
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def ordered(names: list[str]) -> list[str]:
+    """Destructive rows (weights changed in place) after every other row of the model."""
+    return [n for n in names if not ROWS[n].destructive] + [n for n in names if ROWS[n].destructive]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Speed-up ratios per model: ours' best lossless vs diffusers' best, ours' best FP8 vs torchao and vs
+    diffusers' best, each from rows of the same run."""
+    out = {}
+    for model in sorted({r["model"] for r in rows}):
+        ok = {r["config"]: r for r in rows if r["model"] == model and "ms" in r}
+
+        def best(prefix: str, lossless: bool):
+            cands = [r for n, r in ok.items() if n.startswith(prefix) and r["lossless"] == lossless]
+            return min(cands, key=lambda r: r["ms"], default=None)
+
+        ours_bf16, ours_fp8 = best("ours", True), best("ours", False)
+        entry = {"ours_best_lossless": ours_bf16 and ours_bf16["config"],
+                 "ours_best_fp8": ours_fp8 and ours_fp8["config"]}
+        for label, mine, peer in (("lossless_vs_diffusers_best", ours_bf16, "diffusers_best"),
+                                  ("fp8_vs_torchao", ours_fp8, "torchao_fp8_rowwise"),
+                                  ("fp8_vs_diffusers_best", ours_fp8, "diffusers_best"),
+                                  ("lossless_vs_diffusers_eager", ours_bf16, "diffusers_eager")):
+            if mine and peer in ok:
+                entry[label] = round(ok[peer]["ms"] / mine["ms"], 3)
+        out[model] = entry
+    return out
+
+
+# ------------------------------------------------------------------------------------------ table and plot
+def markdown_table(result: dict) -> str:
+    """One row per config: ms per step, the speed-up over diffusers' best recipe of the same run, and the rest."""
+    lines = ["| model | config | ms/step | × diffusers best | TFLOP/s | rel. err vs eager | first call s | peak GiB "
+             "| SM MHz | W |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    best = {r["model"]: r["ms"] for r in result["rows"] if r["config"] == "diffusers_best" and "ms" in r}
+    for r in result["rows"]:
+        if "ms" not in r:
+            lines.append(f"| {r['model']} | {r['config']} | {r.get('error', '')[:60]} | | | | | | | |")
+            continue
+        ratio = f"{best[r['model']] / r['ms']:.2f}" if r["model"] in best else ""
+        lines.append(f"| {r['model']} | {r['config']} | {r['ms_per_step']:.1f} | {ratio} | {r['tflops']:.0f} | "
+                     f"{r['rel_err_vs_eager']:.4f} | {r['first_call_s']:.1f} | {r.get('peak_mem_gib') or ''} | "
+                     f"{r.get('sm_clock_mhz', '')} | {r.get('power_w', '')} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in result["rows"] if "ms" in r})
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in result["rows"] if r["model"] == model and "ms" in r]
+        names = [r["config"] for r in rows]
+        values = [r["ms_per_step"] for r in rows]
+        colors = ["#4c72b0" if n.startswith("ours") else "#999999" for n in names]
+        ax.barh(names, values, color=colors)
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.1f}", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per denoising step (lower is better)")
+        ax.set_title(f"{model}: {result['specs'][model]['shape']}"[:80], fontsize=9)
+    fig.suptitle(f"{result['env']['gpu']}, torch {result['env']['torch']}: omni_accel (blue) vs peers (grey)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny random models (CPU smoke test)")
+    ap.add_argument("--models", default="flux", help=f"comma list: {','.join(SPECS)}")
+    ap.add_argument("--configs", default=None, help=f"comma list in run order (default: {','.join(DEFAULT_CONFIGS)})")
+    ap.add_argument("--iters", type=int, default=None, help="timed forwards per row (default 10; tiny 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up forwards incl. the first (default 3; tiny 1)")
+    ap.add_argument("--time-budget", type=float, default=560.0, help="seconds; rows that would start later skip")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds after the start at which a running row is interrupted (its row records it) and the "
+                         "run ends, writing what it has; 0 = none")
+    ap.add_argument("--profile", action="store_true", help="kernel time by kind of one forward per row (CUDA)")
+    ap.add_argument("--log-clocks", action="store_true", help="SM clock and board power over each row's forwards")
+    ap.add_argument("--out", default="benchmarks/results/bench_peers.json")
+    ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
+    ap.add_argument("--table-from", default=None,
+                    help="print the markdown table of result files (comma list) and exit: the README's tables")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.table_from:
+        import json
+
+        for path in args.table_from.split(","):
+            with open(path) as f:
+                result = json.load(f)
+            print(f"`{os.path.basename(path)}` ({result['env']['gpu']}, torch {result['env']['torch']}):\n")
+            print(markdown_table(result) + "\n")
+        return 0
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no GPU; use --device cpu --tiny", file=sys.stderr)
+        return 2
+    models = args.models.split(",")
+    configs = args.configs.split(",") if args.configs else list(DEFAULT_CONFIGS)
+    unknown = [m for m in models if m not in SPECS] + [c for c in configs if c not in ROWS]
+    if unknown:
+        print(f"error: unknown model/config {unknown}; models: {list(SPECS)}, configs: {list(ROWS)}", file=sys.stderr)
+        return 2
+    args.iters = args.iters or (2 if args.tiny else 10)
+    args.warmup = args.warmup or (1 if args.tiny else 3)
+    t_start = time.perf_counter()
+
+    import diffusers
+
+    import omni_accel
+
+    log(f"adapters: {ensure_adapters()}")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    versions = {p: _version(p) for p in ("torchao", "nvidia-cudnn-frontend", "triton")}
+    env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "diffusers": diffusers.__version__, "omni_accel": omni_accel.__version__,
+           "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+           "python": platform.python_version(), **versions}
+    clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
+    gemm = measure_gemm_tflops(device, args.tiny)
+    result = {"benchmark": "bench_peers", "env": env, "gemm_bf16_tflops": round(gemm, 1),
+              "gemm_clocks": clocks.since_mark(), "iters": args.iters, "warmup": args.warmup, "specs": {},
+              "rows": [], "skipped": [], "summary": {}}
+    log(f"env {env}; bf16 GEMM {gemm:.1f} TFLOP/s")
+
+    if args.deadline:
+        arm_deadline(args.deadline - (time.perf_counter() - t_start))
+
+    def write() -> None:
+        result["summary"] = summarize(result["rows"])
+        result["total_s"] = round(time.perf_counter() - t_start, 1)
+        write_result(args.out, result)
+
+    for model in models:
+        spec = SPECS[model](args.tiny)
+        flops = analytic_flops({**spec, "model": "wan" if model == "wan81" else model})
+        result["specs"][model] = {"shape": spec["shape"], "cfg": spec["cfg"], "forwards_per_step": spec["forwards_per_step"],
+                                  "tflop_per_forward": round(flops["total"] / 1e12, 3),
+                                  "attention_share": round(flops["attention"] / flops["total"], 3)}
+        log(f"{model}: {spec['shape']}; {flops['total'] / 1e12:.2f} TFLOP/forward "
+            f"({flops['attention'] / flops['total']:.0%} attention)")
+        transformer = build_transformer(spec, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        pipe = build_pipeline(spec, transformer)
+        inputs = make_inputs(spec, device, transformer.dtype)
+        with torch.no_grad():
+            reference = first_tensor(transformer(**inputs)).clone()
+        sync(device)
+        for name in ordered(configs):
+            row = ROWS[name]
+            reason = skip_reason(row, device, model)
+            if reason is None and time.perf_counter() - t_start > args.time_budget:
+                reason = f"time budget of {args.time_budget:.0f} s spent"
+            if reason is not None:
+                result["skipped"].append({"model": model, "config": name, "skipped": reason})
+                log(f"{model} {name}: skipped ({reason})")
+                write()
+                continue
+            log(f"{model} {name} ...")
+            entry = run_row(row, spec, pipe, inputs, reference, device, args, clocks, flops)
+            result["rows"].append(entry)
+            if entry.get("deadline_passed"):
+                log(f"{model} {name}: deadline passed; ending the run")
+                write()
+                break
+            shown = {k: entry.get(k) for k in ("ms_per_step", "tflops", "rel_err_vs_eager", "first_call_s",
+                                               "peak_mem_gib", "sm_clock_mhz", "power_w", "error")}
+            log(f"{model} {name}: {shown}" + (f" kinds {entry['profile']['by_kind_ms']} idle "
+                                              f"{entry['profile']['idle_ms']}" if "profile" in entry else ""))
+            write()
+        del pipe, transformer, inputs, reference
+        gc.collect()
+        if any(r.get("deadline_passed") for r in result["rows"]):
+            break
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    clocks.stop()
+    if args.deadline:
+        import signal
+
+        signal.alarm(0)
+    cudnn_fp8 = sys.modules.get("omni_accel.kernels.cudnn_fp8_attention")
+    cudnn_refusals = cudnn_fp8.refused_shapes() if cudnn_fp8 is not None else {}
+    if cudnn_refusals:
+        result["cudnn_fp8_refused_shapes"] = cudnn_refusals
+    write()
+    print(markdown_table(result))
+    print(result["summary"])
+    try:
+        plot(result, args.plot or os.path.splitext(args.out)[0] + ".png")
+    except Exception as exc:  # noqa: BLE001 -- no matplotlib: the JSON is what matters
+        log(f"plot skipped: {exc!r}")
+    return 0
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
