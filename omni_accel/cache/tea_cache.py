@@ -116,9 +116,12 @@ class _TransformerCache:
 
 
 class TeaCacheController:
+    @property
+    def pipe(self):  # through the context: a deep-copied module's hooks must not drag a copy of the pipeline along
+        return self.ctx.pipe
+
     def __init__(self, ctx: PassContext, options: dict, coefficients: tuple, threshold: float):
         self.ctx = ctx
-        self.pipe = ctx.pipe
         self.spec = ctx.adapter.teacache
         self.options = options
         self.coefficients = tuple(float(c) for c in coefficients)
@@ -366,13 +369,23 @@ class _TransformerHook(ModelHook):
         return output
 
 
-def _is_builtin(pipe) -> bool:
-    import os
+def _profile_steps_check(state, profile: dict, name: Any):
+    """A call-start check: warn (once per step count) when a call runs another number of steps than the profile
+    was calibrated at -- its threshold's measured quality holds for that step count only."""
+    calibrated = int(profile["steps"])
+    shown = name if isinstance(name, str) else "given as a dict"
 
-    from ..builtin import builtin_model_path
+    def check() -> None:
+        steps = state.call_arguments.get("num_inference_steps")
+        if isinstance(steps, int) and steps != calibrated:
+            state.warn_once(
+                f"tea_cache profile {shown!r} was calibrated at {calibrated} steps and this call runs {steps}: its "
+                f"quality ({profile.get('criterion', 'mean')} PSNR {profile.get('target_psnr', '?')} dB) was "
+                f"measured at {calibrated} steps only. Call with num_inference_steps={calibrated}, or calibrate at "
+                f"{steps} (omni-accel calibrate --steps {steps})."
+            )
 
-    path = str(getattr(getattr(pipe, "config", None), "_name_or_path", "") or "")
-    return bool(path) and os.path.realpath(path) == os.path.realpath(builtin_model_path())
+    return check
 
 
 class TeaCacheBackend(CacheBackend):
@@ -403,8 +416,9 @@ class TeaCacheBackend(CacheBackend):
 
     def settings(self, ctx: PassContext, opts: dict) -> tuple[tuple, float, str]:
         """(coefficients, threshold, where they came from)."""
+        from ..builtin import is_builtin
         profile = load_profile(opts["profile"]) if opts["profile"] is not None else None
-        if profile is None and opts["coefficients"] is None and _is_builtin(ctx.pipe):
+        if profile is None and opts["coefficients"] is None and is_builtin(ctx.pipe):
             profile = load_profile("builtin")  # the shipped profile of the project's own trained model
         if profile is not None and profile.get("family") not in (None, ctx.adapter.family):
             raise AccelError(
@@ -452,6 +466,7 @@ class TeaCacheBackend(CacheBackend):
 
     def apply(self, ctx: PassContext, opts: dict):
         coef, thr, source = self.settings(ctx, opts)
+        profile = None
         if opts["profile"] is not None or source == "profile":  # its warm-up / final steps unless given
             profile = load_profile(opts["profile"] if opts["profile"] is not None else "builtin")
             given = ctx.config.cache_config or {}
@@ -490,6 +505,10 @@ class TeaCacheBackend(CacheBackend):
                                       last=bi == len(blocks) - 1, decider=ri == 0 and bi == 0)
                     removers.append(add_hook(block, f"tea_cache.{tname}.{region.block_list}.{bi}", hook))
         ctx.state.on_call_start(controller.reset)
+        checks = [controller.reset]
+        if profile is not None and profile.get("steps"):
+            checks.append(_profile_steps_check(ctx.state, profile, opts["profile"] or "builtin"))
+            ctx.state.on_call_start(checks[-1])
         ctx.state.report_sections["cache"] = controller.summary
 
         def undo() -> None:
@@ -497,8 +516,9 @@ class TeaCacheBackend(CacheBackend):
             for remove in reversed(removers):
                 remove()
             hooks = ctx.state._call_start_hooks
-            if controller.reset in hooks:
-                hooks.remove(controller.reset)
+            for fn in checks:
+                if fn in hooks:
+                    hooks.remove(fn)
 
         details = {
             "backend": "tea_cache",

@@ -13,7 +13,6 @@ against 331 for FA2. (torch 2.11 already prefers cuDNN there; ``auto`` pins it s
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 from diffusers.hooks import ModelHook
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..deps import installed, missing_message
 from ..errors import AccelError
 from ..hooks import add_hook
 from ..pass_base import AccelPass, PassContext
@@ -59,7 +59,7 @@ ALIASES = {"native": "sdpa", "flash": "flash_attn", "flash3": "fa3", "sageattent
 
 
 def _installed(package: str | None) -> bool:
-    return package is None or importlib.util.find_spec(package) is not None
+    return package is None or installed(package)
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
@@ -103,10 +103,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> Back
             f"attention={name!r} needs a CUDA GPU but the pipeline runs on {device}; use attention='auto' or 'sdpa'."
         )
     if not _installed(backend.package):
-        raise AccelError(
-            f"attention={name!r} needs the '{backend.package}' package, which is not installed; install it or use "
-            "attention='auto'."
-        )
+        raise AccelError(missing_message(backend.package, f"attention={name!r}", "use attention='auto'"))
     return backend
 
 
@@ -116,7 +113,7 @@ def _fp8_refusal(device: torch.device) -> str | None:
     from . import fused
 
     if not _installed("triton"):
-        return "attention='fp8' needs the 'triton' package, which is not installed; install it or use attention='auto'."
+        return missing_message("triton", "attention='fp8'", "use attention='auto'")
     if device.type != "cuda" and not fused.interpreted():  # the interpreter runs it on CPU tensors (CI)
         return (f"attention='fp8' needs a CUDA GPU with FP8 tensor cores but the pipeline runs on {device}; "
                 "use attention='auto'.")
@@ -161,7 +158,7 @@ class AttentionPass(AccelPass):
         return True
 
     def _plan(self, ctx: PassContext) -> Backend:
-        dtype = ctx.pipe.transformer.dtype
+        dtype = ctx.adapter.transformers_of(ctx.pipe)[0][1].dtype  # Wan 2.2 may hold only transformer_2
         backend = resolve_backend(ctx.config.attention, ctx.device, dtype)
         if not ctx.adapter.attention_via_dispatcher and backend.sdpa is None and backend.name != "sdpa":
             # only SDPA kernels reach processors that call F.scaled_dot_product_attention themselves

@@ -68,8 +68,8 @@ class LoadedModel:
         adapter = adapter_for(pipe)
         defaults = dict(defaults or {})
         params = call_parameters(pipe)
-        vae_scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
-        multiple = vae_scale * 2
+        multiple = adapter.size_multiple(pipe)
+        vae_scale = multiple // 2
         if native_size is None:
             if defaults.get("width") and defaults.get("height"):
                 native_size = (int(defaults["width"]), int(defaults["height"]))
