@@ -121,3 +121,15 @@ def test_demo_in_headless_chromium(tmp_path):
     finally:
         stop_process_group(proc, 15)
         log.close()
+
+
+def test_a_cache_backend_without_its_extra_is_a_message_in_the_page(monkeypatch):
+    from omni_accel.demo.app import DemoBackend, Settings
+    from omni_accel.testing import tiny_pipeline
+
+    monkeypatch.setitem(sys.modules, "cache_dit", None)  # as without the cache extra
+    backend = DemoBackend.from_pipeline(tiny_pipeline("flux")[0], {}, "cpu", (48, 32))
+    out = backend.generate("a fox", 48, 32, 2, 0, Settings(cache="cache_dit"))
+    assert out["error"] == ("cache='cache_dit' needs the 'cache_dit' package, which is not installed: pip install "
+                            "'omni-accel[cache]'; or use cache='tea_cache', which is built in.")
+    assert out["summary"].startswith("**Error:** cache='cache_dit' needs")
