@@ -2,7 +2,8 @@
 misbehave on an accelerated one.
 
 ``check`` refuses a step cache on a transformer that already runs one of diffusers' own (``enable_cache``:
-FasterCache, FirstBlockCache, MagCache, ...). ``apply`` shadows, on the accelerated pipeline and its transformers,
+FasterCache, FirstBlockCache, MagCache, ...), and FP8 layers over diffusers' layerwise casting (the weights are
+stored in a low-precision dtype already). Diffusers' group / model offloading is the offload pass's to refuse. ``apply`` shadows, on the accelerated pipeline and its transformers,
 the diffusers methods that would break it or silently do the wrong thing, with refusals that say what to do
 instead:
 
@@ -67,15 +68,20 @@ class DiffusersCompatPass(AccelPass):
         return True
 
     def check(self, ctx: PassContext) -> None:
-        if ctx.config.cache is None:
-            return
+        config = ctx.config
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             theirs = getattr(transformer, "_cache_config", None)
-            if theirs is not None:
+            if config.cache is not None and theirs is not None:
                 raise AccelError(
-                    f"cache={ctx.config.cache!r}: the {name} already runs diffusers' {type(theirs).__name__} "
+                    f"cache={config.cache!r}: the {name} already runs diffusers' {type(theirs).__name__} "
                     f"({name}.enable_cache()); two step caches on one transformer would skip each other's work. "
                     f"Call pipe.{name}.disable_cache() first, or leave cache= out to keep diffusers' cache."
+                )
+            if config.quant is not None and _LAYERWISE_CASTING in _diffusers_hooks(transformer):
+                raise AccelError(
+                    f"quant={config.quant!r}: the {name} stores its weights in a low-precision dtype already "
+                    f"(diffusers' {name}.enable_layerwise_casting()); FP8 layers cannot be made from them. Load the "
+                    "model without layerwise casting to use quant, or leave quant out to keep diffusers' casting."
                 )
 
     def apply(self, ctx: PassContext) -> None:
@@ -142,6 +148,18 @@ class DiffusersCompatPass(AccelPass):
             return to
 
         return make
+
+
+_LAYERWISE_CASTING = "layerwise_casting"  # diffusers.hooks.layerwise_casting's hook name
+
+
+def _diffusers_hooks(module: torch.nn.Module) -> set[str]:
+    """Names of the diffusers hooks registered on ``module`` and its submodules."""
+    names: set[str] = set()
+    for sub in module.modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        names.update(getattr(registry, "hooks", {}) or {})
+    return names
 
 
 def _compute_dtype(transformer: torch.nn.Module) -> torch.dtype:

@@ -269,13 +269,13 @@ def test_calibrate_runs_like_the_other_commands(tiny_flux_dir, tmp_path, capsys)
     """calibrate takes --model / --device / --dtype like generate (the built-in model without --model), shows its
     progress, and writes the profile."""
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox\na blue car\n")
+    prompts.write_text("a red fox\n")
     out = tmp_path / "profile.json"
     assert main(["calibrate", "--model", tiny_flux_dir, "--device", "cpu", "--prompts", str(prompts), "--steps", "8",
                  "--height", "32", "--width", "48", "--target-psnr", "20", "--batch-size", "1", "-o", str(out)]) == 0
     captured = capsys.readouterr()
     profile = json.loads(out.read_text())
-    assert profile["steps"] == 8 and profile["criterion"] == "min" and profile["prompts"] == 2
+    assert profile["steps"] == 8 and profile["criterion"] == "min" and profile["prompts"] == 1
     assert profile["call_kwargs"]["height"] == 32 and profile["call_kwargs"]["width"] == 48
     assert json.loads(captured.out.strip().splitlines()[-1])["family"] == "flux"
     assert "calibrating (reference, then threshold trials)" in captured.err

@@ -240,3 +240,17 @@ def test_a_lora_loads_after_passes_that_keep_the_layers(plain, tmp_path):
         pipe.unload_lora_weights()
     finally:
         omni_accel.restore(pipe)
+
+
+def test_quant_over_diffusers_layerwise_casting_is_refused():
+    pipe, _ = tiny_pipeline("flux")  # its own pipeline: the casting stays on the weights
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    with pytest.raises(AccelError) as info:  # it failed inside the quant pass with NotImplementedError
+        omni_accel.accelerate(pipe, quant="fp8_weight_only")
+    assert str(info.value) == (
+        "quant='fp8_weight_only': the transformer stores its weights in a low-precision dtype already (diffusers' "
+        "transformer.enable_layerwise_casting()); FP8 layers cannot be made from them. Load the model without "
+        "layerwise casting to use quant, or leave quant out to keep diffusers' casting.")
+    assert "omni_accel" not in vars(pipe)
+    omni_accel.accelerate(pipe, attention="math")  # the lossless passes compose with it
+    omni_accel.restore(pipe)
