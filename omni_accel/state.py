@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import copy
+import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .config import AccelConfig
+from .errors import copy_refusal
 from .hooks import Stopwatch
 from .pipelines.base import ModelAdapter
+
+logger = logging.getLogger("omni_accel")
 
 
 @dataclass
@@ -51,6 +56,9 @@ class CallStats:
 class AccelState:
     """Attached to the pipeline as ``pipe.omni_accel`` by ``accelerate`` and removed by ``restore``."""
 
+    # module -> the state whose patches it carries (pipelines built over the same modules share them)
+    _owners: "weakref.WeakKeyDictionary[torch.nn.Module, AccelState]" = weakref.WeakKeyDictionary()
+
     def __init__(self, pipe: Any, adapter: ModelAdapter, config: AccelConfig, device: torch.device):
         self.adapter = adapter
         self.config = config
@@ -64,6 +72,8 @@ class AccelState:
         self._pipe_class_name = type(pipe).__name__
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
+        self.call_arguments: dict = {}  # every argument of the current call by name, defaults filled in
+        self.warned: set[str] = set()
         # The process mesh when a parallel pass is applied (omni_accel.parallel.ParallelMesh), else None.
         # A cache must make identical decisions on every rank: reduce its metric with all_reduce_mean below.
         self.mesh = None
@@ -73,6 +83,27 @@ class AccelState:
         device_fn = lambda: self.device  # noqa: E731 -- the device may change after offload is applied
         self.encode_watch = Stopwatch(device_fn)
         self.decode_watch = Stopwatch(device_fn)
+
+    @property
+    def pipeline_class_name(self) -> str:
+        return self._pipe_class_name
+
+    # -- modules this state patches -----------------------------------------------------------------------
+    def claim_modules(self, modules: dict) -> None:
+        self._claimed = list(modules.values())
+        for module in self._claimed:
+            AccelState._owners[module] = self
+
+    def release_modules(self) -> None:
+        for module in getattr(self, "_claimed", ()):
+            if AccelState._owners.get(module) is self:
+                del AccelState._owners[module]
+        self._claimed = []
+
+    @classmethod
+    def owner_of(cls, module: torch.nn.Module) -> "AccelState | None":
+        """The state of the accelerated pipeline that holds ``module``, if any."""
+        return cls._owners.get(module)
 
     # -- filled by passes -------------------------------------------------------------------------------
     def record(self, name: str, undo: Callable[[], None], **details: Any) -> None:
@@ -101,6 +132,12 @@ class AccelState:
         if self._current is not None:
             self._current.transformer_forwards += 1
 
+    def warn_once(self, message: str | None) -> None:
+        """Log ``message`` as a warning the first time it comes up for this accelerated pipeline."""
+        if message and message not in self.warned:
+            self.warned.add(message)
+            logger.warning("omni_accel: %s", message)
+
     def all_reduce_mean(self, tensor: torch.Tensor, group: str = "world") -> torch.Tensor:
         """Mean of ``tensor`` over the ranks of ``group`` ("world", "sequence", "cfg", ...); the tensor itself
         without parallelism. Caches reduce their change metric with it so every rank skips the same steps."""
@@ -113,8 +150,9 @@ class AccelState:
         return self._current is not None
 
     # -- call bracketing (driven by the pipeline subclass installed in api.py) ----------------------------
-    def begin_call(self, args: tuple = (), kwargs: dict | None = None) -> None:
+    def begin_call(self, args: tuple = (), kwargs: dict | None = None, arguments: dict | None = None) -> None:
         self.call_args, self.call_kwargs = args, dict(kwargs or {})  # read by call-start hooks (cfg_parallel)
+        self.call_arguments = dict(arguments or {})
         self._current = CallStats()
         self.encode_watch.seconds = 0.0
         self.decode_watch.seconds = 0.0
@@ -162,6 +200,16 @@ class AccelState:
             "last_call": self.last_call.as_dict() if self.last_call else None,
             **{name: section() for name, section in self.report_sections.items()},
         }
+
+    # -- copies ------------------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> "AccelState":
+        """Shared, not copied: a deep-copied module's hooks keep reporting to this state (a copy of the state
+        would carry undo functions that patch the original modules)."""
+        return self
+
+    def __reduce_ex__(self, protocol: Any):
+        # every module omni_accel hooked refers to its state: pickling one of them ends here, with the fix
+        raise copy_refusal(f"a module of an accelerated {self._pipe_class_name} (it carries omni_accel's hooks)")
 
     def __repr__(self) -> str:
         names = ", ".join(p.name for p in self.applied if not p.details.get("hidden")) or "nothing"

@@ -217,6 +217,17 @@ def save_pipeline(out: str, vae, transformer, clip, t5, tok_clip, tok_t5, schedu
     pipe = FluxPipeline(scheduler=scheduler, vae=mods[0], transformer=mods[1], text_encoder=mods[2],
                         text_encoder_2=mods[3], tokenizer=tok_clip, tokenizer_2=tok_t5)
     pipe.save_pretrained(out, safe_serialization=True)
+    # transformers records the saved dtype (fp16) in the text encoders' configs and loads them in it by default,
+    # while diffusers loads the transformer and VAE in fp32: declare fp32 so that a plain
+    # DiffusionPipeline.from_pretrained(out) gets one dtype (fp16 -> fp32 is exact; the files stay fp16)
+    for name in ("text_encoder", "text_encoder_2"):
+        path = os.path.join(out, name, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["dtype"] = "float32"
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
 
 
 def folder_sha256(path: str) -> str:

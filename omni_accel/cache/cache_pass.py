@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..deps import require
 from ..errors import AccelError
 from ..pass_base import AccelPass, PassContext
 from .base import CacheBackend
@@ -31,6 +32,8 @@ class CachePass(AccelPass):
 
     def check(self, ctx: PassContext) -> None:
         backend = self._backend(ctx)
+        if backend.requires:
+            require(backend.requires, f"cache={backend.name!r}", "use cache='tea_cache', which is built in")
         if ctx.config.compile and ctx.config.cache != "tea_cache":
             # TeaCache's hooks stay outside the compiled block forwards (compiler._compile_block); cache-dit
             # swaps its own wrapper in for the block lists on every forward, untested under compile.

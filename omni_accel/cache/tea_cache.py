@@ -116,9 +116,12 @@ class _TransformerCache:
 
 
 class TeaCacheController:
+    @property
+    def pipe(self):  # through the context: a deep-copied module's hooks must not drag a copy of the pipeline along
+        return self.ctx.pipe
+
     def __init__(self, ctx: PassContext, options: dict, coefficients: tuple, threshold: float):
         self.ctx = ctx
-        self.pipe = ctx.pipe
         self.spec = ctx.adapter.teacache
         self.options = options
         self.coefficients = tuple(float(c) for c in coefficients)
@@ -406,6 +409,25 @@ def _builtin_profile(pipe) -> str | None:
     return None
 
 
+def _profile_steps_check(state, profile: dict, name: Any):
+    """A call-start check: warn (once per step count) when a call runs another number of steps than the profile
+    was calibrated at -- its threshold's measured quality holds for that step count only."""
+    calibrated = int(profile["steps"])
+    shown = name if isinstance(name, str) else "given as a dict"
+
+    def check() -> None:
+        steps = state.call_arguments.get("num_inference_steps")
+        if isinstance(steps, int) and steps != calibrated:
+            state.warn_once(
+                f"tea_cache profile {shown!r} was calibrated at {calibrated} steps and this call runs {steps}: its "
+                f"quality ({profile.get('criterion', 'mean')} PSNR {profile.get('target_psnr', '?')} dB) was "
+                f"measured at {calibrated} steps only. Call with num_inference_steps={calibrated}, or calibrate at "
+                f"{steps} (omni-accel calibrate --steps {steps})."
+            )
+
+    return check
+
+
 class TeaCacheBackend(CacheBackend):
     name = "tea_cache"
     options = {
@@ -432,11 +454,13 @@ class TeaCacheBackend(CacheBackend):
                 raise AccelError(f"cache_config coefficients={c!r} must be a list of numbers, highest power first.")
         return opts
 
-    def settings(self, ctx: PassContext, opts: dict) -> tuple[tuple, float, str, dict]:
-        """(coefficients, threshold, where they came from, the warm-up / final steps that source asks for)."""
+    def settings(self, ctx: PassContext, opts: dict) -> tuple[tuple, float, str, dict, dict | None, str | None]:
+        """(coefficients, threshold, where they came from, the warm-up / final steps that source asks for, the
+        profile used and its name) -- the profile for the step-count check of each call."""
         profile = load_profile(opts["profile"]) if opts["profile"] is not None else None
+        profile_name = opts["profile"] if profile is not None else None
         if profile is None and opts["coefficients"] is None and (shipped := _builtin_profile(ctx.pipe)):
-            profile = load_profile(shipped)  # the shipped profile of the project's own trained model
+            profile, profile_name = load_profile(shipped), shipped  # the shipped profile of the project's own model
         if profile is not None and profile.get("family") not in (None, ctx.adapter.family):
             raise AccelError(
                 f"cache_config profile is for family {profile.get('family')!r}, this pipeline is "
@@ -466,7 +490,7 @@ class TeaCacheBackend(CacheBackend):
             steps = {"warmup_steps": published.warmup_steps, "final_steps": published.final_steps}
         else:
             steps = {}
-        return coef, thr, source, steps
+        return coef, thr, source, steps, profile, profile_name
 
     def check(self, ctx: PassContext, opts: dict) -> None:
         spec = ctx.adapter.teacache
@@ -491,9 +515,11 @@ class TeaCacheBackend(CacheBackend):
                                       for b in adapter.block_lists]
 
     def apply(self, ctx: PassContext, opts: dict):
-        coef, thr, source, steps = self.settings(ctx, opts)
+        coef, thr, source, steps, profile, profile_name = self.settings(ctx, opts)
         given = ctx.config.cache_config or {}  # the profile's / publication's warm-up and final steps unless given
         opts = dict(opts, **{k: v for k, v in steps.items() if k not in given})
+        if source != "profile":
+            profile = None  # coefficients given explicitly: the profile's step count says nothing about them
         if source == "identity":
             logger.warning(
                 "tea_cache: family %r has no fitted rescale coefficients; using the identity rescale (the "
@@ -527,13 +553,17 @@ class TeaCacheBackend(CacheBackend):
                                       last=bi == len(blocks) - 1, decider=ri == 0 and bi == 0)
                     removers.append(add_hook(block, f"tea_cache.{tname}.{region.block_list}.{bi}", hook))
         ctx.state.on_call_start(controller.reset)
+        checks = [controller.reset]
+        if profile is not None and profile.get("steps"):
+            checks.append(_profile_steps_check(ctx.state, profile, profile_name))
+            ctx.state.on_call_start(checks[-1])
         ctx.state.report_sections["cache"] = controller.summary
 
         def undo() -> None:
             ctx.state.report_sections.pop("cache", None)
             for remove in reversed(removers):
                 remove()
-            ctx.state.remove_call_hooks(controller.reset)
+            ctx.state.remove_call_hooks(*checks)
 
         details = {
             "backend": "tea_cache",

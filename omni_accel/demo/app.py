@@ -17,11 +17,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..cli import COMPILE_CHOICES
+
 logger = logging.getLogger("omni_accel.demo")
 
 CACHE_CHOICES = ("none", "tea_cache", "cache_dit", "fb_cache", "mag_cache")
 KEEP_CLIPS = 16  # MP4 files a video tab keeps on disk for the page (older ones are deleted)
-COMPILE_CHOICES = ("off", "on", "max")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,9 +68,7 @@ class Settings:
     cache_threshold: float = 0.0
 
     def accelerate_kwargs(self, device: str) -> dict:
-        from ..cli import COMPILE_CHOICES as MODES
-
-        kw: dict[str, Any] = {"attention": self.attention, "compile": MODES[self.compile], "device": device}
+        kw: dict[str, Any] = {"attention": self.attention, "compile": self.compile, "device": device}
         if self.cache != "none":
             kw["cache"] = self.cache
             if self.cache_threshold > 0:
@@ -221,11 +220,18 @@ class DemoBackend:
                 out["error"] = f"{exc.__class__.__name__}: {exc}"
         if out["image"] is not None and out["plain_image"] is not None:
             out["psnr"] = psnr(out["plain_image"], out["image"])
-        out["summary"] = self.summary(out, steps, getattr(self, "branches", 1))
+        out["summary"] = self.summary(out, steps, getattr(self, "branches", 1), self._blocks_per_forward())
         return out
 
+    def _blocks_per_forward(self) -> int:
+        """Transformer blocks one forward runs (cache-dit counts what it saved in blocks)."""
+        from ..pipelines import adapter_for
+
+        adapter = adapter_for(self.pipe)
+        return max((len(adapter.blocks_of(t)) for _, t in adapter.transformers_of(self.pipe)), default=0)
+
     @staticmethod
-    def summary(out: dict, steps: int, branches: int = 1) -> str:
+    def summary(out: dict, steps: int, branches: int = 1, blocks_per_forward: int = 0) -> str:
         lines = []
         if out.get("error"):
             lines.append(f"**Error:** {out['error']}")
@@ -239,14 +245,27 @@ class DemoBackend:
             lines.append(f"**PSNR plain vs accelerated:** {out['psnr']:.2f} dB")
         last = (out.get("report") or {}).get("last_call") or {}
         if last:
-            fwd = last.get("transformer_forwards")
             full = int(steps) * branches  # what the plain pipeline runs (x2 with true CFG)
-            lines.append(f"**Transformer forwards:** {fwd} of {full} without caching (saved: "
-                         f"{max(0, full - int(fwd or 0))})")
+            lines.append(f"**Transformer forwards:** {last.get('transformer_forwards')} (plain: {full})")
+            saved = cache_savings(last, full * blocks_per_forward)
+            if saved:
+                lines.append(f"**Saved by the cache:** {saved}")
             passes = [p["pass"] + (f"({p['backend']})" if "backend" in p else "")
                       for p in out["report"].get("applied", [])]
             lines.append("**Applied:** " + (", ".join(dict.fromkeys(passes)) or "nothing"))
         return "  \n".join(lines) or "Nothing yet."
+
+
+def cache_savings(last_call: dict, plain_blocks: int) -> str | None:
+    """What the step cache saved in the last call, from its own counters: TeaCache reuses whole transformer
+    forwards (each still counts as a forward: the hook decides inside it); cache-dit skips blocks inside them."""
+    if "cache.reused" in last_call:
+        reused, computed = last_call["cache.reused"], last_call.get("cache.computed", 0)
+        return f"{reused} of {reused + computed} transformer forwards reused, {computed} computed"
+    if "cache.block_forwards" in last_call and plain_blocks:
+        ran = last_call["cache.block_forwards"]
+        return f"{max(0, plain_blocks - ran)} of {plain_blocks} block forwards skipped, {ran} computed"
+    return None
 
 
 def _attention_choices(backend: DemoBackend) -> list[str]:

@@ -191,6 +191,12 @@ class ModelAdapter:
                 blocks.append((f"{list_name}.{index}", block))
         return blocks
 
+    def size_multiple(self, pipe) -> int:
+        """Image sides are multiples of this: the VAE's down-sampling times the transformer's 2x2 patches (every
+        family packs or patchifies 2x2 latents); smaller sides round down to zero latent pixels."""
+        scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+        return int(scale) * 2
+
     def is_edit_pipeline(self, pipe) -> bool:
         return type(pipe).__name__ in self.edit_pipelines
 

@@ -104,9 +104,8 @@ class LoadedModel:
         adapter = adapter_for(pipe)
         defaults = dict(defaults or {})
         params = call_parameters(pipe)
-        # video pipelines (Wan) name the spatial and the temporal factor of their VAE apart
-        vae_scale = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
-        multiple = vae_scale * 2
+        multiple = adapter.size_multiple(pipe)  # video pipelines (Wan) name their VAE's spatial factor apart
+        vae_scale = multiple // 2
         for key in ("num_inference_steps", "guidance_scale", "height", "width", "num_frames"):
             default = params[key].default if key in params else None
             if key not in defaults and default not in (None, inspect.Parameter.empty):
