@@ -170,10 +170,10 @@ def _load_pipeline(args: argparse.Namespace, device: str, dtype) -> tuple[Any, d
     target = "cpu" if getattr(args, "offload", None) else device
     video = getattr(args, "video", False)
     if args.model is None and video:
-        from .builtin import BUILTIN_VIDEO_FPS, call_defaults, load_builtin_video
+        from .builtin import BUILTIN_VIDEO_DEFAULTS, BUILTIN_VIDEO_FPS, load_builtin_video
 
         pipe = load_builtin_video(dtype=dtype, device=target)  # AccelError naming the training command if absent
-        return pipe, {**call_defaults(pipe), "fps": BUILTIN_VIDEO_FPS}, "built-in video model"
+        return pipe, {**BUILTIN_VIDEO_DEFAULTS, "fps": BUILTIN_VIDEO_FPS}, "built-in video model"
     if args.model is None:
         try:
             from .builtin import load_builtin

@@ -188,9 +188,9 @@ def test_serve_and_demo_refuse_bad_defaults_before_loading_the_model(capsys, com
 
 @pytest.mark.parametrize("flags, message", [
     (["-o", "noext"], "error: -o 'noext' has no extension: the image format comes from it; use e.g. noext.png (or "
-                      ".jpg, .webp; .gif for every frame of a video)."),
+                      ".jpg, .webp; .mp4 or .gif for a video)."),
     (["-o", "x.imgx"], "error: -o 'x.imgx' has extension '.imgx': the image format comes from it; use e.g. x.png (or "
-                       ".jpg, .webp; .gif for every frame of a video)."),
+                       ".jpg, .webp; .mp4 or .gif for a video)."),
     (["--true-cfg-scale", "4"], "error: --true-cfg-scale 4.0 runs true CFG only with a negative prompt: add "
                                 "--negative-prompt TEXT (--negative-prompt '' for an empty one), or drop "
                                 "--true-cfg-scale."),

@@ -115,7 +115,8 @@ class _MagCache:
         if self.enabled_for == (steps, calibrating):
             return
         self.disable()
-        self.transformer.enable_cache(self.config(steps, calibrating))
+        # the class's method: accelerate() guards the instance's enable_cache against users stacking a second cache
+        type(self.transformer).enable_cache(self.transformer, self.config(steps, calibrating))
         self.enabled_for = (steps, calibrating)
 
     def disable(self) -> None:
