@@ -32,7 +32,8 @@ def test_video_backend_writes_playable_clips_and_compares():
         assert frames.shape == (5, 32, 32, 3) and fps == 6
     assert len(out["image"]) == 5 and out["psnr"] > 0
     assert "Speed-up" in out["summary"] and "Transformer forwards:** " in out["summary"]
-    assert "of 3 without caching" in out["summary"]  # guidance 1.0: one forward per step
+    assert "(plain: 3)" in out["summary"]  # guidance 1.0: one forward per step
+    assert "**Saved by the cache:** " in out["summary"] and "transformer forwards reused" in out["summary"]
     bad = backend.generate(PROMPT, 30, 32, 3, 0, Settings())
     assert bad["error"] == "width and height must be multiples of 16 for this model." and bad["video"] is None
 
