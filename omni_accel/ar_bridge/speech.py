@@ -629,6 +629,20 @@ class SpeechPipeline:
             stats.update(codes=got, chunks=n, total_s=round(time.perf_counter() - t0, 4),
                          text=self._reply_text(reply_ids))
 
+    def sleep_parts(self) -> tuple[list[torch.nn.Module], list]:
+        """(torch modules, vLLM engines) that ``omni_accel.sleep`` releases: token2wav, the embeddings, the
+        transformers stages' models and the talker projection; the thinker's and talker's vLLM engines."""
+        modules: list[torch.nn.Module] = [self.token2wav.module, self.embed]
+        engines = []
+        for stage in (self.thinker, self.talker):
+            for attr in ("model", "proj"):
+                if isinstance(getattr(stage, attr, None), torch.nn.Module):
+                    modules.append(getattr(stage, attr))
+            for attr in ("pool", "gen", "engine"):
+                if getattr(stage, attr, None) is not None:
+                    engines.append(getattr(stage, attr))
+        return modules, engines
+
     def close(self) -> None:
         for stage in (getattr(self, "thinker", None), getattr(self, "talker", None)):
             if stage is not None:

@@ -40,6 +40,13 @@ def builtin_model_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
 
 
+def builtin_lora_path() -> str:
+    """Absolute path of the shipped LoRA adapter of the built-in model (omni_accel/builtin/lora): it swaps the
+    shape and background colours of the caption. ``pipe.load_lora_weights(builtin_lora_path())``; trained by
+    ``python -m omni_accel.builtin.train_lora`` (docs/builtin_model.md)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora")
+
+
 def _check_folder(path: str) -> None:
     if not os.path.isdir(path):
         raise AccelError(f"built-in model folder {path!r} does not exist; {_FIX}")
@@ -88,4 +95,4 @@ def load_builtin(path: str | None = None, dtype: torch.dtype = torch.float32, de
     return pipe.to(device)
 
 
-__all__ = ["BUILTIN_DEFAULTS", "builtin_model_path", "load_builtin"]
+__all__ = ["BUILTIN_DEFAULTS", "builtin_lora_path", "builtin_model_path", "load_builtin"]
