@@ -21,6 +21,7 @@ layers into the transformer, and the passes meet them as modules:
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -69,21 +70,37 @@ def quant_target_name(name: str) -> str | None:
     return name.removesuffix(".base_layer")
 
 
+# LoRA layer -> {adapter: the scaling its last hotswap load set}: a hotswap fills the scaling of the new adapter's
+# alpha / rank but leaves the layer's lora_alpha / r those of the first adapter loaded into that name.
+_HOTSWAP_SCALINGS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _lora_layers(pipe: Any, adapter_name: str) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for _, c in _lora_components(pipe) for m in c.modules()
+            if isinstance(m, LoraLayer) and adapter_name in m.scaling]
+
+
+def _remember_hotswap_scalings(pipe: Any, adapter_name: str) -> None:
+    for m in _lora_layers(pipe, adapter_name):
+        _HOTSWAP_SCALINGS.setdefault(m, {})[adapter_name] = float(m.scaling[adapter_name])
+
+
 def set_lora_scale(pipe: Any, adapter_name: str, scale: float) -> None:
     """Scale one loaded adapter. Where ``enable_lora_hotswap`` turned the scalings into tensors they are filled in
     place (a compiled graph reads the new value without recompiling); otherwise ``pipe.set_adapters``."""
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for _, c in _lora_components(pipe) for m in c.modules()
-              if isinstance(m, LoraLayer) and adapter_name in m.scaling]
+    layers = _lora_layers(pipe, adapter_name)
     if not layers:
         raise AccelError(f"no adapter named {adapter_name!r} is loaded; loaded: {adapters_of(pipe)}")
     if not all(isinstance(m.scaling[adapter_name], torch.Tensor) for m in layers):
         pipe.set_adapters(adapter_name, adapter_weights=scale)
         return
     for m in layers:
-        alpha, rank = m.lora_alpha[adapter_name], m.r[adapter_name]
-        base = alpha / (rank ** 0.5 if m.use_rslora.get(adapter_name, False) else rank)
+        base = _HOTSWAP_SCALINGS.get(m, {}).get(adapter_name)
+        if base is None:
+            alpha, rank = m.lora_alpha[adapter_name], m.r[adapter_name]
+            base = alpha / (rank ** 0.5 if m.use_rslora.get(adapter_name, False) else rank)
         m.scaling[adapter_name].fill_(scale * base)
 
 
@@ -98,7 +115,9 @@ def _reaccelerating(pipe: Any, method: str, original: Callable) -> Callable:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if method == "load_lora_weights" and kwargs.get("hotswap"):
-            return original(pipe, *args, **kwargs)  # weights copied into the loaded tensors: the passes stay valid
+            out = original(pipe, *args, **kwargs)  # weights copied into the loaded tensors: the passes stay valid
+            _remember_hotswap_scalings(pipe, kwargs.get("adapter_name") or "default_0")
+            return out
         from .api import accelerate, restore
 
         config = pipe.omni_accel.config

@@ -116,3 +116,29 @@ def test_loading_an_adapter_into_a_fuse_qkv_pipeline_is_refused_before_anything_
         pipe.load_lora_weights(random_lora(pipe), adapter_name="a")
     assert not _lora_layers(pipe) and "omni_accel" in vars(pipe)
     assert torch.equal(run(pipe, kwargs), before)
+
+
+def test_builtin_adapter_swaps_the_colours_and_scale_zero_is_the_base():
+    """The shipped adapter (trained by omni_accel.builtin.train_lora): at scale 0 the base model's images bit for
+    bit; at scale 1 the background takes the caption's shape colour (scored by the built-in metric)."""
+    import numpy as np
+
+    from omni_accel.builtin import BUILTIN_DEFAULTS, builtin_lora_path, load_builtin
+    from omni_accel.builtin.train_lora import evaluation_captions, swap_scores
+
+    pipe = load_builtin()
+    captions = evaluation_captions(8)
+
+    def images():
+        out = pipe(captions, **dict(BUILTIN_DEFAULTS, output_type="np"), generator=torch.Generator().manual_seed(0))
+        return out.images
+
+    base = images()
+    pipe.load_lora_weights(builtin_lora_path(), adapter_name="swap")
+    pipe.set_adapters("swap", adapter_weights=0.0)
+    assert np.array_equal(images(), base)
+    pipe.set_adapters("swap", adapter_weights=1.0)
+    swapped = swap_scores([(im * 255).round().astype(np.uint8) for im in images()], captions)
+    plain = swap_scores([(im * 255).round().astype(np.uint8) for im in base], captions)
+    assert plain["bg_is_caption_bg_colour"] >= 0.875 and plain["bg_is_caption_shape_colour"] == 0.0
+    assert swapped["bg_is_caption_shape_colour"] >= 0.75, swapped

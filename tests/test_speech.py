@@ -154,6 +154,24 @@ def test_speech_function_and_bad_input(vllm_pipe):
     assert abs(fast.numel() - wave_.numel() / 2) <= 1
 
 
+@needs_vllm
+def test_sleep_and_wake_keep_the_speech_and_text_replies_skip_the_talker(vllm_pipe):
+    """omni_accel.sleep releases token2wav / embeddings and puts the three vLLM engines through vLLM's own sleep
+    (a CPU worker only pauses); after wake_up the same request gives the same codes and waveform. reply() is the
+    thinker's answer alone: the text a chat-mode generation speaks."""
+    import omni_accel
+
+    before = vllm_pipe.generate(TEXT, "Chelsie", mode="chat", max_codes=24, max_text_tokens=8, sampling=GREEDY, seed=1)
+    report = omni_accel.sleep(vllm_pipe)
+    assert report["engines"] == 3 and report["where"] == "disk" and omni_accel.is_sleeping(vllm_pipe)
+    assert vllm_pipe.token2wav.module.code2wav_bigvgan_model.conv_post.weight.numel() == 0
+    omni_accel.wake_up(vllm_pipe)
+    after = vllm_pipe.generate(TEXT, "Chelsie", mode="chat", max_codes=24, max_text_tokens=8, sampling=GREEDY, seed=1)
+    assert after.codes == before.codes and torch.equal(after.waveform, before.waveform)
+    text, tokens = vllm_pipe.reply(TEXT, max_text_tokens=8)
+    assert text == before.text and 0 < tokens <= 8
+
+
 def test_bad_model_folder(tmp_path):
     from omni_accel.ar_bridge.speech import SpeechPipeline
 
