@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from omni_accel.builtin import BUILTIN_DEFAULTS, builtin_model_path, load_builtin  # noqa: E402
 from omni_accel.builtin import dataset as ds  # noqa: E402
 from omni_accel.builtin import metric as M  # noqa: E402
+from omni_accel.builtin.train import folder_sha256  # noqa: E402
 
 SEED = 2026  # training uses seeds 0 (VAE) and 1 (transformer)
 
@@ -38,20 +39,6 @@ def captions(n: int, n_heldout: int) -> list[tuple[str, bool]]:
     held = ds.captions_of(ds.sample_params(n_heldout, g, only_heldout=True))
     rest = ds.captions_of(ds.sample_params(n - n_heldout, g, exclude_heldout=True))
     return [(c, True) for c in held] + [(c, False) for c in rest]
-
-
-def folder_sha256(path: str) -> str:
-    """One digest over every file of a model folder (relative names and bytes): ties a result to the weights."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for root, _, files in sorted(os.walk(path)):
-        for name in sorted(files):
-            full = os.path.join(root, name)
-            digest.update(os.path.relpath(full, path).encode())
-            with open(full, "rb") as fh:
-                digest.update(fh.read())
-    return digest.hexdigest()
 
 
 def percentile(values: list[float], q: float) -> float:

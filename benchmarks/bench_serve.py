@@ -1,6 +1,6 @@
 """Bounded load test of `omni-accel serve`: N requests, C concurrent, a share of them malformed.
 
-    python benchmarks/bench_serve.py                       # the built-in model, 200 requests, 16 concurrent
+    python benchmarks/bench_serve.py                       # the built-in model, 1000 requests, 32 concurrent
     python benchmarks/bench_serve.py --model /tmp/tiny_flux --requests 50
 
 Starts the server in a subprocess on a free loopback port, fires the requests with httpx (asyncio), and writes
@@ -29,6 +29,9 @@ import time
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.timing import write_result  # noqa: E402
+
 PROMPTS = [f"a {size} {color} {shape} in the {pos} on a {bg} background"
            for size in ("small", "large") for color in ("red", "green", "yellow")
            for shape in ("circle", "square", "star") for pos in ("center", "top left")
@@ -47,6 +50,11 @@ def malformed(i: int, rng: random.Random):
         ("unknown model", {"json": {"prompt": "x", "model": "dall-e-9"}}),
         ("size not a multiple", {"json": {"prompt": "x", "size": "65x65"}}),
         ("wrong type", {"json": {"prompt": ["x"], "n": "many"}}),
+        ("empty body", {"content": b"", "headers": {"Content-Type": "application/json"}}),
+        ("n as a float", {"json": {"prompt": "x", "n": 2.0}}),
+        ("guidance as a boolean", {"json": {"prompt": "x", "guidance_scale": False}}),
+        ("size far too large", {"json": {"prompt": "x", "size": "99999x99999"}}),
+        ("cost above the bound", {"json": {"prompt": "x", "size": "256x256", "n": 4, "num_inference_steps": 100}}),
     ]
     return kinds[i % len(kinds)]
 
@@ -127,8 +135,8 @@ def scrape(url: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="pipeline folder (default: the built-in model)")
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--malformed", type=float, default=0.10, help="share of malformed requests (default 0.10)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--sizes", default="64x64,64x64,64x64,128x128", help="comma-separated sizes drawn at random")
@@ -166,6 +174,7 @@ def main(argv=None) -> int:
                 raise TimeoutError("server did not start")
         httpx.post(url + GEN, json={"prompt": "warm-up", "size": "64x64", "num_inference_steps": args.steps},
                    timeout=120)
+        load_at_start = os.getloadavg()[0]
         t_start = time.perf_counter()
         results = asyncio.run(run_load(url, args))
         wall = time.perf_counter() - t_start
@@ -191,7 +200,8 @@ def main(argv=None) -> int:
         "model": args.model or "built-in (omni-accel-builtin)",
         "served_model": health.get("model"),
         "note": args.note,
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": load_at_start,
+                    "load_avg_1m_at_end": os.getloadavg()[0],
                     "python": platform.python_version()},
         "config": {"requests": args.requests, "concurrency": args.concurrency, "malformed_share": args.malformed,
                    "steps": args.steps, "sizes": args.sizes, "server_max_concurrency": args.max_concurrency},
@@ -217,9 +227,7 @@ def main(argv=None) -> int:
     for k, v in out["results"]["latency_valid_s"].items():
         if v is not None:
             out["results"]["latency_valid_s"][k] = round(v, 3)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_result(args.out, out)
     print(json.dumps(out["results"], indent=1))
     res = out["results"]
     failed = (crashed or res["valid_5xx"] or res["valid_no_answer"]

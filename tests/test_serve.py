@@ -300,6 +300,28 @@ GEN = "/v1/images/generations"
          data={"prompt": "x"}, status=400, code="edits_not_supported"),
     dict(name="50 MB upload", path="/v1/images/edits", files={"image": b"\0" * (50 * 2**20)}, data={"prompt": "x"},
          status=413, code="request_too_large"),
+    # the messages say what is wrong and what is allowed (with the flag of a configured limit)
+    dict(name="size far too large", json={"prompt": "x", "size": "99999x99999"}, status=400, param="size",
+         message="size=99999x99999 is larger than this server allows: at most 256 pixels a side and 65536 pixels in "
+                 "all (--max-size)"),
+    dict(name="size off the multiple near the limit", json={"prompt": "x", "size": "255x250"}, status=400,
+         message="size=255x250: width and height must be multiples of 16 for this model; the nearest valid size is "
+                 "'256x256'"),
+    dict(name="empty body", content=b"", status=400, param=None, code="invalid_body",
+         message="the request body is missing or is not a JSON object; send an object with at least 'prompt', e.g. "
+                 '{"prompt": "a red fox"} (Content-Type: application/json)'),
+    dict(name="n above the configured limit", json={"prompt": "x", "n": 11}, status=400, param="n",
+         message="invalid value for 'n': 11 is more than this server allows (at most 3, --max-n)"),
+    dict(name="n as a float", json={"prompt": "x", "n": 2.0}, status=400, param="n",
+         message="invalid value for 'n': 2.0 is not an integer"),
+    dict(name="true_cfg_scale as a boolean", json={"prompt": "x", "true_cfg_scale": False}, status=400,
+         param="true_cfg_scale", message="invalid value for 'true_cfg_scale': False is not a number"),
+    dict(name="request cost above the bound", json={"prompt": "x", "size": "256x256", "n": 3,
+                                                    "num_inference_steps": 8}, status=400,
+         code="request_too_costly",
+         message="this request (n=3, 256x256, 8 steps) costs 1.57 megapixel-steps (n x width x height x steps / "
+                 "1e6), more than this server allows per request (0.344, --max-request-cost); ask for fewer images, "
+                 "steps or pixels"),
 ], ids=lambda c: c["name"])
 def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, case):
     headers = case.get("headers", AUTH)
@@ -307,7 +329,9 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, case):
     if "content" in kwargs:
         headers = {**headers, "Content-Type": "application/json"}
     r = httpx.post(server + case.get("path", GEN), headers=headers, timeout=60, **kwargs)
-    assert_error(r, case["status"], case.get("param", "?"), case.get("code", "?"))
+    err = assert_error(r, case["status"], case.get("param", "?"), case.get("code", "?"))
+    if "message" in case:
+        assert err["message"] == case["message"]
     ok = client(server).images.generate(prompt="still alive", size="32x32", extra_body={"num_inference_steps": 1})
     assert png_size(ok.data[0].b64_json) == (32, 32)
 
@@ -323,10 +347,31 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, case):
     dict(name="mask", files={"image": ("a.png", png_bytes(), "image/png"), "mask": ("m.png", png_bytes(),
                                                                                     "image/png")}, status=400,
          param="mask"),
+    dict(name="mask as text", files={"image": ("a.png", png_bytes(), "image/png")}, data={"mask": "m.png"},
+         status=400, param="mask",
+         message="mask is not supported by this server; send the image and prompt only"),
+    # what the pipeline cannot take is refused before admission (it used to reach the pipeline: a 500)
+    dict(name="two references to a single-reference pipeline",
+         files=[("image[]", ("a.png", png_bytes(), "image/png")), ("image[]", ("b.png", png_bytes(), "image/png"))],
+         status=400, param="image", code="too_many_images",
+         message="2 images sent; FluxKontextPipeline takes one reference image"),
+    dict(name="reference below the pipeline's smallest side", files={"image": ("s.png", png_bytes(8, 8), "image/png")},
+         status=400, param="image", code="image_too_small",
+         message="image: 8x8 is too small; FluxKontextPipeline needs reference images of at least 16 pixels on each "
+                 "side"),
 ], ids=lambda c: c["name"])
 def test_bad_uploads(edit_server, case):
-    r = httpx.post(edit_server + "/v1/images/edits", data={"prompt": "x"}, files=case["files"], timeout=60)
-    assert_error(r, case["status"], case.get("param", "?"), case.get("code", "?"))
+    def calls():
+        text = httpx.get(edit_server + "/metrics").text
+        return float(re.search(r"^omni_accel_pipeline_calls_total (\S+)$", text, re.M).group(1))
+
+    before = calls()
+    r = httpx.post(edit_server + "/v1/images/edits", data={"prompt": "x", **case.get("data", {})},
+                   files=case["files"], timeout=60)
+    err = assert_error(r, case["status"], case.get("param", "?"), case.get("code", "?"))
+    if "message" in case:
+        assert err["message"] == case["message"]
+    assert calls() == before  # refused before the queue: the pipeline never saw it
     ok = client(edit_server).images.edit(image=("i.png", png_bytes(32, 32), "image/png"), prompt="y",
                                          extra_body={"num_inference_steps": 1})
     assert png_size(ok.data[0].b64_json) == (32, 32)
@@ -388,6 +433,221 @@ def test_overload_429_timeout_504_and_disconnect_cancels_pending(kontext_model):
         time.sleep(0.3)
         assert slow.aborted == 1  # the running batch (all its requests gone) was aborted, not run to the end
         assert httpx.get(s.url + "/health").json()["status"] == "ok"
+
+
+class PickyExecutor(SlowExecutor):
+    """Refuses the way a pipeline refuses values (ValueError) or fails (RuntimeError) when a prompt says so."""
+
+    def __init__(self, seconds):
+        super().__init__(seconds)
+        self.batches = []
+
+    def __call__(self, spec, should_abort=None):
+        self.batches.append(list(spec["prompts"]))
+        if "refused" in spec["prompts"]:
+            raise ValueError("prompt 'refused' is not acceptable")
+        if "broken" in spec["prompts"]:
+            raise RuntimeError("the pipeline broke")
+        return super().__call__(spec, should_abort)
+
+
+def test_pipeline_refusals_are_400_and_never_fail_the_rest_of_the_batch(kontext_model):
+    """A ValueError from the pipeline call (diffusers' check_inputs, an AccelError) is the request's fault: 400; a
+    batch it shares with good requests is re-run one request at a time, so only the culprit fails."""
+    picky = PickyExecutor(0.5)
+    with ThreadServer(kontext_model, ["--max-concurrency", "4"], executor=picky) as s:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            blocker = pool.submit(httpx.post, s.url + GEN, json={"prompt": "first", "size": "32x32"}, timeout=30)
+            answers = []
+            for prompt in ("good", "refused", "also good"):  # they queue behind it, in this order, and share a call
+                time.sleep(0.05)
+                answers.append(pool.submit(httpx.post, s.url + GEN, json={"prompt": prompt, "size": "32x32"},
+                                           timeout=30))
+            assert blocker.result().status_code == 200
+            good, refused, also_good = (a.result() for a in answers)
+        assert good.status_code == 200 and also_good.status_code == 200
+        err = assert_error(refused, 400, code="pipeline_refused")
+        assert err["message"] == "the pipeline refused the request: prompt 'refused' is not acceptable"
+        broken = httpx.post(s.url + GEN, json={"prompt": "broken", "size": "32x32"}, timeout=30)
+        assert assert_error(broken, 500, code="pipeline_error")["type"] == "server_error"
+    assert picky.batches[1:] == [["good", "refused", "also good"], ["good"], ["refused"], ["also good"], ["broken"]]
+
+
+def test_retry_after_is_when_a_queue_place_frees(kontext_model):
+    """Retry-After on a 429 is the running batch's expected remaining time (measured seconds per megapixel-step),
+    and a client that waits that long gets in."""
+    slow = SlowExecutor(1.0)
+    with ThreadServer(kontext_model, ["--max-queue", "1", "--max-concurrency", "1"], executor=slow) as s:
+        body = {"prompt": "p", "size": "32x32", "num_inference_steps": 4}
+        assert httpx.post(s.url + GEN, json=body, timeout=30).status_code == 200  # measured: 1 s for this cost
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = pool.submit(httpx.post, s.url + GEN, json=body, timeout=30)
+            time.sleep(0.4)
+            queued = pool.submit(httpx.post, s.url + GEN, json=body, timeout=30)
+            time.sleep(0.2)
+            refused = httpx.post(s.url + GEN, json=body, timeout=30)
+            assert_error(refused, 429, code="queue_full")
+            wait_s = int(refused.headers["Retry-After"])
+            assert wait_s == 1, wait_s  # ~0.4 s of the running second are left (the old estimate said 2)
+            time.sleep(wait_s + 0.3)
+            again = pool.submit(httpx.post, s.url + GEN, json=body, timeout=30)
+            assert [f.result().status_code for f in (running, queued, again)] == [200, 200, 200]
+
+
+def test_limits_are_sized_to_the_served_model(kontext_model):
+    """Without --max-size / --max-request-cost the limits follow the model: twice its native side, and 8 native
+    requests' megapixel-steps; /v1/models and the OpenAPI schema advertise them."""
+    with ThreadServer(kontext_model, ["--max-n", "2", "--max-steps", "50"]) as s:
+        card = httpx.get(s.url + "/v1/models").json()["data"][0]
+        # native 48x32 at FluxKontextPipeline's 28 steps: 8 x 48 x 32 x 28 / 1e6 = 0.344
+        assert card["limits"] == {"max_n": 2, "max_steps": 50, "max_size": 96, "max_request_cost": 0.344}
+        schema = httpx.get(s.url + "/openapi.json").json()["components"]["schemas"]["ImageGenerationRequest"]
+        assert schema["properties"]["n"]["maximum"] == 2
+        assert schema["properties"]["num_inference_steps"]["anyOf"][0]["maximum"] == 50
+        too_big = assert_error(httpx.post(s.url + GEN, json={"prompt": "x", "size": "112x112"}), 400, param="size")
+        assert "at most 96 pixels a side" in too_big["message"]
+        costly = httpx.post(s.url + GEN, json={"prompt": "x", "size": "96x96", "num_inference_steps": 40})
+        assert assert_error(costly, 400, code="request_too_costly")["message"].startswith(
+            "this request (n=1, 96x96, 40 steps) costs 0.369 megapixel-steps")
+
+
+def test_empty_api_key_is_refused_at_start_up(monkeypatch, capsys):
+    from omni_accel.cli import main
+    from omni_accel.serve.app import create_app
+
+    assert main(["serve", "--api-key", "", "--no-warmup"]) == 2
+    assert "error: --api-key / OMNI_ACCEL_API_KEY: the API key is empty: pass a non-empty key, or leave --api-key " \
+           "/ OMNI_ACCEL_API_KEY unset to serve without authentication." in capsys.readouterr().err
+    monkeypatch.setenv("OMNI_ACCEL_API_KEY", "")
+    assert main(["serve", "--no-warmup"]) == 2
+    assert "the API key is empty" in capsys.readouterr().err
+    monkeypatch.setenv("OMNI_ACCEL_API_KEY", " key ")
+    assert main(["serve", "--no-warmup"]) == 2
+    assert "leading or trailing whitespace" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the API key is empty"):
+        create_app(None, None, api_key="")
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return data
+
+
+def test_slow_clients_cannot_lock_others_out(kontext_model):
+    """Connections that trickle their headers (slowloris) are capped per client and closed at the header timeout
+    (408); a stalled body is closed at the idle timeout (408); everyone else keeps being served."""
+    argv = ["--max-connections-per-client", "4", "--header-timeout", "1", "--idle-timeout", "1"]
+    with ThreadServer(kontext_model, argv, executor=SlowExecutor(0.0)) as s:
+        slow = []
+        for _ in range(4):
+            sock = socket.create_connection(("127.0.0.1", s.port))
+            sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n")  # never finishes its header
+            slow.append(sock)
+        time.sleep(0.2)
+        refused = httpx.post(s.url + GEN, json={"prompt": "p", "size": "32x32"}, timeout=10)
+        assert_error(refused, 429, code="too_many_connections")
+        assert "--max-connections-per-client 4" in refused.json()["error"]["message"]
+        answers = [_read_until_closed(sock, 5) for sock in slow]  # closed by the header timeout
+        for answer in answers:
+            assert answer.startswith(b"HTTP/1.1 408 ") and b'"code": "header_timeout"' in answer, answer
+        stalled = socket.create_connection(("127.0.0.1", s.port))
+        stalled.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        answer = _read_until_closed(stalled, 5)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in answer, answer
+        for sock in slow + [stalled]:
+            sock.close()
+        ok = httpx.post(s.url + GEN, json={"prompt": "p", "size": "32x32"}, timeout=10)
+        assert ok.status_code == 200
+
+
+DRAIN_SCRIPT = """
+import sys, time
+from PIL import Image
+from omni_accel.cli import build_parser
+from omni_accel.serve.engine import Aborted, LoadedModel
+from omni_accel.serve.server import build_server, serve
+from omni_accel.testing import tiny_pipeline
+
+seconds = float(sys.argv[1])
+model = LoadedModel.from_pipeline(tiny_pipeline("flux")[0], "tiny", {}, (32, 32))
+server, engine = build_server(build_parser().parse_args(["serve", *sys.argv[2:]]), model)
+
+def slow(spec, should_abort=None):  # a pipeline call of `seconds` that stops at a step when told to
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        if should_abort is not None and should_abort():
+            raise Aborted()
+        time.sleep(0.02)
+    return [Image.new("RGB", (spec["width"], spec["height"])) for _ in spec["prompts"]]
+
+engine.executor = slow
+engine.start()
+print("serving", flush=True)
+sys.exit(serve(server))
+"""
+
+
+def test_sigterm_drains_queued_503_running_finish_exit_0(tmp_path):
+    """SIGTERM: the queued request is answered 503 (OpenAI body) at once, new ones 503, the running one finishes
+    (200) within the grace, and the process exits 0."""
+    port = free_port()
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", DRAIN_SCRIPT, "2.5", "--port", str(port), "--max-concurrency",
+                             "1", "--shutdown-grace", "20"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log=log)
+        body = {"prompt": "p", "size": "32x32"}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, url + GEN, json=body, timeout=30)
+            assert _wait(lambda: httpx.get(url + "/health").json()["running"] == 1)
+            queued = pool.submit(httpx.post, url + GEN, json=body, timeout=30)
+            assert _wait(lambda: httpx.get(url + "/health").json()["queue_depth"] == 1)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert_error(queued.result(), 503, code="unavailable")
+            assert time.monotonic() - t0 < 1.5  # at once, not after the running call
+            assert httpx.get(url + "/health").json()["status"] == "stopping"
+            assert_error(httpx.post(url + GEN, json=body, timeout=10), 503, code="unavailable")
+            assert running.result().status_code == 200
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def test_drain_answers_running_requests_503_when_the_grace_runs_out(kontext_model):
+    """A running request that outlives --shutdown-grace is answered 503 at the end of the grace and its call is
+    aborted at the next step; the server then stops."""
+    slow = SlowExecutor(10.0)
+    server = ThreadServer(kontext_model, ["--shutdown-grace", "0.5"], executor=slow)
+    with server as s:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, s.url + GEN, json={"prompt": "p", "size": "32x32"}, timeout=30)
+            assert _wait(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+            t0 = time.monotonic()
+            s.server.handle_exit(signal.SIGTERM, None)  # what the signal does (this server is not on the main thread)
+            assert_error(running.result(), 503, code="unavailable")
+            assert 0.4 < time.monotonic() - t0 < 3
+        s.thread.join(10)
+        assert not s.thread.is_alive() and slow.aborted == 1
+
+
+def _wait(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------- schemathesis

@@ -1,12 +1,19 @@
-"""The project's small built-in text-to-image model (a stock diffusers FluxPipeline).
+"""The project's small built-in models: text-to-image (a stock diffusers FluxPipeline) and text-to-video (a stock
+WanPipeline).
 
     from omni_accel.builtin import load_builtin, BUILTIN_DEFAULTS
     pipe = load_builtin()                       # FluxPipeline, fp32, CPU
     image = pipe("a large red star in the top left on a blue background", **BUILTIN_DEFAULTS).images[0]
 
-It draws one shape (circle, square, triangle, star, ring) in one of 8 named colors, small or large,
-in a 3x3 grid position, on a background of another named color; see docs/builtin_model.md.
-Retrain with ``python -m omni_accel.builtin.train --out omni_accel/builtin/model --device cuda``.
+    from omni_accel.builtin import load_builtin_video, BUILTIN_VIDEO_DEFAULTS, BUILTIN_VIDEO_FPS
+    pipe = load_builtin_video()                 # WanPipeline, fp32, CPU
+    frames = pipe("a red circle moving from left to right on a blue background", **BUILTIN_VIDEO_DEFAULTS).frames[0]
+
+The image model draws one shape (circle, square, triangle, star, ring) in one of 8 named colors, small or large,
+in a 3x3 grid position, on a background of another named color; the video model moves such a shape across the frame
+in one of four directions. See docs/builtin_model.md and docs/builtin_video_model.md.
+Retrain with ``python -m omni_accel.builtin.train --out omni_accel/builtin/model --device cuda`` and
+``python -m omni_accel.builtin.train_video --out omni_accel/builtin/video_model --seed 0``.
 """
 from __future__ import annotations
 
@@ -31,8 +38,25 @@ BUILTIN_DEFAULTS: dict = {
     "max_sequence_length": 32,
 }
 
+# The built-in video model (WanPipeline, 64x64, 17 frames = 5 latent frames). guidance_scale 1.0 = one transformer
+# forward per step (the CPU budget: a clip in well under 20 s on 2 cores); it was trained with 10 % empty captions,
+# so classifier-free guidance (guidance_scale > 1, twice the compute) is available. max_sequence_length=16 holds
+# every caption (<= 13 tokens); WanPipeline's default of 226 also works (trained on both).
+BUILTIN_VIDEO_DEFAULTS: dict = {
+    "height": 64,
+    "width": 64,
+    "num_frames": 17,
+    "num_inference_steps": 20,
+    "guidance_scale": 1.0,
+    "max_sequence_length": 16,
+}
+BUILTIN_VIDEO_FPS = 8  # frames per second of the files written from it: 17 frames = about 2 s
+
 _COMPONENTS = ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "transformer", "vae")
+_WEIGHTS = ("text_encoder", "text_encoder_2", "transformer", "vae")  # the components holding .safetensors
 _FIX = "re-install omni-accel (the model ships inside the package) or pass --model PATH to a FluxPipeline folder"
+_VIDEO_FIX = ("train it with `python -m omni_accel.builtin.train_video --out {path} --seed 0` (one GPU, about 6 "
+              "minutes) or pass --model PATH to a WanPipeline folder")
 
 
 def builtin_model_path() -> str:
@@ -47,9 +71,14 @@ def builtin_lora_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora")
 
 
-def _check_folder(path: str) -> None:
+def builtin_video_model_path() -> str:
+    """Absolute path of the built-in video model's diffusers folder (omni_accel/builtin/video_model)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "video_model")
+
+
+def _check_folder(path: str, fix: str = _FIX, what: str = "built-in model") -> None:
     if not os.path.isdir(path):
-        raise AccelError(f"built-in model folder {path!r} does not exist; {_FIX}")
+        raise AccelError(f"{what} folder {path!r} does not exist; {fix}")
     index = os.path.join(path, "model_index.json")
     try:
         with open(index, encoding="utf-8") as f:
@@ -57,26 +86,27 @@ def _check_folder(path: str) -> None:
         if not isinstance(meta, dict) or "_class_name" not in meta:
             raise ValueError("no _class_name")
     except FileNotFoundError:
-        raise AccelError(f"built-in model folder {path!r} has no model_index.json; {_FIX}") from None
+        raise AccelError(f"{what} folder {path!r} has no model_index.json; {fix}") from None
     except (OSError, ValueError) as e:
-        raise AccelError(f"built-in model folder {path!r} is corrupt: unreadable model_index.json ({e}); {_FIX}") from None
-    missing = [c for c in _COMPONENTS if c in meta and meta[c] and meta[c][0] and not os.path.isdir(os.path.join(path, c))]
+        raise AccelError(f"{what} folder {path!r} is corrupt: unreadable model_index.json ({e}); {fix}") from None
+    listed = [c for c in _COMPONENTS if c in meta and meta[c] and meta[c][0]]
+    missing = [c for c in listed if not os.path.isdir(os.path.join(path, c))]
     if missing:
-        raise AccelError(f"built-in model folder {path!r} is incomplete: missing {missing}; {_FIX}")
+        raise AccelError(f"{what} folder {path!r} is incomplete: missing {missing}; {fix}")
     from safetensors import safe_open
 
-    for c in ("text_encoder", "text_encoder_2", "transformer", "vae"):
+    for c in (c for c in _WEIGHTS if c in listed):
         d = os.path.join(path, c)
-        files = [f for f in os.listdir(d) if f.endswith(".safetensors")] if os.path.isdir(d) else []
+        files = [f for f in os.listdir(d) if f.endswith(".safetensors")]
         if not files:
-            raise AccelError(f"built-in model folder {path!r} is incomplete: no .safetensors weights in {d!r}; {_FIX}")
+            raise AccelError(f"{what} folder {path!r} is incomplete: no .safetensors weights in {d!r}; {fix}")
         for fn in files:
             try:
                 with safe_open(os.path.join(d, fn), framework="pt") as sf:
                     sf.keys()
             except Exception as e:  # noqa: BLE001 - any read failure means a corrupt file
-                raise AccelError(f"built-in model folder {path!r} is corrupt: cannot read "
-                                 f"{os.path.join(c, fn)!r} ({type(e).__name__}: {e}); {_FIX}") from None
+                raise AccelError(f"{what} folder {path!r} is corrupt: cannot read "
+                                 f"{os.path.join(c, fn)!r} ({type(e).__name__}: {e}); {fix}") from None
 
 
 def load_builtin(path: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -85,14 +115,31 @@ def load_builtin(path: str | None = None, dtype: torch.dtype = torch.float32, de
     Raises AccelError naming the folder and the fix when it is missing or corrupt."""
     path = os.path.abspath(path or builtin_model_path())
     _check_folder(path)
+    return _load(path, dtype, device, _FIX)
+
+
+def load_builtin_video(path: str | None = None, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu"):
+    """Load the built-in video model (or the WanPipeline folder at `path`) as a diffusers pipeline.
+
+    Raises AccelError naming the folder and the fix when it is missing (the weights are trained by
+    ``omni_accel.builtin.train_video``, not downloaded) or corrupt."""
+    path = os.path.abspath(path or builtin_video_model_path())
+    fix = _VIDEO_FIX.format(path=path)
+    _check_folder(path, fix, "built-in video model")
+    return _load(path, dtype, device, fix)
+
+
+def _load(path: str, dtype: torch.dtype, device: str | torch.device, fix: str):
     from diffusers import DiffusionPipeline
 
     try:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
     except Exception as e:  # noqa: BLE001 - re-raised with the folder and the fix named
-        raise AccelError(f"could not load the model folder {path!r} ({type(e).__name__}: {e}); {_FIX}") from e
+        raise AccelError(f"could not load the model folder {path!r} ({type(e).__name__}: {e}); {fix}") from e
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
 
-__all__ = ["BUILTIN_DEFAULTS", "builtin_lora_path", "builtin_model_path", "load_builtin"]
+__all__ = ["BUILTIN_DEFAULTS", "BUILTIN_VIDEO_DEFAULTS", "BUILTIN_VIDEO_FPS", "builtin_lora_path", "builtin_model_path",
+           "builtin_video_model_path", "load_builtin", "load_builtin_video"]

@@ -215,23 +215,33 @@ def render(p: dict[str, torch.Tensor], size: int = 128, return_alpha: bool = Fal
     With return_alpha=True also returns the shape's coverage (n, 1, size, size) in [0, 1] (the VAE
     loss uses it to weight the few shape pixels)."""
     dev = p["color"].device
-    n = p["color"].shape[0]
-    pal = torch.tensor([COLORS[c] for c in COLOR_NAMES], dtype=torch.float32, device=dev)
-    fg = (pal[p["color"]] + p["cj"].float()).clamp(0, 255) / 255
-    bg = (pal[p["bg"]] + p["bj"].float()).clamp(0, 255) / 255
     row = torch.div(p["pos"], 3, rounding_mode="floor").float()
     col = (p["pos"] % 3).float()
     cx = (col * 2 + 1) / 6 + p["dx"]
     cy = (row * 2 + 1) / 6 + p["dy"]
     r = torch.tensor([SIZE_RADIUS[s] for s in SIZES], device=dev)[p["size"]] * p["rscale"]
-    coords = (torch.arange(size, device=dev, dtype=torch.float32) + 0.5) / size
-    py = coords.view(1, size, 1) - cy.view(n, 1, 1)
-    px = coords.view(1, 1, size) - cx.view(n, 1, 1)
-    px, py = px.expand(n, size, size), py.expand(n, size, size)
-    d = _sdf(p["shape"].view(n, 1, 1), px, py, r.view(n, 1, 1))
-    alpha = (0.5 - d * size).clamp(0, 1).unsqueeze(1)  # 1-pixel anti-aliased edge
-    img = bg.view(n, 3, 1, 1) * (1 - alpha) + fg.view(n, 3, 1, 1) * alpha
+    img, alpha = draw(p["shape"], cx, cy, r, jittered_rgb(p["color"], p["cj"]), jittered_rgb(p["bg"], p["bj"]), size)
     return (img, alpha) if return_alpha else img
+
+
+def jittered_rgb(color: torch.Tensor, jitter: torch.Tensor) -> torch.Tensor:
+    """Named colour indices (n,) plus per-channel jitter (n, 3) in uint8 units -> RGB floats in [0, 1], (n, 3)."""
+    pal = torch.tensor([COLORS[c] for c in COLOR_NAMES], dtype=torch.float32, device=color.device)
+    return (pal[color] + jitter.float()).clamp(0, 255) / 255
+
+
+def draw(shape: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, r: torch.Tensor, fg: torch.Tensor, bg: torch.Tensor,
+         size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n shapes (index, centre, circumradius as fractions of the side; fg / bg RGB (n, 3) in [0, 1]) rasterised with
+    a 1-pixel anti-aliased edge: images (n, 3, size, size) and the shapes' coverage (n, 1, size, size)."""
+    n = shape.shape[0]
+    coords = (torch.arange(size, device=shape.device, dtype=torch.float32) + 0.5) / size
+    py = (coords.view(1, size, 1) - cy.view(n, 1, 1)).expand(n, size, size)
+    px = (coords.view(1, 1, size) - cx.view(n, 1, 1)).expand(n, size, size)
+    d = _sdf(shape.view(n, 1, 1), px, py, r.view(n, 1, 1))
+    alpha = (0.5 - d * size).clamp(0, 1).unsqueeze(1)
+    img = bg.view(n, 3, 1, 1) * (1 - alpha) + fg.view(n, 3, 1, 1) * alpha
+    return img, alpha
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -39,12 +39,14 @@ SPECIALS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2 (T5 convention); CLIP eos i
 
 
 # ----------------------------------------------------------------------------- components
-def build_tokenizer(model_max_length: int):
+def build_tokenizer(model_max_length: int, words: list[str] | None = None):
+    """A word-level tokenizer over a closed caption vocabulary (default: the image captions' words + "an"),
+    lower-cased, </s> appended, <pad> / </s> / <unk> as ids 0 / 1 / 2."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIALS)}
-    for w in ds.VOCAB_WORDS + ["an"]:
+    for w in (ds.VOCAB_WORDS + ["an"] if words is None else words):
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
@@ -136,6 +138,24 @@ def lr_at(progress: float, base: float, warmup: float = 0.03) -> float:
     return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def optimizer_step(opt, loss: torch.Tensor, params, max_norm: float = 1.0) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    opt.step()
+
+
+def record(log: dict, stage: str, step: int, clock: Clock, print_every: int, **values) -> None:
+    """Every 25 steps the values (tensors are read once) go to log[stage]; every print_every steps they are printed."""
+    if step % 25:
+        return
+    row = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+    log[stage].append({"step": step, **row, "t": round(time.time() - clock.t0, 1)})
+    if step % print_every == 0:
+        shown = " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        print(f"[{stage}] step {step} {shown} t {time.time() - clock.t0:.0f}s", flush=True)
+
+
 def batch_images(n: int, g: torch.Generator, device, with_alpha: bool = False, **kw):
     """n random images in [-1, 1] and their captions (and the shapes' coverage masks if with_alpha)."""
     p = ds.sample_params(n, g, device=device, **kw)
@@ -202,6 +222,20 @@ def save_pipeline(out: str, vae, transformer, clip, t5, tok_clip, tok_t5, schedu
     pipe.save_pretrained(out, safe_serialization=True)
 
 
+def folder_sha256(path: str) -> str:
+    """One digest over every file of a model folder (relative names and bytes): ties a result to the weights."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            digest.update(os.path.relpath(full, path).encode())
+            with open(full, "rb") as fh:
+                digest.update(fh.read())
+    return digest.hexdigest()
+
+
 def tar_split(folder: str, prefix: str, part_bytes: int = 15 * 2**20) -> None:
     """tar `folder` (as model/) and write it as prefix.part0, .part1 ... (cat them to restore)."""
     import io
@@ -245,16 +279,8 @@ def train_vae(args, device, log, clock_min, out_dir):
         mse = ((rec - x) ** 2 * wn).mean()
         kl = post.kl().mean() / z[0].numel()
         loss = l1 + mse + args.vae_kl * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        if step % 25 == 0:
-            log["vae"].append({"step": step, "loss": float(loss.detach()), "l1": float(l1.detach()), "mse": float(mse.detach()), "kl": float(kl.detach()),
-                               "t": round(time.time() - clock.t0, 1)})
-            if step % args.print_every == 0:
-                print(f"[vae] step {step} loss {float(loss):.4f} l1 {float(l1):.4f} kl {float(kl):.3f} "
-                      f"t {time.time() - clock.t0:.0f}s", flush=True)
+        optimizer_step(opt, loss, vae.parameters())
+        record(log, "vae", step, clock, args.print_every, loss=loss, l1=l1, mse=mse, kl=kl)
         if args.vae_eval_every and step and step % args.vae_eval_every == 0:
             vae.eval()
             r = recon_scores(vae, xv, capv)
@@ -343,19 +369,12 @@ def train_dit(args, device, vae, tok_clip, tok_t5, log, clock_min, out_dir, sche
         wt = 1 + args.dit_shape_weight * wt
         wt = (wt / wt.mean()).unsqueeze(-1)
         loss = (((pred.float() - (noise - x0)) ** 2) * wt).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, loss, params)
         with torch.no_grad():
             make_t5_causal(t5)
             d = min(args.ema, (1 + step) / (10 + step))
             torch._foreach_lerp_(ema_params, live_params, 1 - d)  # one fused call, not ~300 launches
-        if step % 25 == 0:
-            log["dit"].append({"step": step, "loss": float(loss), "L": L, "lr": opt.param_groups[0]["lr"],
-                               "t": round(time.time() - clock.t0, 1)})
-            if step % args.print_every == 0:
-                print(f"[dit] step {step} loss {float(loss):.4f} L {L} t {time.time() - clock.t0:.0f}s", flush=True)
+        record(log, "dit", step, clock, args.print_every, loss=loss, L=L, lr=opt.param_groups[0]["lr"])
         step += 1
         if out_dir and time.time() - last_ckpt > args.ckpt_every_s:
             last_ckpt = time.time()

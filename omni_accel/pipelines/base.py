@@ -131,6 +131,10 @@ class ModelAdapter:
     # ``set_attention_backend`` reaches it; False means the pass wraps forward in ``sdpa_kernel`` instead.
     attention_via_dispatcher: bool = True
     edit_pipelines: tuple[str, ...] = ()
+    # editing: the edit pipelines that take several reference images (the others take exactly one), and the
+    # smallest side in pixels a reference image may have (0: the pipeline's size multiple, vae_scale_factor * 2)
+    multi_reference_pipelines: tuple[str, ...] = ()
+    min_reference_side: int = 0
     teacache: TeaCacheSpec | None = None
     # sequence parallelism: the block lists that run on sequence shards (empty = sp not supported)
     sequence_parallel: tuple[SequenceRegion, ...] = ()
@@ -165,3 +169,6 @@ class ModelAdapter:
 
     def is_edit_pipeline(self, pipe) -> bool:
         return type(pipe).__name__ in self.edit_pipelines
+
+    def takes_several_references(self, pipe) -> bool:
+        return type(pipe).__name__ in self.multi_reference_pipelines

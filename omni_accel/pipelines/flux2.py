@@ -38,6 +38,8 @@ ADAPTER = ModelAdapter(
     attention_via_dispatcher=True,
     # Every FLUX.2 pipeline takes optional reference images (`image=`), appended as extra image tokens.
     edit_pipelines=("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline"),
+    multi_reference_pipelines=("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline"),
+    min_reference_side=64,  # Flux2Pipeline.check_inputs: "Both dimensions must be at least 64px"
     # FLUX.2 applies AdaLN inline ((1 + scale) * norm1(x) + shift, the modulation coming from the shared
     # double_stream_modulation_img), so no module outputs the modulated input; norm1 of the first dual-stream
     # block (parameter-free LayerNorm of the image stream) is the nearest hook point. Coefficients: calibrate.

@@ -41,6 +41,7 @@ ADAPTER = ModelAdapter(
     vae_name="vae",
     attention_via_dispatcher=True,  # QwenDoubleStreamAttnProcessor2_0 calls dispatch_attention_fn
     edit_pipelines=("QwenImageEditPipeline", "QwenImageEditInpaintPipeline", "QwenImageEditPlusPipeline"),
+    multi_reference_pipelines=("QwenImageEditPlusPipeline",),  # Qwen-Image-Edit-2509 / 2511
     teacache=TeaCacheSpec(
         modulated_input="transformer_blocks.0.img_norm1",
         coefficients=(-450.0, 280.0, -45.0, 3.2, -0.02),

@@ -4,7 +4,8 @@
     omni-accel serve --model ./FLUX.1-Kontext-dev --device cuda --attention auto --api-key $KEY
     torchrun --nproc_per_node=2 -m omni_accel serve --model ./FLUX.1-dev --sp 2
 
-In Python: ``create_app(LoadedModel.from_pipeline(pipe, "my-model"), Engine(...))`` gives the ASGI app.
+In Python: ``model = LoadedModel.from_pipeline(pipe, "my-model"); create_app(model, image_queue(model))`` gives the
+ASGI app. Every route runs its work as jobs on one mechanism (serve/jobs.py: ``JobQueue``, ``Job``, ``JobKind``).
 Needs the ``serve`` extra (fastapi, uvicorn, python-multipart, prometheus-client); nothing here imports them until
 used.
 """
@@ -17,10 +18,14 @@ def __getattr__(name):
         from .app import create_app
 
         return create_app
-    if name in ("Engine", "Job", "Limits", "LoadedModel"):
+    if name in ("image_queue", "ImageRequest", "Limits", "LoadedModel"):
         from . import engine
 
         return getattr(engine, name)
+    if name in ("Job", "JobKind", "JobQueue"):
+        from . import jobs
+
+        return getattr(jobs, name)
     if name in ("build_server", "add_arguments", "run"):
         from . import server
 

@@ -1,4 +1,4 @@
-"""The FastAPI app of ``omni-accel serve``: OpenAI-compatible image endpoints over the batching engine."""
+"""The FastAPI app of ``omni-accel serve``: OpenAI-compatible image endpoints over the image job queue."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine, Job, Limits, LoadedModel, QueueFull, random_seed
-from .errors import ApiError, StreamAborted, bad_request, error_body, queue_full_error, timeout_error
+from .engine import ImageRequest, Limits, LoadedModel, random_seed, request_cost
+from .errors import ApiError, StreamAborted, bad_request, error_body
+from .jobs import ClientGone, JobQueue, await_job, submit_or_raise
 from .images import decode_upload, fit_area
 from .metrics import ServeMetrics
 from .schemas import (
-    ERROR_RESPONSES, HARD_MAX_N, HARD_MAX_PROMPT, HARD_MAX_STEPS, SIZE_DESCRIPTION, Health, ImageData,
-    ImageGenerationRequest, ImagesResponse, ModelCard, ModelList, parse_size,
+    ERROR_RESPONSES, HARD_MAX_PROMPT, LIMIT_FLAGS, MAX_GUIDANCE, MAX_SEED, Health, ImageData, ImagesResponse,
+    ModelCard, ModelList, generation_request_model, parse_size, size_description,
 )
 
 logger = logging.getLogger("omni_accel.serve")
@@ -33,17 +34,34 @@ PUBLIC_PATHS = ("/health", "/metrics", "/openapi.json", "/docs", "/redoc", "/fil
 
 
 # ------------------------------------------------------------------------------------------- ASGI middleware
+def check_api_key(api_key: str | None) -> None:
+    """An API key that could never be sent correctly is refused, not served: an empty key (which would turn
+    authentication off while every client believes it is on) or one with surrounding whitespace (the header's
+    token is stripped before the comparison)."""
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise ValueError("the API key is empty: pass a non-empty key, or leave --api-key / OMNI_ACCEL_API_KEY unset "
+                         "to serve without authentication")
+    if api_key != api_key.strip():
+        raise ValueError("the API key has leading or trailing whitespace, which no client can send: remove it")
+
+
 class _Guard:
     """Outermost layer: request metrics, the API key and the body-size limit -- all before any body is parsed.
 
     The body is read here (up to the limit) and replayed to the app, so an oversized upload is answered 413 after
-    draining it (a client that is still sending would otherwise see a broken pipe instead of the answer)."""
+    draining it (a client that is still sending would otherwise see a broken pipe instead of the answer). A body
+    that stalls -- no bytes for ``body_timeout_s`` -- is answered 408 and its connection closed."""
 
-    def __init__(self, app, *, metrics: ServeMetrics, api_key: str | None, max_body: int):
+    def __init__(self, app, *, metrics: ServeMetrics, api_key: str | None, max_body: int,
+                 body_timeout_s: float = 15.0):
+        check_api_key(api_key)
         self.app = app
         self.metrics = metrics
         self.api_key = api_key
         self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
         self.drain_cap = max(4 * max_body, 64 * 2**20)
 
     async def __call__(self, scope, receive, send):
@@ -94,7 +112,13 @@ class _Guard:
             return await self._reply(scope, receive, send, self._too_large(declared))
         chunks, total = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                err = ApiError(408, f"the request body stalled: no bytes for {self.body_timeout_s:g} s after "
+                                    f"{total} bytes (--idle-timeout)", code="body_timeout",
+                               headers={"Connection": "close"})
+                return await self._reply(scope, receive, send, err)
             if message["type"] == "http.disconnect":
                 return
             body = message.get("body", b"")
@@ -148,21 +172,44 @@ class _UrlStore:
 
 
 def _validation_to_error(exc: RequestValidationError) -> ApiError:
+    """The first of pydantic's errors as an OpenAI error, worded for the field and naming the server flag of a
+    configured limit."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "form")]
     param = ".".join(loc) or None
-    kind = first.get("type", "")
+    kind, ctx, value = first.get("type", ""), first.get("ctx") or {}, first.get("input")
     if kind == "json_invalid":
         return ApiError(400, "the request body is not valid JSON: " + str(first.get("msg", "")), code="invalid_json")
+    if param is None:  # the body as a whole: absent, empty, or not an object
+        return ApiError(400, "the request body is missing or is not a JSON object; send an object with at least "
+                             "'prompt', e.g. {\"prompt\": \"a red fox\"} (Content-Type: application/json)",
+                        code="invalid_body")
     if kind == "missing":
         return ApiError(400, f"missing required parameter: {param!r}", param=param, code="missing_required_parameter")
-    msg = str(first.get("msg", "invalid value"))
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    return ApiError(400, f"invalid value for {param!r}: {msg}" if param else f"invalid request: {msg}", param=param,
-                    code="invalid_value")
+    message = _describe(kind, ctx, value, param) or str(ctx.get("error") or first.get("msg") or "invalid value")
+    return ApiError(400, f"invalid value for {param!r}: {message}", param=param, code="invalid_value")
 
+
+def _describe(kind: str, ctx: dict, value, param: str) -> str | None:
+    flag = LIMIT_FLAGS.get(param)
+    if kind in ("less_than_equal", "less_than"):
+        bound = ctx.get("le", ctx.get("lt"))
+        allowed = "this server allows" if flag else "allowed"
+        return f"{value!r} is more than {allowed} (at most {bound}{', ' + flag if flag else ''})"
+    if kind in ("greater_than_equal", "greater_than"):
+        return f"{value!r} is less than the minimum of {ctx.get('ge', ctx.get('gt'))}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"{value!r} is not an integer"
+    if kind in ("float_type", "float_parsing"):
+        return f"{value!r} is not a number"
+    if kind in ("string_type", "string_too_long", "string_too_short"):
+        return {"string_type": f"{value!r} is not a string",
+                "string_too_long": f"longer than {ctx.get('max_length')} characters",
+                "string_too_short": "empty"}[kind]
+    if kind == "literal_error":
+        return f"{value!r} is not one of {ctx.get('expected')}"
+    return None
 
 
 def install_error_handlers(api: FastAPI) -> None:
@@ -192,10 +239,13 @@ def install_error_handlers(api: FastAPI) -> None:
                                        "internal_error"), status_code=500)
 
 
-def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = None, api_key: str | None = None,
-               metrics: ServeMetrics | None = None, url_cache: int = 64, world_size: int = 1):
-    """The ASGI app (FastAPI inside the guard middleware). ``engine`` must be started by the caller."""
-    limits = limits or Limits()
+def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = None, api_key: str | None = None,
+               metrics: ServeMetrics | None = None, url_cache: int = 64, world_size: int = 1,
+               body_timeout_s: float = 15.0):
+    """The ASGI app (FastAPI inside the guard middleware); ``engine`` is the model's image job queue
+    (``serve.engine.image_queue(model)``)."""
+    check_api_key(api_key)  # before anything is built
+    limits = (limits or Limits()).resolved(model)
     metrics = metrics or engine.metrics or ServeMetrics()
     urls = _UrlStore(url_cache)
     api = FastAPI(
@@ -207,6 +257,7 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
     )
 
     install_error_handlers(api)
+    GenerationRequest = generation_request_model(limits)  # noqa: N806 -- a class with this server's bounds
 
     # -- shared request handling ------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
@@ -221,92 +272,72 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
             raise bad_request(str(exc), "size", "invalid_size")
         w, h = parsed or model.native_size
         m = model.size_multiple
-        if w % m or h % m:
-            rw, rh = max(m, round(w / m) * m), max(m, round(h / m) * m)
-            raise bad_request(f"size={w}x{h}: width and height must be multiples of {m} for this model; the "
-                              f"nearest valid size is '{rw}x{rh}'", "size", "invalid_size")
+        largest = limits.max_size // m * m
         if max(w, h) > limits.max_size or w * h > limits.max_pixels:
             raise bad_request(f"size={w}x{h} is larger than this server allows: at most {limits.max_size} pixels a "
                               f"side and {limits.max_pixels} pixels in all (--max-size)", "size", "invalid_size")
+        if w % m or h % m:
+            rw, rh = (min(largest, max(m, round(side / m) * m)) for side in (w, h))
+            raise bad_request(f"size={w}x{h}: width and height must be multiples of {m} for this model; the "
+                              f"nearest valid size is '{rw}x{rh}'", "size", "invalid_size")
         return w, h
 
-    def build_job(op: str, *, prompt: str, n: int, size: str | None, seed: int | None, steps: int | None,
-                  guidance: float | None, true_cfg: float | None, negative: str | None, images=()) -> Job:
-        if n > limits.max_n:
-            raise bad_request(f"n={n} is more than this server allows (at most {limits.max_n}, --max-n)", "n")
-        if steps is not None and steps > limits.max_steps:
-            raise bad_request(f"num_inference_steps={steps} is more than this server allows (at most "
-                              f"{limits.max_steps}, --max-steps)", "num_inference_steps")
+    def build_request(op: str, *, prompt: str, n: int, size: str | None, seed: int | None, steps: int | None,
+                      guidance: float | None, true_cfg: float | None, negative: str | None) -> ImageRequest:
         w, h = check_size(size)
-        steps = steps if steps is not None else int(model.defaults.get("num_inference_steps") or 28)
-        steps = min(steps, limits.max_steps)
+        steps = steps if steps is not None else min(model.default_steps, limits.max_steps)
+        cost = request_cost(n, w, h, steps)
+        if cost > limits.max_cost:
+            raise bad_request(f"this request (n={n}, {w}x{h}, {steps} steps) costs {cost:.3g} megapixel-steps (n x "
+                              f"width x height x steps / 1e6), more than this server allows per request "
+                              f"({limits.max_cost:g}, --max-request-cost); ask for fewer images, steps or pixels",
+                              None, "request_too_costly")
         if guidance is None:
             guidance = model.defaults.get("guidance_scale")
         if true_cfg is None:  # the model's defaults (the built-in model runs true CFG with an empty negative)
             true_cfg = model.defaults.get("true_cfg_scale")
         if negative is None:
             negative = model.defaults.get("negative_prompt")
-        return Job(op=op, prompt=prompt, n=n, width=w, height=h, steps=steps,
-                   seed=seed if seed is not None else random_seed(), guidance_scale=guidance,
-                   true_cfg_scale=true_cfg, negative_prompt=negative, images=list(images))
+        return ImageRequest(op=op, prompt=prompt, n=n, width=w, height=h, steps=steps,
+                            seed=seed if seed is not None else random_seed(), guidance_scale=guidance,
+                            true_cfg_scale=true_cfg, negative_prompt=negative)
 
-    async def execute(job: Job, request: Request, response_format: str) -> ImagesResponse:
-        if engine.stopping:
-            raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
+    def check_references(uploaded: list, fitted: list) -> None:
+        """Every reference image, as the pipeline will get it, has the smallest side the pipeline accepts."""
+        least = model.min_reference_side
+        for sent, got in zip(uploaded, fitted):
+            if min(got.size) < least:
+                scaled = "" if got.size == sent.size else f" (scaled to {got.size[0]}x{got.size[1]} to fit the output)"
+                raise bad_request(f"image: {sent.size[0]}x{sent.size[1]}{scaled} is too small; "
+                                  f"{model.pipeline_class} needs reference images of at least {least} pixels on "
+                                  "each side", "image", "image_too_small")
+
+    async def execute(params: ImageRequest, route: str, request: Request, response_format: str):
+        job = submit_or_raise(engine, engine.kinds["image"].job(params, route))
         try:
-            future = engine.submit(job)
-        except QueueFull as exc:
-            metrics.rejected.inc()
-            raise queue_full_error(engine.queue_depth, engine.max_queue, exc.retry_after)
-        waiter = asyncio.wrap_future(future)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limits.request_timeout_s
-        while not waiter.done():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                stage = engine.cancel(job)
-                if stage is not None:
-                    metrics.cancelled.labels(stage, "timeout").inc()
-                    raise timeout_error(limits.request_timeout_s)
-                break
-            await asyncio.wait({waiter}, timeout=min(0.25, remaining))
-            if not waiter.done() and await request.is_disconnected():
-                stage = engine.cancel(job)
-                if stage is not None:
-                    metrics.cancelled.labels(stage, "disconnect").inc()
-                    logger.info("omni_accel.serve: client disconnected; cancelled its %s request", stage)
-                    return Response(status_code=499)
-        if not waiter.done():
-            await asyncio.wait({waiter})
-        if waiter.cancelled():
-            raise ApiError(503, "the request was cancelled (the server is shutting down or the work was aborted)",
-                           type="server_error", code="cancelled")
-        exc = waiter.exception()
-        if exc is not None:
-            from ..errors import AccelError
-
-            if isinstance(exc, AccelError):
-                raise ApiError(400, f"the pipeline refused the request: {exc}", code="pipeline_refused")
-            raise ApiError(500, f"the pipeline call failed: {exc.__class__.__name__}: {exc}", type="server_error",
-                           code="pipeline_error")
+            result = await await_job(engine, job, request, limits.request_timeout_s)
+        except ClientGone:
+            return Response(status_code=499)
         data = []
-        for png, seed in waiter.result():
+        for png, seed in result:
             if response_format == "url":
                 data.append(ImageData(url=f"{str(request.base_url).rstrip('/')}/files/images/{urls.put(png)}.png",
                                       seed=seed))
             else:
                 data.append(ImageData(b64_json=base64.b64encode(png).decode("ascii"), seed=seed))
-        return ImagesResponse(created=int(time.time()), data=data, size=f"{job.width}x{job.height}")
+        return ImagesResponse(created=int(time.time()), data=data, size=f"{params.width}x{params.height}")
 
     # -- endpoints --------------------------------------------------------------------------------------
-    @api.post("/v1/images/generations", response_model=ImagesResponse, responses=ERROR_RESPONSES,
-              summary="Create images from a prompt (OpenAI images.generate)")
-    async def generations(body: ImageGenerationRequest, request: Request):
+    async def generations(body, request: Request):
         check_model(body.model)
-        job = build_job("generate", prompt=body.prompt, n=body.n, size=body.size, seed=body.seed,
-                        steps=body.num_inference_steps, guidance=body.guidance_scale, true_cfg=body.true_cfg_scale,
-                        negative=body.negative_prompt)
-        return await execute(job, request, body.response_format)
+        params = build_request("generate", prompt=body.prompt, n=body.n, size=body.size, seed=body.seed,
+                               steps=body.num_inference_steps, guidance=body.guidance_scale,
+                               true_cfg=body.true_cfg_scale, negative=body.negative_prompt)
+        return await execute(params, "/v1/images/generations", request, body.response_format)
+
+    generations.__annotations__["body"] = GenerationRequest  # a class of this server: not resolvable by name
+    api.post("/v1/images/generations", response_model=ImagesResponse, responses=ERROR_RESPONSES,
+             summary="Create images from a prompt (OpenAI images.generate)")(generations)
 
     @api.post("/v1/images/edits", response_model=ImagesResponse, responses=ERROR_RESPONSES,
               summary="Edit image(s) with a prompt (OpenAI images.edit); edit-capable models only")
@@ -317,17 +348,18 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
         image_list: list[UploadFile] | None = File(None, alias="image[]",
                                                    description="several input images (what the openai client "
                                                                "sends for a list)"),
-        mask: UploadFile | None = File(None, description="not supported: a request with a mask gets 400"),
+        mask: UploadFile | str | None = File(None, description="not supported: a request with a mask (file or "
+                                                               "text) gets 400"),
         model_name: str | None = Form(None, alias="model", max_length=256),
-        n: int = Form(1, ge=1, le=HARD_MAX_N),
-        size: str | None = Form(None, max_length=16, description=SIZE_DESCRIPTION + " Omitted = the size of the "
-                                                                                  "first image, rounded down to "
-                                                                                  "the multiple and capped."),
+        n: int = Form(1, ge=1, le=limits.max_n, description="images to generate (server limit --max-n)"),
+        size: str | None = Form(None, max_length=16, description=size_description(limits) + " Omitted = the size "
+                                "of the first image, rounded down to the multiple and capped."),
         response_format: Literal["b64_json", "url"] = Form("b64_json"),
-        seed: int | None = Form(None, ge=0, le=2**63 - 1),
-        num_inference_steps: int | None = Form(None, ge=1, le=HARD_MAX_STEPS),
-        guidance_scale: float | None = Form(None, ge=0.0, le=100.0),
-        true_cfg_scale: float | None = Form(None, ge=0.0, le=100.0),
+        seed: int | None = Form(None, ge=0, le=MAX_SEED),
+        num_inference_steps: int | None = Form(None, ge=1, le=limits.max_steps,
+                                               description="denoising steps (server limit --max-steps)"),
+        guidance_scale: float | None = Form(None, ge=0.0, le=MAX_GUIDANCE),
+        true_cfg_scale: float | None = Form(None, ge=0.0, le=MAX_GUIDANCE),
         negative_prompt: str | None = Form(None, max_length=HARD_MAX_PROMPT),
     ):
         check_model(model_name)
@@ -342,8 +374,11 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
         if not uploads:
             raise ApiError(400, "missing required parameter: 'image'", param="image",
                            code="missing_required_parameter")
-        if len(uploads) > limits.max_input_images:
-            raise bad_request(f"{len(uploads)} images sent; at most {limits.max_input_images} are accepted", "image")
+        most = min(limits.max_input_images, model.max_references)
+        if len(uploads) > most:
+            why = (f"{model.pipeline_class} takes one reference image" if model.max_references == 1 else
+                   f"at most {most} are accepted")
+            raise bad_request(f"{len(uploads)} images sent; {why}", "image", "too_many_images")
         decoded = []
         for up in uploads:
             data = await up.read(limits.max_upload_bytes + 1)
@@ -355,10 +390,11 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
             scale = min(1.0, (min(limits.max_pixels, model.native_size[0] * model.native_size[1]) / (w * h)) ** 0.5)
             w, h = max(m, int(w * scale) // m * m), max(m, int(h * scale) // m * m)
             size = f"{min(w, limits.max_size // m * m)}x{min(h, limits.max_size // m * m)}"
-        job = build_job("edit", prompt=prompt, n=n, size=size, seed=seed, steps=num_inference_steps,
-                        guidance=guidance_scale, true_cfg=true_cfg_scale, negative=negative_prompt)
-        job.images = [fit_area(im, job.width, job.height) for im in decoded]
-        return await execute(job, request, response_format)
+        params = build_request("edit", prompt=prompt, n=n, size=size, seed=seed, steps=num_inference_steps,
+                               guidance=guidance_scale, true_cfg=true_cfg_scale, negative=negative_prompt)
+        params.images = [fit_area(im, params.width, params.height) for im in decoded]
+        check_references(decoded, params.images)
+        return await execute(params, "/v1/images/edits", request, response_format)
 
     @api.get("/files/images/{name}", responses={404: ERROR_RESPONSES[404]}, summary="An image of response_format=url",
              response_class=Response)
@@ -373,7 +409,9 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
         caps = ["generations"] + (["edits"] if model.can_edit else [])
         return ModelCard(id=model.id, created=model.created, family=model.family, pipeline=model.pipeline_class,
                          capabilities=caps, native_size=f"{model.native_size[0]}x{model.native_size[1]}",
-                         size_multiple=model.size_multiple)
+                         size_multiple=model.size_multiple,
+                         limits={"max_n": limits.max_n, "max_steps": limits.max_steps, "max_size": limits.max_size,
+                                 "max_request_cost": limits.max_cost})
 
     @api.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]},
              summary="The served model")
@@ -395,8 +433,9 @@ def create_app(model: LoadedModel, engine: Engine, *, limits: Limits | None = No
         metrics.queue_depth.set(engine.queue_depth)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app = _Guard(api, metrics=metrics, api_key=api_key, max_body=limits.max_body_bytes)
+    app = _Guard(api, metrics=metrics, api_key=api_key, max_body=limits.max_body_bytes, body_timeout_s=body_timeout_s)
     app.fastapi = api  # for app.fastapi.openapi()
+    app.limits = limits
     return app
 
 

@@ -1,47 +1,69 @@
-"""The model, the bounded queue and the batching worker of ``omni-accel serve``.
+"""The image side of ``omni-accel serve``: the served model, its limits, the pipeline call of one batch, and the
+image job kind on the shared job mechanism (serve/jobs.py).
 
-One worker thread owns the pipeline (a diffusers pipeline is not safe to call from two threads). It takes the
-oldest pending request and every other pending request of the same shape (kind, size, steps, guidance, true CFG,
-negative prompt or not) -- up to ``max_concurrency`` requests and ``max_batch_images`` images -- and calls the
-pipeline once with the list of their prompts and one seeded generator per image, so a batched image is the image
-the same request would get alone. Requests wait in a bounded queue (``max_queue``; full -> 429); a request that is
-cancelled (client gone, timeout) before its batch starts is dropped; a running batch whose requests are all
-cancelled is aborted at the next denoising step (single process only: ranks must stay in step).
+The image queue's worker takes the oldest pending request and every other pending request of the same shape
+(size, steps, guidance, true CFG, negative prompt or not) -- up to ``max_concurrency`` requests and
+``max_batch_images`` images -- and calls the pipeline once with the list of their prompts and one seeded generator
+per image, so a batched image is the image the same request would get alone. Edits never batch. A running batch
+whose requests are all cancelled is aborted at the next denoising step (single process only: ranks must stay in
+step).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
+import dataclasses
 import inspect
 import io
 import logging
-import math
-import os
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .jobs import Aborted, Job, JobKind, JobQueue  # noqa: F401 -- Aborted: raised by the step callback
+
 logger = logging.getLogger("omni_accel.serve")
 
 BUILTIN_ID = "omni-accel-builtin"
+DEFAULT_STEPS = 28  # for a pipeline whose __call__ names no default
+MAX_REFERENCES = 16  # what a multi-reference pipeline is trusted with (the server's --max-input-images is lower)
 
 
 @dataclass
 class Limits:
-    """Per-request limits of the server (all configurable on the command line)."""
+    """Per-request limits of the server (all configurable on the command line). ``max_size`` / ``max_pixels`` /
+    ``max_cost`` left at None are sized to the served model by ``resolved``."""
 
     max_n: int = 4
     max_steps: int = 100
-    max_size: int = 2048  # largest side in pixels
-    max_pixels: int = 2048 * 2048  # largest output width*height
+    max_size: int | None = None  # largest side in pixels (None: twice the model's native side)
+    max_pixels: int | None = None  # largest output width*height (None: max_size squared)
+    max_cost: float | None = None  # megapixel-steps of one request (None: COST_HEADROOM x a native-size request)
     max_body_bytes: int = 20 * 2**20
     max_upload_bytes: int = 20 * 2**20
     max_input_pixels: int = 4096 * 4096  # decoded pixels of one uploaded image (decompression bombs)
     max_input_images: int = 4
     request_timeout_s: float = 300.0
+
+    def resolved(self, model: "LoadedModel") -> "Limits":
+        """These limits with the model-sized ones filled in: the largest side defaults to twice the model's
+        native one, the cost bound to COST_HEADROOM times a request of ``max_n`` native-size images at the model's
+        default steps (a CPU worker must not be held for many minutes by one request at the default limits)."""
+        m = model.size_multiple
+        max_size = self.max_size or max(m, 2 * max(model.native_size) // m * m)
+        native_cost = request_cost(1, model.native_size[0], model.native_size[1], model.default_steps)
+        return dataclasses.replace(
+            self, max_size=max_size, max_pixels=self.max_pixels or max_size * max_size,
+            max_cost=self.max_cost or round(COST_HEADROOM * native_cost, 3))
+
+
+COST_HEADROOM = 8.0  # the default cost bound in native-size, default-step images
+
+
+def request_cost(images: int, width: int, height: int, steps: int, frames: int = 1) -> float:
+    """Megapixel-steps: the unit of the per-request cost bound and of the worker's time estimates (the transformer
+    works on every pixel of every image or frame at every step)."""
+    return images * frames * width * height * steps / 1e6
 
 
 @dataclass
@@ -56,6 +78,8 @@ class LoadedModel:
     size_multiple: int
     can_edit: bool
     accepted: frozenset = frozenset()
+    max_references: int = 1  # reference images an edit takes at most (several for multi-reference pipelines)
+    min_reference_side: int = 1  # smallest side of a reference image the pipeline accepts
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -81,18 +105,20 @@ class LoadedModel:
             if key not in defaults and key in params and params[key].default is not inspect.Parameter.empty:
                 defaults[key] = params[key].default
         return cls(pipe=pipe, id=model_id, family=adapter.family, defaults=defaults, native_size=native_size,
-                   size_multiple=multiple, can_edit=adapter.is_edit_pipeline(pipe), accepted=frozenset(params))
+                   size_multiple=multiple, can_edit=adapter.is_edit_pipeline(pipe), accepted=frozenset(params),
+                   max_references=MAX_REFERENCES if adapter.takes_several_references(pipe) else 1,
+                   min_reference_side=adapter.min_reference_side or multiple)
 
     @property
     def pipeline_class(self) -> str:
         return type(self.pipe).__name__
 
+    @property
+    def default_steps(self) -> int:
+        return int(self.defaults.get("num_inference_steps") or DEFAULT_STEPS)
+
 
 # ------------------------------------------------------------------------------------------------ one call
-class Aborted(Exception):
-    """Raised from the step callback when every request of the running batch was cancelled."""
-
-
 def build_call_kwargs(model: LoadedModel, spec: dict) -> dict:
     """The pipeline kwargs of a batch ``spec`` (plain data: identical on every rank)."""
     import torch
@@ -124,17 +150,12 @@ def build_call_kwargs(model: LoadedModel, spec: dict) -> dict:
 
 
 def run_spec(model: LoadedModel, spec: dict, should_abort: Callable[[], bool] | None = None) -> list:
-    """Call the pipeline for one batch; returns the PIL images in prompt order."""
+    """Call the pipeline for one batch; returns the PIL images in prompt order. ``should_abort`` (a JobControl
+    when the job queue calls) is asked at every step and hears the steps done."""
     import torch
 
     kwargs = build_call_kwargs(model, spec)
-    if should_abort is not None and "callback_on_step_end" in model.accepted:
-        def _callback(_pipe, _i, _t, _kw):
-            if should_abort():
-                raise Aborted()
-            return {}
-
-        kwargs["callback_on_step_end"] = _callback
+    add_step_callback(model, kwargs, should_abort, spec["steps"])
     with torch.inference_mode():
         out = model.pipe(**kwargs)
     from ..cli import _to_pil_list
@@ -147,15 +168,34 @@ def run_spec(model: LoadedModel, spec: dict, should_abort: Callable[[], bool] | 
     return images
 
 
+def add_step_callback(model: LoadedModel, kwargs: dict, control: Callable[[], bool] | None, steps: int) -> None:
+    """diffusers' ``callback_on_step_end``: stop the call when ``control()`` says every job of it was cancelled,
+    and report the steps done to ``control.progress`` (a JobControl has it)."""
+    if control is None or "callback_on_step_end" not in model.accepted:
+        return
+    progress = getattr(control, "progress", None)
+
+    def _callback(_pipe, index, _t, _kw):
+        if control():
+            raise Aborted()
+        if progress is not None:
+            progress(index + 1, steps)
+        return {}
+
+    kwargs["callback_on_step_end"] = _callback
+
+
 def png_bytes(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
 
 
-# ------------------------------------------------------------------------------------------------ jobs
+# ------------------------------------------------------------------------------------------------ image jobs
 @dataclass
-class Job:
+class ImageRequest:
+    """The params of one image job."""
+
     op: str  # "generate" | "edit"
     prompt: str
     n: int
@@ -167,14 +207,14 @@ class Job:
     true_cfg_scale: float | None = None
     negative_prompt: str | None = None
     images: list = field(default_factory=list)
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    cancelled: bool = False
-    started: bool = False
-    enqueued: float = field(default_factory=time.monotonic)
 
     @property
     def seeds(self) -> list[int]:
         return [(self.seed + i) % 2**63 for i in range(self.n)]
+
+    @property
+    def cost(self) -> float:
+        return request_cost(self.n, self.width, self.height, self.steps)
 
     @property
     def key(self) -> tuple | None:
@@ -185,185 +225,64 @@ class Job:
                 self.negative_prompt is not None)
 
 
-class QueueFull(Exception):
-    def __init__(self, retry_after: int):
-        super().__init__(f"queue full, retry after {retry_after}s")
-        self.retry_after = retry_after
+class ImageKind(JobKind):
+    """Image jobs: batched by shape up to ``max_batch_images`` images a call; results are (PNG, seed) lists."""
 
+    name = "image"
 
-class Engine:
-    """Bounded queue + the batching worker thread. ``executor(spec, should_abort)`` runs one batch (rank 0 of a
-    distributed server broadcasts the spec first); ``on_idle`` is called when no work came for ``idle_s``."""
-
-    def __init__(self, model: LoadedModel, *, max_queue: int = 32, max_concurrency: int = 4,
-                 max_batch_images: int = 8, executor: Callable | None = None, on_idle: Callable | None = None,
-                 idle_s: float = 30.0, can_abort: bool = True, metrics: Any = None):
+    def __init__(self, model: LoadedModel, max_batch_images: int, metrics: Any = None):
         self.model = model
-        self.max_queue = max_queue
-        self.max_concurrency = max_concurrency
-        self.max_batch_images = max(max_batch_images, 1)
-        self.executor = executor or (lambda spec, abort: run_spec(model, spec, abort))
-        self.on_idle = on_idle
-        self.idle_s = idle_s
-        self.can_abort = can_abort
+        self.max_batch_images = max(1, max_batch_images)
         self.metrics = metrics
-        self._cond = threading.Condition()
-        self._pending: collections.deque[Job] = collections.deque()
-        self._running: list[Job] = []
-        self._stopping = False
-        self._avg_batch_s = 1.0
-        self._thread = threading.Thread(target=self._loop, name="omni-accel-serve-worker", daemon=True)
 
-    # -- admission ----------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
+    def job(self, request: ImageRequest, route: str) -> Job:
+        return Job(kind=self, route=route, params=request, cost=request.cost, key=request.key)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        with self._cond:
-            self._stopping = True
-            for job in self._pending:
-                job.cancelled = True
-                job.future.cancel()
-            self._pending.clear()
-            self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def fits(self, batch: list[Job], job: Job) -> bool:
+        return sum(j.params.n for j in batch) + job.params.n <= self.max_batch_images
 
-    @property
-    def queue_depth(self) -> int:
-        return len(self._pending)
+    def spec(self, batch: list[Job]) -> dict:
+        return batch_spec([job.params for job in batch])
 
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    def retry_after(self) -> int:
-        batches_ahead = len(self._pending) / max(self.max_concurrency, 1) + 1
-        return max(1, math.ceil(self._avg_batch_s * batches_ahead))
-
-    def submit(self, job: Job) -> concurrent.futures.Future:
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFull(self.retry_after())
-            self._pending.append(job)
-            self._gauge()
-            self._cond.notify()
-        return job.future
-
-    def cancel(self, job: Job) -> str | None:
-        """Cancel ``job``: dropped if still queued ("queued"), flagged if running ("running"), None if done."""
-        with self._cond:
-            if job.future.done():
-                return None
-            job.cancelled = True
-            if not job.started:
-                try:
-                    self._pending.remove(job)
-                except ValueError:
-                    pass
-                job.future.cancel()
-                self._gauge()
-                return "queued"
-            return "running"
-
-    def _gauge(self) -> None:
+    def finish(self, batch: list[Job], images: list, seconds: float) -> list:
+        encoded = [png_bytes(im) for im in images]
         if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._pending))
-            self.metrics.running.set(len(self._running))
-
-    # -- the worker ---------------------------------------------------------------------------------------
-    def _take_batch(self) -> list[Job]:
-        first = self._pending.popleft()
-        batch, images = [first], first.n
-        if first.key is not None:
-            for job in list(self._pending):
-                if len(batch) >= self.max_concurrency:
-                    break
-                if job.key == first.key and images + job.n <= self.max_batch_images:
-                    self._pending.remove(job)
-                    batch.append(job)
-                    images += job.n
+            self.metrics.observe_batch(self.model, len(batch), len(images), seconds)
+        results, offset = [], 0
         for job in batch:
-            job.started = True
-        return batch
+            results.append(list(zip(encoded[offset:offset + job.params.n], job.params.seeds)))
+            offset += job.params.n
+        return results
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopping:
-                    if not self._cond.wait(self.idle_s) and self.on_idle is not None and not self._pending:
-                        break
-                if self._stopping:
-                    return
-                if not self._pending:
-                    batch = None
-                else:
-                    batch = self._take_batch()
-                    self._running = batch
-                    self._gauge()
-            if batch is None:
-                try:
-                    self.on_idle()
-                except Exception:  # noqa: BLE001
-                    logger.exception("omni_accel.serve: idle hook failed")
-                continue
-            self._run_batch(batch)
-            with self._cond:
-                self._running = []
-                self._gauge()
 
-    def _run_batch(self, batch: list[Job]) -> None:
-        first = batch[0]
-        spec = {
-            "op": first.op,
-            "prompts": [job.prompt for job in batch for _ in range(job.n)],
-            "negative_prompts": ([job.negative_prompt for job in batch for _ in range(job.n)]
-                                 if first.negative_prompt is not None else None),
-            "seeds": [s for job in batch for s in job.seeds],
-            "width": first.width, "height": first.height, "steps": first.steps,
-            "guidance_scale": first.guidance_scale, "true_cfg_scale": first.true_cfg_scale,
-            "images": first.images,
-        }
-        abort = (lambda: all(job.cancelled for job in batch)) if self.can_abort else None
-        t0 = time.perf_counter()
-        try:
-            images = self.executor(spec, abort)
-            encoded = [png_bytes(im) for im in images]
-        except Aborted:
-            logger.info("omni_accel.serve: batch of %d request(s) aborted: all cancelled", len(batch))
-            for job in batch:
-                job.future.cancel()
-            return
-        except BaseException as exc:  # noqa: BLE001 -- answer every request of the batch, keep serving
-            logger.exception("omni_accel.serve: pipeline call failed")
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(exc)
-            return
-        elapsed = time.perf_counter() - t0
-        self._avg_batch_s = 0.7 * self._avg_batch_s + 0.3 * elapsed
-        if self.metrics is not None:
-            self.metrics.observe_batch(self.model, len(batch), len(images), elapsed)
-        offset = 0
-        for job in batch:
-            part = encoded[offset:offset + job.n]
-            offset += job.n
-            if not job.future.done():
-                job.future.set_result(list(zip(part, job.seeds)))
+def batch_spec(batch: list[ImageRequest]) -> dict:
+    """The plain-data description of one pipeline call for ``batch`` (what a distributed server broadcasts)."""
+    first = batch[0]
+    return {
+        "kind": ImageKind.name,
+        "op": first.op,
+        "prompts": [r.prompt for r in batch for _ in range(r.n)],
+        "negative_prompts": ([r.negative_prompt for r in batch for _ in range(r.n)]
+                             if first.negative_prompt is not None else None),
+        "seeds": [s for r in batch for s in r.seeds],
+        "width": first.width, "height": first.height, "steps": first.steps,
+        "guidance_scale": first.guidance_scale, "true_cfg_scale": first.true_cfg_scale,
+        "images": first.images,
+    }
+
+
+def image_queue(model: LoadedModel, *, max_queue: int = 32, max_concurrency: int = 4, max_batch_images: int = 8,
+                executor: Callable | None = None, on_idle: Callable | None = None, idle_s: float = 30.0,
+                can_abort: bool = True, metrics: Any = None) -> JobQueue:
+    """The job queue of an image model: ``executor(spec, control)`` runs one batch (default: ``run_spec`` here;
+    rank 0 of a distributed server broadcasts first). Its image kind is ``queue.kinds["image"]``."""
+    queue = JobQueue("images", executor or (lambda spec, control: run_spec(model, spec, control)),
+                     max_queue=max_queue, max_batch=max_concurrency, metrics=metrics, on_idle=on_idle, idle_s=idle_s,
+                     can_abort=can_abort,
+                     gauges=(metrics.queue_depth, metrics.running) if metrics is not None else None)
+    queue.kinds["image"] = ImageKind(model, max_batch_images, metrics)
+    return queue
 
 
 def random_seed() -> int:
     return secrets.randbelow(2**31)
-
-
-def env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default

@@ -47,3 +47,20 @@ def timeout_error(timeout_s: float) -> ApiError:
 class StreamAborted(Exception):
     """Raised from a streamed body after its 200 header went out, to cut the connection instead of ending the body
     cleanly: the client reads an incomplete response (for raw audio there is no other way to say "failed")."""
+
+
+def shutting_down_error() -> ApiError:
+    """503 for a request that comes, or still waits in the queue, while the server drains."""
+    return ApiError(503, "the server is shutting down: this request was not run; send it again once the server is "
+                         "back (or to another instance)", type="server_error", code="unavailable",
+                    headers={"Connection": "close"})
+
+
+def pipeline_failure(exc: BaseException, what: str = "the pipeline") -> ApiError:
+    """The answer for an exception raised by the pipeline call. A ``ValueError`` (``AccelError`` included) is the
+    pipeline refusing the request's values -- diffusers' ``check_inputs`` raises it -- so it is the client's: 400.
+    Anything else is the server's: 500."""
+    if isinstance(exc, ValueError):
+        return ApiError(400, f"{what} refused the request: {exc}", code="pipeline_refused")
+    return ApiError(500, f"{what} call failed: {exc.__class__.__name__}: {exc}", type="server_error",
+                    code="pipeline_error")

@@ -1,4 +1,10 @@
-"""Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process).
+
+The job mechanism (serve/jobs.py) reports every route in one family labelled by ``route``: ``omni_accel_jobs_total
+{route, outcome}``, ``omni_accel_jobs_queued{route}``, ``omni_accel_jobs_running{route}``,
+``omni_accel_job_wait_seconds{route}`` and ``omni_accel_job_run_seconds{route}``. The older unlabelled gauges
+(``omni_accel_queue_depth``, ``omni_accel_speech_queue_depth`` ...) and the totals over routes
+(``omni_accel_cancelled_requests_total``, ``omni_accel_rejected_requests_total``) stay for existing dashboards."""
 
 from __future__ import annotations
 
@@ -33,6 +39,15 @@ class ServeMetrics:
                                  ["stage", "reason"], registry=r)
         self.rejected = Counter("omni_accel_rejected_requests", "requests refused with 429 (queue full)",
                                 registry=r)
+        self.jobs = Counter("omni_accel_jobs", "jobs by route and outcome (completed, failed, cancelled, rejected)",
+                            ["route", "outcome"], registry=r)
+        self.jobs_queued = Gauge("omni_accel_jobs_queued", "jobs waiting for their model's worker", ["route"],
+                                 registry=r)
+        self.jobs_running = Gauge("omni_accel_jobs_running", "jobs in a pipeline call now", ["route"], registry=r)
+        self.job_wait = Histogram("omni_accel_job_wait_seconds", "seconds from admission to the start of the job's "
+                                  "call", ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.job_run = Histogram("omni_accel_job_run_seconds", "seconds of the pipeline call a job ran in",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.speech_queue_depth = Gauge("omni_accel_speech_queue_depth", "speech requests waiting", registry=r)
         self.speech_running = Gauge("omni_accel_speech_running_requests", "speech requests generating now",
                                     registry=r)

@@ -41,10 +41,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "speech requests have a queue of their own of the same size)")
     s.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may take, queue included; longer -> 504 (default 300)")
+    s.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM / SIGINT: queued requests are answered 503 at once, running ones get this many "
+                        "seconds to finish before they are answered 503 too; then the server exits 0 (default 30)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client may take to send a request's headers; longer -> 408 (default 10)")
+    s.add_argument("--idle-timeout", type=float, default=15.0,
+                   help="seconds a kept-alive connection may sit idle, and a request body may stall (408) "
+                        "(default 15)")
+    s.add_argument("--max-connections-per-client", type=int, default=64,
+                   help="open connections of one client address at most; more -> 429 (default 64)")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open connections in all at most; more -> 503 (default 4 x (--max-queue + "
+                        "--max-concurrency) + 64)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-n", type=int, default=4, help="images per request at most (default 4)")
     lim.add_argument("--max-steps", type=int, default=100, help="num_inference_steps at most (default 100)")
-    lim.add_argument("--max-size", type=int, default=2048, help="largest image side in pixels (default 2048)")
+    lim.add_argument("--max-size", type=int, default=None,
+                     help="largest image side in pixels (default: twice the model's native side: 256 for the "
+                          "built-in model, 2048 for FLUX.1)")
+    lim.add_argument("--max-request-cost", type=float, default=None, metavar="MPX_STEPS",
+                     help="cost of one request at most, in megapixel-steps: n x width x height x steps / 1e6 "
+                          "(default: 8 requests of one native-size image at the model's default steps, e.g. "
+                          "2.6 for the built-in model, 235 for FLUX.1)")
     lim.add_argument("--max-body-mb", type=float, default=20.0, help="request body at most, MiB (default 20)")
     lim.add_argument("--max-upload-mb", type=float, default=20.0, help="one uploaded image at most, MiB (default 20)")
     lim.add_argument("--max-input-pixels", type=int, default=4096 * 4096,
@@ -77,16 +96,24 @@ def _model_id(args) -> str:
 
 def _check_args(args) -> None:
     from ..cli import CliError
+    from .app import check_api_key
 
     for name in ("max_concurrency", "max_batch_images", "max_queue", "max_n", "max_steps", "max_size",
-                 "max_input_pixels", "url_cache"):
-        if getattr(args, name) < 1:
+                 "max_input_pixels", "url_cache", "max_connections_per_client", "max_connections"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be >= 1.")
-    for name in ("request_timeout", "max_body_mb", "max_upload_mb"):
-        if getattr(args, name) <= 0:
+    for name in ("request_timeout", "max_body_mb", "max_upload_mb", "max_request_cost", "header_timeout",
+                 "idle_timeout"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be > 0.")
+    if args.shutdown_grace < 0:
+        raise CliError(f"--shutdown-grace {args.shutdown_grace} is invalid: it must be >= 0.")
     if not 0 <= args.port < 65536:
         raise CliError(f"--port {args.port} is not a port number.")
+    try:
+        check_api_key(args.api_key)
+    except ValueError as exc:
+        raise CliError(f"--api-key / OMNI_ACCEL_API_KEY: {exc}.")
 
 
 def load_model(args):
@@ -136,36 +163,69 @@ def _warmup(model) -> None:
 
 
 def build_server(args, model, *, leader=None, world_size: int = 1):
-    """(uvicorn.Server, engine) for rank 0 / a single process."""
-    import uvicorn
-
+    """(uvicorn.Server, the image job queue) for rank 0 / a single process; ``server.drains`` are all its job
+    queues (``serve`` stops them)."""
     from .app import create_app
-    from .engine import Engine, Limits
+    from .engine import Limits, image_queue
     from .metrics import ServeMetrics
 
     limits = Limits(max_n=args.max_n, max_steps=args.max_steps, max_size=args.max_size,
-                    max_pixels=args.max_size * args.max_size, max_body_bytes=int(args.max_body_mb * MB),
+                    max_cost=args.max_request_cost, max_body_bytes=int(args.max_body_mb * MB),
                     max_upload_bytes=int(args.max_upload_mb * MB), max_input_pixels=args.max_input_pixels,
                     request_timeout_s=args.request_timeout)
     metrics = ServeMetrics()
     from .distributed import PING_S
 
-    engine = Engine(model, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
-                    max_batch_images=args.max_batch_images, metrics=metrics,
-                    executor=leader.execute if leader else None, on_idle=leader.ping if leader else None,
-                    idle_s=PING_S, can_abort=leader is None)
+    engine = image_queue(model, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
+                         max_batch_images=args.max_batch_images, metrics=metrics,
+                         executor=leader.executor("image") if leader else None,
+                         on_idle=leader.ping if leader else None, idle_s=PING_S, can_abort=leader is None)
     app = create_app(model, engine, limits=limits, api_key=args.api_key, metrics=metrics, url_cache=args.url_cache,
-                     world_size=world_size)
-    if getattr(args, "speech_model", None):  # speech routes beside the image ones, with their own queue
+                     world_size=world_size, body_timeout_s=args.idle_timeout)
+    queues = [engine]
+    if getattr(args, "speech_model", None):  # speech routes beside the image ones, with a queue of their own
         from .speech import SpeechSettings, folder_name, install, load_pipeline
 
-        install(app.fastapi, load_pipeline(args), SpeechSettings.from_args(args, folder_name(args.speech_model)),
-                metrics)
+        queues.append(install(app.fastapi, load_pipeline(args),
+                              SpeechSettings.from_args(args, folder_name(args.speech_model)), metrics))
+    return uvicorn_server(app, args, drains=queues), engine
+
+
+def uvicorn_server(app, args, drains=()):
+    """The uvicorn server of ``app`` with the connection guards of the flags and the drain on SIGTERM / SIGINT."""
+    import uvicorn
+
+    from .transport import DrainingServer, guarded_protocol
+
     log_level = "warning" if getattr(args, "verbose", 0) == 0 else "info"
+    max_connections = args.max_connections or 4 * (args.max_queue + args.max_concurrency) + 64
+    protocol = guarded_protocol(header_timeout_s=args.header_timeout, max_per_client=args.max_connections_per_client,
+                                max_connections=max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=False,
-                            limit_concurrency=4 * (args.max_queue + args.max_concurrency) + 64,
+                            http=protocol, timeout_keep_alive=max(1, round(args.idle_timeout)),
                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
-    return uvicorn.Server(config), engine
+    return DrainingServer(config, drains=list(drains), grace_s=args.shutdown_grace)
+
+
+def serve(server, leader=None) -> int:
+    """Run ``server`` until it is told to stop (drained on a signal); then stop its job queues and the followers."""
+    try:
+        server.run()
+    finally:
+        # under torchrun the running call cannot be aborted (every rank is in it): wait for it before the stop
+        # broadcast, which must not interleave with the call's collectives
+        for queue in server.drains:
+            queue.stop(timeout=None if leader is not None else 30.0)
+        if leader is not None:
+            leader.stop()
+    return 0
+
+
+def image_runner(model):
+    """The pipeline call of an image spec on this rank (rank 0's executor, or a follower's runner)."""
+    from .engine import run_spec
+
+    return lambda spec, control=None: run_spec(model, spec, control)
 
 
 def run(args) -> int:
@@ -195,27 +255,22 @@ def run(args) -> int:
         model = load_model(args)
         if not args.no_warmup:
             _warmup(model)  # every rank: the same local call, no collectives outside the pipeline's own
+        runners = {"image": image_runner(model)}
         if rank != 0:
             from .distributed import follower_loop
 
-            follower_loop(model)
+            follower_loop(runners)
             return 0
         leader = None
         if world > 1:
             from .distributed import Leader
 
-            leader = Leader(model)
+            leader = Leader(runners)
         server, engine = build_server(args, model, leader=leader, world_size=world)
         engine.start()
         print(f"omni-accel serve: {model.id} ({model.pipeline_class}) on http://{args.host}:{args.port} "
               f"(world size {world})", file=sys.stderr, flush=True)
-        try:
-            server.run()
-        finally:
-            engine.stop()
-            if leader is not None:
-                leader.stop()
-        return 0
+        return serve(server, leader)
     finally:
         if world > 1:
             from .. import distributed as odist

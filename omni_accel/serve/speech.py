@@ -6,10 +6,10 @@
   events (base64 PCM) then ``speech.audio.done``, as OpenAI's API does.
 * ``GET /v1/audio/voices`` -- the model's voices.
 
-Admission follows the image endpoints' rules with the same flags: one speech request runs at a time (the pipeline
-holds a lock), at most ``--max-queue`` more wait (beyond that 429 + Retry-After), and a request not answered within
-``--request-timeout`` gets 504. A client that goes away, or a request that times out, sets the generation's cancel
-event: the pipeline stops at its next talker step or audio chunk and the next request starts.
+Speech requests are jobs on the shared job mechanism (serve/jobs.py), with the image endpoints' rules and flags: a
+queue and worker of their own, one request generating at a time, at most ``--max-queue`` more waiting (beyond that
+429 + Retry-After), 504 after ``--request-timeout``, a drain on SIGTERM. A client that goes away, or a request that
+times out, cancels its job: the pipeline stops at its next talker step or audio chunk and the next request starts.
 
 A stream's 200 header goes out with its first chunk, so anything that fails before it is an ordinary error answer.
 A failure after it ends an SSE stream with an ``error`` event and cuts a raw PCM stream (no final chunk: the client
@@ -28,20 +28,19 @@ import importlib.util
 import io
 import json
 import logging
-import math
 import os
 import struct
 import sys
-import threading
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from .errors import ApiError, StreamAborted, bad_request, queue_full_error, timeout_error
+from .errors import ApiError, StreamAborted, bad_request, pipeline_failure, shutting_down_error, timeout_error
+from .jobs import (WAITING, Aborted, ClientGone, Job, JobKind, JobQueue, ShuttingDown, Stream, await_job,
+                   submit_or_raise)
 
 logger = logging.getLogger("omni_accel.serve")
 
@@ -122,190 +121,75 @@ def sse_event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-# -- admission ----------------------------------------------------------------------------------------------
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
+# -- the speech job ------------------------------------------------------------------------------------------
+class SpeechKind(JobKind):
+    """Speech jobs: one at a time (the pipeline holds its engines), never batched; a streamed job emits the
+    pipeline's chunks, a whole one results in the pipeline's SpeechResult. Cost: characters of input (Retry-After
+    estimates scale with the text)."""
+
+    name = "speech"
+    what = "the speech pipeline"
+
+    def job(self, params: dict, route: str = "/v1/audio/speech", stream: Stream | None = None) -> Job:
+        return Job(kind=self, route=route, params=params, cost=max(1, len(params["input"])), stream=stream)
+
+    def spec(self, batch: list[Job]) -> dict:
+        return dict(batch[0].params, streamed=batch[0].stream is not None)
 
 
-class SpeechAdmission:
-    """One speech request runs at a time, at most ``max_queue`` wait in arrival order, more are refused (429).
+def speech_executor(pipeline: Any) -> Callable[[dict, Any], Any]:
+    """The queue's executor: the pipeline's stream (chunks emitted) or one whole generation, stopped at its next
+    talker step or chunk when the job is cancelled."""
+    from ..ar_bridge.speech import SpeechCancelled
 
-    The slot is handed back by ``leave`` when the generation thread has ended -- not when the HTTP answer ends -- so
-    a request whose client left holds it only until the pipeline has stopped, and the next one never queues behind
-    the pipeline's own lock where its deadline could not be enforced."""
-
-    def __init__(self, max_queue: int, metrics: Any):
-        self.max_queue = max_queue
-        self.metrics = metrics
-        self.waiting = 0
-        self.running = 0
-        self._slot = asyncio.Semaphore(1)  # FIFO: waiters are woken in arrival order
-        self._avg_run_s = 5.0  # a first guess for Retry-After, replaced by measured run times
-        self._started = 0.0
-
-    def retry_after(self) -> int:
-        return max(1, math.ceil(self._avg_run_s * (self.waiting + 1)))
-
-    async def enter(self, request: Request, deadline: float, timeout_s: float) -> None:
-        """Wait for the slot: ApiError 429 when the queue is full, 504 at ``deadline`` (``timeout_s`` after the
-        request came); ClientGone if the client leaves while waiting (its place is given up, it never runs)."""
-        if self._slot.locked() and self.waiting >= self.max_queue:
-            self.metrics.rejected.inc()
-            wait_s = self.retry_after()
-            raise queue_full_error(self.waiting, self.max_queue, wait_s, what="speech requests")
-        loop = asyncio.get_running_loop()
-        acquire = asyncio.ensure_future(self._slot.acquire())
-        self._set_waiting(+1)
+    def execute(spec: dict, control) -> Any:
+        options = {k: spec[k] for k in ("seed", "speed", "sampling", "max_codes")}
         try:
-            while not acquire.done():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    self.metrics.cancelled.labels("queued", "timeout").inc()
-                    raise timeout_error(timeout_s)
-                await asyncio.wait({acquire}, timeout=min(POLL_S, remaining))
-                if not acquire.done() and await request.is_disconnected():
-                    self.metrics.cancelled.labels("queued", "disconnect").inc()
-                    raise ClientGone()
-        except BaseException:
-            self._give_up(acquire)
-            raise
-        finally:
-            self._set_waiting(-1)
-        self._started = time.monotonic()
-        self._set_running(1)
+            if spec["streamed"]:
+                for chunk in pipeline.stream(spec["input"], spec["voice"], cancel=control.cancel_event, **options):
+                    control.emit(chunk)
+                return None
+            return pipeline.generate(spec["input"], spec["voice"], cancel=control.cancel_event, **options)
+        except SpeechCancelled:
+            raise Aborted()
 
-    def leave(self) -> None:
-        """The generation thread ended: the pipeline is free for the next request."""
-        self._avg_run_s = 0.7 * self._avg_run_s + 0.3 * (time.monotonic() - self._started)
-        self._set_running(0)
-        self._slot.release()
-
-    def _give_up(self, acquire: asyncio.Future) -> None:
-        if acquire.done() and not acquire.cancelled():  # the slot came at the last moment: hand it on
-            self._slot.release()
-        else:
-            acquire.cancel()
-
-    def _set_waiting(self, delta: int) -> None:
-        self.waiting += delta
-        self.metrics.speech_queue_depth.set(self.waiting)
-
-    def _set_running(self, value: int) -> None:
-        self.running = value
-        self.metrics.speech_running.set(value)
+    return execute
 
 
-# -- one generation on its own thread ----------------------------------------------------------------------
-_END = object()  # the generation is done
-_WAITING = object()  # nothing new within the wait
+def speech_queue(pipeline: Any, settings: "SpeechSettings", metrics: Any) -> JobQueue:
+    queue = JobQueue("speech", speech_executor(pipeline), max_queue=settings.max_queue, max_batch=1, metrics=metrics,
+                     gauges=(metrics.speech_queue_depth, metrics.speech_running))
+    queue.kinds["speech"] = SpeechKind()
+    queue.start()
+    return queue
 
 
-def _same_threads(threads: int) -> None:
-    # a new thread starts with OpenMP's default; vLLM's CPU kernels check that the thread count they run with is
-    # the one the engine planned with (the same fix as ar_bridge/stages.py)
-    import torch
-
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-class Generation:
-    """A blocking generator (the pipeline's stream, or one whole result) run on its own thread. Its items reach
-    the event loop through a queue; setting ``cancel`` makes the pipeline stop at its next talker step or chunk;
-    ``on_end`` runs on the loop when the thread is done."""
-
-    def __init__(self, produce: Callable[[threading.Event], Iterator[Any]], threads: int,
-                 on_end: Callable[[], None]):
-        self.cancel = threading.Event()
-        self._loop = asyncio.get_running_loop()
-        self._items: asyncio.Queue = asyncio.Queue()
-        threading.Thread(target=self._work, args=(produce, threads, on_end), name="omni_accel-speech",
-                         daemon=True).start()
-
-    def _work(self, produce, threads: int, on_end) -> None:
-        _same_threads(threads)
-        try:
-            for item in produce(self.cancel):
-                self._on_loop(self._items.put_nowait, item)
-            self._on_loop(self._items.put_nowait, _END)
-        except BaseException as exc:  # noqa: BLE001 -- handed to the request's task, which answers for it
-            self._on_loop(self._items.put_nowait, exc)
-        finally:
-            self._on_loop(on_end)
-
-    def _on_loop(self, fn, *args) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    async def next(self, timeout: float) -> Any:
-        """The next item, _END when the generation is done, _WAITING when nothing came within ``timeout`` s.
-        The generation's exception is raised here."""
-        try:
-            item = await asyncio.wait_for(self._items.get(), max(timeout, 0.0))
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-            return _WAITING
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-
-def failure_error(exc: BaseException) -> ApiError:
-    """The answer for an exception from the speech pipeline."""
-    from ..errors import AccelError
-
-    if isinstance(exc, AccelError):
-        return bad_request(str(exc), "input", "invalid_value")
-    return ApiError(500, f"the speech pipeline failed: {exc.__class__.__name__}: {exc}", type="server_error",
-                    code="pipeline_error")
-
-
-async def first_item(generation: Generation, request: Request, deadline: float, timeout_s: float, metrics) -> Any:
-    """The first chunk of a stream, or a whole request's result. At the deadline: 504; a client that left:
-    ClientGone; a failure: its ApiError. In each case the generation is told to stop."""
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            item = await generation.next(min(POLL_S, deadline - loop.time()))
-            if item is not _WAITING:
-                return item
-            if loop.time() >= deadline:
-                metrics.cancelled.labels("running", "timeout").inc()
-                raise timeout_error(timeout_s)
-            if await request.is_disconnected():
-                metrics.cancelled.labels("running", "disconnect").inc()
-                logger.info("omni_accel.serve: speech client disconnected; stopping its generation")
-                raise ClientGone()
-    except BaseException as exc:  # timeout, client gone, a failure, or this task cancelled at shutdown
-        generation.cancel.set()  # nobody will take the audio
-        if isinstance(exc, Exception) and not isinstance(exc, (ApiError, ClientGone)):
-            raise failure_error(exc) from exc  # the pipeline's own failure
-        raise
-
-
-async def stream_body(generation: Generation, first: Any, deadline: float, timeout_s: float, sse: bool, metrics):
+async def stream_body(queue: JobQueue, job: Job, first: Any, deadline: float, timeout_s: float, sse: bool,
+                      metrics):
     """The streamed body: ``first`` and the chunks after it as PCM (or SSE events). However it ends -- done,
-    failed, timed out, or closed because the client left -- the generation's cancel event is set, so the pipeline
-    never keeps working for nobody."""
+    failed, timed out, or closed because the client left -- the job is cancelled, so the pipeline never keeps
+    working for nobody."""
     loop = asyncio.get_running_loop()
     sent = 0
     ended = False  # the body reached its end (done, or an error told to the client): no one left early
     try:
         chunk = first
-        while chunk is not _END:
+        while chunk is not Stream.END:
             data = pcm16(chunk)
             sent += len(data)
             yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if sse else data
-            chunk = await generation.next(deadline - loop.time())
-            if chunk is _WAITING:  # only when the deadline has passed
-                metrics.cancelled.labels("running", "timeout").inc()
+            chunk = await job.stream.get(deadline - loop.time())
+            if chunk is WAITING:  # only when the deadline has passed
+                queue.cancel(job, "timeout")
                 raise timeout_error(timeout_s)
         ended = True
         if sse:
             yield sse_event({"type": "speech.audio.done"})
     except Exception as exc:  # noqa: BLE001 -- the header is out: say it in the stream (SSE) or cut it (PCM)
         ended = True
-        generation.cancel.set()
-        error = exc if isinstance(exc, ApiError) else failure_error(exc)
+        queue.cancel(job, "error")
+        error = (exc if isinstance(exc, ApiError) else shutting_down_error() if isinstance(exc, ShuttingDown)
+                 else pipeline_failure(exc, SpeechKind.what))
         metrics.speech_stream_errors.labels(error.code or "error").inc()
         logger.error("omni_accel.serve: speech stream failed after %d bytes of audio (%s): %s", sent, error.code,
                      error.message)
@@ -313,26 +197,17 @@ async def stream_body(generation: Generation, first: Any, deadline: float, timeo
             raise StreamAborted(error.message) from exc
         yield sse_event({"type": "error", **error.body()})
     finally:
-        generation.cancel.set()
-        if not ended:  # closed or cancelled mid-way: the client went away
-            metrics.cancelled.labels("running", "disconnect").inc()
+        if not ended and queue.cancel(job, "disconnect") is not None:  # closed mid-way: the client went away
             logger.info("omni_accel.serve: speech client disconnected after %d bytes; stopping its generation", sent)
 
 
 # -- routes -------------------------------------------------------------------------------------------------
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any) -> SpeechAdmission:
+def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any) -> JobQueue:
     """Add /v1/audio/speech and /v1/audio/voices to ``api``, served by ``pipeline`` (a SpeechPipeline) with
-    ``settings``; returns the routes' admission (its queue)."""
+    ``settings``; returns the routes' job queue (started)."""
     from ..errors import AccelError
 
-    threads = _torch_threads()
-    admission = SpeechAdmission(settings.max_queue, metrics)
+    queue = speech_queue(pipeline, settings, metrics)
     allowed_models = (settings.model_id, "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
     def check(req: SpeechRequest) -> str:
@@ -355,17 +230,6 @@ def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any)
         except AccelError as exc:
             raise bad_request(str(exc), "voice", "invalid_value")
 
-    def producer(req: SpeechRequest, voice: str, streamed: bool) -> Callable[[threading.Event], Iterator[Any]]:
-        options = dict(seed=0 if req.seed is None else req.seed, speed=req.speed, sampling=settings.sampling,
-                       max_codes=settings.max_codes)
-
-        def whole(cancel: threading.Event) -> Iterator[Any]:
-            yield pipeline.generate(req.input, voice, cancel=cancel, **options)
-
-        if streamed:
-            return lambda cancel: pipeline.stream(req.input, voice, cancel=cancel, **options)
-        return whole
-
     @api.get("/v1/audio/voices", summary="The voices of the speech model")
     async def voices():
         return {"object": "list", "model": settings.model_id,
@@ -377,25 +241,20 @@ def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any)
         streamed = req.stream_format == "sse" or req.response_format == "pcm"
         timeout_s = settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
+        params = dict(input=req.input, voice=voice, seed=0 if req.seed is None else req.seed, speed=req.speed,
+                      sampling=settings.sampling, max_codes=settings.max_codes)
+        job = submit_or_raise(queue, queue.kinds["speech"].job(params, stream=Stream() if streamed else None),
+                              what="speech requests")
         try:
-            await admission.enter(request, deadline, timeout_s)
+            first = await await_job(queue, job, request, timeout_s, deadline=deadline)
         except ClientGone:
             return Response(status_code=499)
-        try:
-            generation = Generation(producer(req, voice, streamed), threads, admission.leave)
-        except BaseException:
-            admission.leave()
-            raise
-        try:
-            first = await first_item(generation, request, deadline, timeout_s, metrics)
-        except ClientGone:
-            return Response(status_code=499)
-        if first is _END:  # a stream without a single chunk; the pipeline raises for that, this is a backstop
+        if first is Stream.END:  # a stream without a single chunk; the pipeline raises for that, this is a backstop
             raise ApiError(500, "the speech pipeline produced no audio", type="server_error", code="pipeline_error")
         sr = pipeline.sample_rate
         if streamed:
             sse = req.stream_format == "sse"
-            body = stream_body(generation, first, deadline, timeout_s, sse, metrics)
+            body = stream_body(queue, job, first, deadline, timeout_s, sse, metrics)
             if sse:
                 return StreamingResponse(body, media_type="text/event-stream")
             return StreamingResponse(body, media_type=MEDIA["pcm"],
@@ -403,7 +262,7 @@ def install(api: FastAPI, pipeline: Any, settings: SpeechSettings, metrics: Any)
         audio = await asyncio.to_thread(encode, first.waveform, sr, req.response_format)
         return Response(audio, media_type=MEDIA[req.response_format])
 
-    return admission
+    return queue
 
 
 def create_speech_app(pipeline: Any, settings: SpeechSettings, *, api_key: str | None = None,
@@ -417,12 +276,12 @@ def create_speech_app(pipeline: Any, settings: SpeechSettings, *, api_key: str |
     api = FastAPI(title="omni_accel speech server", version=__import__("omni_accel").__version__,
                   description="OpenAI-compatible speech with an omni_accel speech pipeline. See docs/speech.md.")
     install_error_handlers(api)
-    admission = install(api, pipeline, settings, metrics)
+    queue = install(api, pipeline, settings, metrics)
 
     @api.get("/health")
     async def health():
-        return {"status": "ok", "model": settings.model_id, "queue_depth": admission.waiting,
-                "running": admission.running}
+        return {"status": "stopping" if queue.stopping else "ok", "model": settings.model_id,
+                "queue_depth": queue.queue_depth, "running": queue.running}
 
     @api.get("/v1/models")
     async def models():
@@ -434,6 +293,7 @@ def create_speech_app(pipeline: Any, settings: SpeechSettings, *, api_key: str |
 
     app = _Guard(api, metrics=metrics, api_key=api_key, max_body=max_body)
     app.fastapi = api
+    app.queues = [queue]
     return app
 
 
@@ -459,13 +319,11 @@ def load_pipeline(args):
 def build_speech_server(args, pipeline):
     """The uvicorn server of a speech-only ``omni-accel serve`` around ``pipeline`` (``run`` loads it; tests pass
     one they already have)."""
-    import uvicorn
+    from .server import uvicorn_server
 
     settings = SpeechSettings.from_args(args, args.served_model_name or folder_name(args.speech_model))
     app = create_speech_app(pipeline, settings, api_key=args.api_key, max_body=int(args.max_body_mb * 2**20))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            limit_concurrency=4 * (args.max_queue + 1) + 64, timeout_graceful_shutdown=5)
-    return uvicorn.Server(config), settings
+    return uvicorn_server(app, args, drains=app.queues), settings
 
 
 def run(args) -> int:
@@ -476,11 +334,12 @@ def run(args) -> int:
     if not args.no_warmup:
         with contextlib.suppress(AccelError):  # a random-weight model may speak no codes for it
             pipeline.generate("warm-up", max_codes=8, sampling=sampling_of(args))
+    from .server import serve
+
     server, settings = build_speech_server(args, pipeline)
     print(f"omni-accel serve: speech {settings.model_id} ({pipeline.engines}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:
-        server.run()
+        return serve(server)
     finally:
         pipeline.close()
-    return 0

@@ -1,0 +1,486 @@
+"""Train the built-in text-to-video model (a stock diffusers WanPipeline) from scratch, in one seeded command.
+
+    python -m omni_accel.builtin.train_video --out omni_accel/builtin/video_model --seed 0   # ~6 min on one H200
+    python omni_accel/builtin/train_video.py --out /tmp/v --smoke --device cpu              # seconds: code path only
+
+Stages (all seeded):
+  0. precision probe (CUDA, ``--amp auto``): a few real-size steps of both stages in bf16 autocast, in a child
+     process; if they fail (an earlier bf16 run of the image model hit CUBLAS_STATUS_EXECUTION_FAILED on an H200)
+     the run uses fp32/TF32 instead, without a broken CUDA context in this process;
+  1. VAE: a small AutoencoderKLWan (causal 3D convs, 8x spatial / 4x temporal down-sampling, 16 channels) on
+     9-frame clips (the encoder works in chunks of 4 frames after the first, so 9 frames exercise every path),
+     L1 + MSE with the shape's pixels weighted up (as the image model's VAE) + a small KL;
+  2. per-channel latent statistics -> the VAE config's latents_mean / latents_std (what WanPipeline un-normalises
+     with);
+  3. a latent bank: ``--bank`` clips of 17 frames rendered and encoded once on the GPU (mean and log-variance
+     kept in bf16), so the transformer stage spends no time rendering or encoding;
+  4. transformer (WanTransformer3DModel) + text encoder (UMT5EncoderModel over a word-level tokenizer of the
+     caption words) trained jointly with rectified flow exactly as WanPipeline samples it: x_t = (1 - s) x0 +
+     s noise, target noise - x0, timestep = 1000 s, the text states zeroed after the caption as WanPipeline pads
+     them, 10 % empty captions (so classifier-free guidance works), the latent cells the shape covers weighted up;
+     EMA weights are saved;
+  5. writes the WanPipeline folder (fp16 safetensors) with save_pretrained, the loss curves and a sample strip
+     (PNG), the training log (JSON, with each weight file's sha256 and the folder's digest), and an end-of-run
+     adherence read on the held-out captions (batched on the training device; the CPU benchmark is
+     benchmarks/bench_builtin_video_adherence.py).
+
+Both training stages stop at a step cap or a wall-clock cap, whichever comes first; the learning-rate schedule
+follows whichever is further along, so a time-capped run still anneals. Runs as ``python -m`` or as a plain script
+(then it imports only its sibling modules, not the omni_accel package).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a plain script: import the siblings, not the omni_accel package
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import train as T  # type: ignore
+    import video_dataset as vds  # type: ignore
+    import video_metric as VM  # type: ignore
+else:
+    from . import train as T
+    from . import video_dataset as vds
+    from . import video_metric as VM
+
+FRAMES = 17  # 4k + 1 (the Wan VAE's causal chunks): 5 latent frames (--frames)
+SIZE = 64  # --size
+VAE_FRAMES = 9  # --vae-frames
+TEXT_LEN = 16  # the default max_sequence_length (a caption is <= 13 tokens with </s>)
+LONG_TEXT_LEN = 226  # WanPipeline's own default max_sequence_length: trained on too, so both are in distribution
+FLOW_SHIFT = 2.0  # FlowMatchEulerDiscreteScheduler shift; training draws timesteps with the same shift
+
+# Architecture of the shipped model, and the tiny one --smoke uses (same code path, seconds on a CPU).
+ARCH = {
+    "vae": dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1),
+    "transformer": dict(num_attention_heads=4, attention_head_dim=64, ffn_dim=1024, num_layers=8, freq_dim=256),
+    "text_encoder": dict(d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4),
+}
+SMOKE_ARCH = {
+    "vae": dict(base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+    "transformer": dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=1, freq_dim=32),
+    "text_encoder": dict(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2),
+}
+
+
+# ----------------------------------------------------------------------------- components
+def build_tokenizer():
+    return T.build_tokenizer(LONG_TEXT_LEN, words=vds.VOCAB_WORDS)
+
+
+def build_text_encoder(vocab_size: int, arch: dict):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=vocab_size, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.0,
+        **arch["text_encoder"]))
+
+
+def build_vae(arch: dict):
+    from diffusers import AutoencoderKLWan
+
+    z = arch["vae"]["z_dim"]
+    return AutoencoderKLWan(temperal_downsample=[False, True, True], latents_mean=[0.0] * z, latents_std=[1.0] * z,
+                            **arch["vae"])
+
+
+def build_transformer(arch: dict, text_dim: int, z_dim: int):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=(1, 2, 2), in_channels=z_dim, out_channels=z_dim, text_dim=text_dim,
+                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+                                 rope_max_seq_len=64, **arch["transformer"])
+
+
+def build_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=FLOW_SHIFT)
+
+
+def save_pipeline(out: str, vae, transformer, text_encoder, tokenizer) -> None:
+    from diffusers import WanPipeline
+
+    mods = [copy.deepcopy(m).to("cpu", torch.float16).eval() for m in (vae, transformer, text_encoder)]
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=mods[2], transformer=mods[1], vae=mods[0],
+                       scheduler=build_scheduler())
+    pipe.save_pretrained(out, safe_serialization=True)
+
+
+def weight_digests(folder: str) -> dict:
+    """sha256 of every .safetensors file of the folder (relative path -> hex) and of the whole folder."""
+    import hashlib
+
+    files = {}
+    for root, _, names in sorted(os.walk(folder)):
+        for name in sorted(names):
+            if name.endswith(".safetensors"):
+                with open(os.path.join(root, name), "rb") as fh:
+                    files[os.path.relpath(os.path.join(root, name), folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return {"files": files, "folder_sha256": T.folder_sha256(folder)}
+
+
+# ----------------------------------------------------------------------------- data
+def clips(n: int, frames: int, size: int, g: torch.Generator, device, **kw):
+    """n random clips in [-1, 1] (n, 3, F, H, W), their captions and the shapes' coverage (n, 1, F, H, W)."""
+    p = vds.sample_params(n, g, device=device, **kw)
+    video, alpha = vds.render_clips(p, frames, size, return_alpha=True)
+    return video * 2 - 1, vds.captions_of(p), alpha
+
+
+def shape_weight_3d(alpha: torch.Tensor, weight: float) -> torch.Tensor:
+    """The image model's per-pixel weight (1 + weight x the shape's mask grown by 2 px), frame by frame."""
+    n, _, f, h, w = alpha.shape
+    flat = alpha.transpose(1, 2).reshape(n * f, 1, h, w)
+    return T.shape_weight(flat, weight).view(n, f, 1, h, w).transpose(1, 2)
+
+
+def autocast(device: torch.device, amp: str):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and amp == "bf16")
+
+
+def recon_scores(vae, x: torch.Tensor, caps: list[str]) -> dict:
+    """The adherence metric on the VAE's reconstructions: the ceiling of anything the transformer can draw."""
+    with torch.no_grad():
+        rec = torch.cat([vae.decode(vae.encode(x[i:i + 16]).latent_dist.mode()).sample.float()
+                         for i in range(0, len(x), 16)])
+    frames = vds.to_uint8_frames((rec + 1) / 2).numpy()
+    scores = [VM.score(f, c) for f, c in zip(frames, caps)]
+    return {k: round(float(np.mean([s[k] for s in scores])), 3) for k in ("bg_color", "color", "direction", "shape")}
+
+
+# ----------------------------------------------------------------------------- stage 1: VAE
+def train_vae(args, device, log: dict, arch: dict):
+    torch.manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    vae = build_vae(arch).to(device)
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0, betas=(0.9, 0.99))
+    # fixed validation clips (every frame count the model generates) for the reconstruction metric
+    xv, capv, _ = clips(args.eval_clips, args.frames, args.size, torch.Generator().manual_seed(998), device,
+                        exclude_heldout=False)
+    clock, step = T.Clock(args.vae_minutes), 0
+    while step < args.vae_steps and clock.frac() < 1:
+        for group in opt.param_groups:
+            group["lr"] = T.lr_at(max(step / args.vae_steps, clock.frac()), args.vae_lr)
+        x, _, alpha = clips(args.vae_batch, args.vae_frames, args.size, g, device, exclude_heldout=False)
+        with autocast(device, args.amp):
+            posterior = vae.encode(x).latent_dist
+            rec = vae.decode(posterior.sample()).sample
+        rec = rec.float()
+        weight = shape_weight_3d(alpha, args.vae_shape_weight)
+        weight = weight / weight.mean()
+        l1 = ((rec - x).abs() * weight).mean()
+        mse = ((rec - x) ** 2 * weight).mean()
+        kl = 0.5 * (posterior.mean.float() ** 2 + posterior.var.float() - 1 - posterior.logvar.float()).mean()
+        loss = l1 + mse + args.vae_kl * kl
+        T.optimizer_step(opt, loss, vae.parameters())
+        T.record(log, "vae", step, clock, args.print_every, loss=loss, l1=l1, kl=kl)
+        if args.vae_eval_every and step and step % args.vae_eval_every == 0:
+            vae.eval()
+            scores = recon_scores(vae, xv, capv)
+            vae.train()
+            log["vae_eval"].append({"step": step, **scores, "t": round(time.time() - clock.t0, 1)})
+            print(f"[vae] step {step} reconstruction metric {scores}", flush=True)
+        step += 1
+    log["vae_steps_done"], log["vae_seconds"] = step, round(time.time() - clock.t0, 1)
+    vae.eval().requires_grad_(False)
+    with torch.no_grad(), autocast(device, args.amp):  # per-channel statistics -> what WanPipeline un-normalises with
+        z = torch.cat([vae.encode(clips(64, args.frames, args.size, g, device, exclude_heldout=False)[0])
+                       .latent_dist.sample().float() for _ in range(args.stat_batches)])
+    mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
+    vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
+                           latents_std=[round(float(v), 5) for v in std])
+    log["vae_final_recon_metric"] = recon_scores(vae, xv, capv)
+    print(f"[vae] done: {step} steps; latent std {[round(float(v), 2) for v in std]}; reconstruction metric "
+          f"{log['vae_final_recon_metric']}", flush=True)
+    return vae
+
+
+# ----------------------------------------------------------------------------- stage 3: latent bank
+@torch.no_grad()
+def latent_bank(args, vae, tokenizer, device) -> dict:
+    """``args.bank`` clips encoded once: posterior mean / log-variance (bf16), caption ids, shape coverage per cell."""
+    g = torch.Generator().manual_seed(args.seed + 2)
+    t0, parts = time.time(), {"h": [], "ids": [], "cover": []}
+    latent_frames, cells = (args.frames - 1) // 4 + 1, args.size // 8
+    for start in range(0, args.bank, args.bank_batch):
+        x, caps, alpha = clips(min(args.bank_batch, args.bank - start), args.frames, args.size, g, device,
+                               exclude_heldout=True)
+        with autocast(device, args.amp):
+            dist = vae.encode(x).latent_dist
+        parts["h"].append(torch.cat([dist.mean, dist.logvar], 1).to(torch.bfloat16))
+        parts["ids"].append(tokenizer(caps, padding="max_length", max_length=TEXT_LEN, truncation=True,
+                                      return_tensors="pt").input_ids.to(device))
+        parts["cover"].append((F.adaptive_max_pool3d(alpha, (latent_frames, cells, cells)) * 255).to(torch.uint8))
+    bank = {k: torch.cat(v) for k, v in parts.items()}
+    print(f"[bank] {args.bank} clips encoded in {time.time() - t0:.1f}s "
+          f"({bank['h'].numel() * 2 / 2**20:.0f} MiB of latents)", flush=True)
+    return bank
+
+
+# ----------------------------------------------------------------------------- stage 4: transformer + text encoder
+def text_states(text_encoder, ids: torch.Tensor) -> torch.Tensor:
+    """UMT5 states with everything after the caption zeroed, as WanPipeline._get_t5_prompt_embeds pads them."""
+    mask = (ids != 0).long()
+    return text_encoder(ids, mask).last_hidden_state * mask.unsqueeze(-1)
+
+
+def train_transformer(args, device, vae, tokenizer, bank: dict, log: dict, arch: dict):
+    torch.manual_seed(args.seed + 1)
+    g = torch.Generator(device).manual_seed(args.seed + 1)
+    text_encoder = build_text_encoder(len(tokenizer), arch).to(device)
+    transformer = build_transformer(arch, text_encoder.config.d_model, vae.config.z_dim).to(device)
+    live = (transformer, text_encoder)
+    params = [p for m in live for p in m.parameters()]
+    print(f"[dit] transformer {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M, text encoder "
+          f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.2f}M", flush=True)
+    opt = torch.optim.AdamW(params, lr=args.dit_lr, weight_decay=0.01, betas=(0.9, 0.99))
+    ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in live]
+    ema_params = [p for m in ema for p in m.parameters()]
+    lat_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    lat_std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+    empty = tokenizer([""], padding="max_length", max_length=TEXT_LEN, return_tensors="pt").input_ids.to(device)
+    n_bank = bank["h"].shape[0]
+    clock, step = T.Clock(args.dit_minutes), 0
+    while step < args.dit_steps and clock.frac() < 1:
+        for group in opt.param_groups:
+            group["lr"] = T.lr_at(max(step / args.dit_steps, clock.frac()), args.dit_lr)
+        idx = torch.randint(n_bank, (args.dit_batch,), device=device, generator=g)
+        mean, logvar = bank["h"][idx].float().chunk(2, dim=1)
+        z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, device=device, generator=g)
+        x0 = (z - lat_mean) / lat_std
+        ids = bank["ids"][idx]
+        drop = torch.rand(args.dit_batch, device=device, generator=g) < args.caption_dropout
+        ids = torch.where(drop.unsqueeze(1), empty, ids)
+        long = bool(torch.rand(1, generator=g, device=device) < args.p_long)
+        if long:  # WanPipeline's default length: the same states followed by more zeros
+            ids = F.pad(ids, (0, LONG_TEXT_LEN - TEXT_LEN))
+        noise = torch.randn(x0.shape, device=device, generator=g)
+        u = torch.sigmoid(torch.randn(args.dit_batch, device=device, generator=g))  # logit-normal, then shifted
+        sigma = FLOW_SHIFT * u / (1 + (FLOW_SHIFT - 1) * u)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        with autocast(device, args.amp):
+            context = text_states(text_encoder, ids)
+            pred = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=context,
+                               return_dict=False)[0]
+        # latent cells the shape covers count more: most of a clip is plain background
+        weight = 1 + args.dit_shape_weight * bank["cover"][idx].float() / 255
+        weight = weight / weight.mean()
+        loss = (((pred.float() - (noise - x0)) ** 2) * weight).mean()
+        T.optimizer_step(opt, loss, params)
+        with torch.no_grad():
+            decay = min(args.ema, (1 + step) / (10 + step))
+            torch._foreach_lerp_(ema_params, params, 1 - decay)  # one fused call
+        T.record(log, "dit", step, clock, args.print_every, loss=loss, long_text=long, lr=opt.param_groups[0]["lr"])
+        step += 1
+    log["dit_steps_done"], log["dit_seconds"] = step, round(time.time() - clock.t0, 1)
+    return ema
+
+
+# ----------------------------------------------------------------------------- evaluation and pictures
+def load_pipeline(folder: str, device):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(folder, dtype=torch.float32).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@torch.no_grad()
+def prompt_states(pipe, captions: list[str]) -> torch.Tensor:
+    """The states WanPipeline.encode_prompt makes for these captions, computed here: the pipeline's own path cleans
+    prompts with ftfy, which a bare training machine may lack (the captions need no cleaning)."""
+    ids = pipe.tokenizer(captions, padding="max_length", max_length=TEXT_LEN, truncation=True,
+                         return_tensors="pt").input_ids.to(pipe.device)
+    return text_states(pipe.text_encoder, ids)
+
+
+def generate(pipe, captions: list[str], args, guidance: float, seed: int, batch: int = 32) -> np.ndarray:
+    out = []
+    for i in range(0, len(captions), batch):
+        chunk = captions[i:i + batch]
+        negative = prompt_states(pipe, [""] * len(chunk)) if guidance > 1 else None
+        out.append(pipe(prompt_embeds=prompt_states(pipe, chunk), negative_prompt_embeds=negative,
+                        height=args.size, width=args.size, num_frames=args.frames,
+                        num_inference_steps=args.eval_steps, guidance_scale=guidance, output_type="np",
+                        generator=torch.Generator(pipe.device).manual_seed(seed + i)).frames)
+    return (np.concatenate(out) * 255).round().astype(np.uint8)
+
+
+def heldout_captions() -> list[str]:
+    """Every held-out (colour, shape, background) triple in every direction: the benchmark's captions."""
+    return [vds.make_caption(c, s, d, b) for c, s, b in vds.HELDOUT_TRIPLES for d in vds.DIRECTIONS]
+
+
+def quick_eval(pipe, captions: list[str], args, guidance: float) -> dict:
+    frames = generate(pipe, captions, args, guidance, seed=0)
+    scores = [VM.score(f, c) for f, c in zip(frames, captions)]
+    return {k: round(float(np.mean([s[k] for s in scores])), 3) for k in ("bg_color", "color", "direction", "shape")}
+
+
+def save_strip(pipe, path: str, args, seed: int = 7) -> list[str]:
+    """Frames 0, 4, 8, 12, 16 of eight clips (the first four from held-out triples), a caption under each row."""
+    from PIL import Image, ImageDraw
+
+    g = torch.Generator().manual_seed(seed)
+    caps = vds.captions_of(vds.sample_params(4, g, only_heldout=True)) + vds.captions_of(vds.sample_params(4, g))
+    frames = generate(pipe, caps, args, 1.0, seed)
+    shown, size = list(range(0, args.frames, 4)), args.size
+    row_h = size + 14
+    strip = Image.new("RGB", (max(len(shown) * (size + 2), 400), len(caps) * row_h), "white")
+    draw = ImageDraw.Draw(strip)
+    for r, (clip, cap) in enumerate(zip(frames, caps)):
+        for c, f in enumerate(shown):
+            strip.paste(Image.fromarray(clip[f]), (c * (size + 2), r * row_h))
+        draw.text((2, r * row_h + size + 1), cap, fill="black")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    strip.save(path)
+    return caps
+
+
+def save_plot(log: dict, results: str) -> None:
+    """The loss curves; a training machine without matplotlib skips them (re-plot later with --plot-log)."""
+    try:
+        T.save_loss_plot(log, os.path.join(results, "builtin_video_training_loss.png"))
+    except ImportError as exc:
+        log["loss_plot"] = f"skipped ({exc}); run: python -m omni_accel.builtin.train_video --plot-log LOG --out -"
+        print(f"[plot] {log['loss_plot']}", flush=True)
+
+
+# ----------------------------------------------------------------------------- precision probe
+def probe_bf16(args) -> tuple[bool, str]:
+    """Run a few real-size steps of both stages in bf16 in a child process; (ok, last lines of its output)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--probe", "--out", args.out + "_probe", "--device", args.device,
+           "--amp", "bf16"] + [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
+                                    ("vae_batch", "dit_batch", "bank_batch", "size", "frames", "vae_frames")]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False, "timed out"
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+    return done.returncode == 0, tail
+
+
+def run_probe(args, device, arch) -> None:
+    """The child side of probe_bf16: 3 VAE steps, a 2-batch bank, 3 transformer steps, nothing written."""
+    args.vae_steps, args.dit_steps, args.vae_eval_every, args.eval_clips, args.stat_batches = 3, 3, 0, 2, 1
+    args.bank, args.bank_batch = 2 * args.bank_batch, args.bank_batch
+    log = {"vae": [], "vae_eval": [], "dit": []}
+    vae = train_vae(args, device, log, arch)
+    tokenizer = build_tokenizer()
+    train_transformer(args, device, vae, tokenizer, latent_bank(args, vae, tokenizer, device), log, arch)
+    torch.cuda.synchronize()
+    print("probe ok", flush=True)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output WanPipeline folder (e.g. omni_accel/builtin/video_model)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--amp", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="auto: bf16 autocast on CUDA if a short probe in a child process succeeds, else fp32/TF32")
+    ap.add_argument("--size", type=int, default=SIZE, help="frame height and width (a multiple of 16)")
+    ap.add_argument("--frames", type=int, default=FRAMES, help="frames per clip (4k + 1)")
+    ap.add_argument("--vae-frames", type=int, default=VAE_FRAMES, help="frames per clip in the VAE stage (4k + 1)")
+    ap.add_argument("--vae-steps", type=int, default=20000)
+    ap.add_argument("--vae-minutes", type=float, default=1.3, help="wall-clock cap of the VAE stage")
+    ap.add_argument("--vae-batch", type=int, default=32, help="clips of 9 frames per VAE step")
+    ap.add_argument("--vae-lr", type=float, default=1.5e-3)
+    ap.add_argument("--vae-kl", type=float, default=1e-4)
+    ap.add_argument("--vae-shape-weight", type=float, default=20.0)
+    ap.add_argument("--vae-eval-every", type=int, default=500, help="reconstruction metric every N VAE steps (0: off)")
+    ap.add_argument("--stat-batches", type=int, default=16, help="batches of 64 clips for the latent statistics")
+    ap.add_argument("--bank", type=int, default=32768, help="clips in the transformer stage's latent bank")
+    ap.add_argument("--bank-batch", type=int, default=256)
+    ap.add_argument("--dit-steps", type=int, default=100000)
+    ap.add_argument("--dit-minutes", type=float, default=3.2, help="wall-clock cap of the transformer stage")
+    ap.add_argument("--dit-batch", type=int, default=256)
+    ap.add_argument("--dit-lr", type=float, default=1e-3)
+    ap.add_argument("--dit-shape-weight", type=float, default=3.0)
+    ap.add_argument("--ema", type=float, default=0.997)
+    ap.add_argument("--caption-dropout", type=float, default=0.1)
+    ap.add_argument("--p-long", type=float, default=0.15, help=f"share of steps with text padded to {LONG_TEXT_LEN}")
+    ap.add_argument("--eval-clips", type=int, default=32, help="clips of the VAE reconstruction check")
+    ap.add_argument("--eval-steps", type=int, default=20, help="sampling steps of the end-of-run checks")
+    ap.add_argument("--results", default=os.path.join("benchmarks", "results"),
+                    help="folder for the loss / sample PNGs and the JSON log")
+    ap.add_argument("--print-every", type=int, default=250)
+    ap.add_argument("--smoke", action="store_true", help="tiny model and a few steps: checks the code path in seconds")
+    ap.add_argument("--plot-log", default=None, metavar="LOG",
+                    help="only draw the loss curves of a finished run's JSON log into --results")
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    arch = SMOKE_ARCH if args.smoke else ARCH
+    if args.smoke:
+        args.vae_steps, args.dit_steps, args.vae_batch, args.dit_batch = 2, 2, 2, 4
+        args.bank, args.bank_batch, args.stat_batches, args.eval_clips, args.eval_steps = 8, 4, 1, 2, 2
+        args.vae_eval_every, args.print_every, args.size, args.frames, args.vae_frames = 1, 1, 32, 5, 5
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    if args.probe:
+        run_probe(args, device, arch)
+        return {}
+    if args.plot_log:
+        with open(args.plot_log) as fh:
+            T.save_loss_plot(json.load(fh), os.path.join(args.results, "builtin_video_training_loss.png"))
+        return {}
+    t0 = time.time()
+    log = {"args": vars(args).copy(), "arch": arch, "vae": [], "vae_eval": [], "dit": [], "torch": torch.__version__,
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if args.amp == "auto":
+        args.amp = "fp32"
+        if device.type == "cuda":
+            ok, tail = probe_bf16(args)
+            args.amp = "bf16" if ok else "fp32"
+            log["amp_probe"] = {"bf16_ok": ok, "output_tail": tail, "seconds": round(time.time() - t0, 1)}
+            print(f"[amp] bf16 probe {'passed' if ok else 'FAILED, training in fp32/TF32'} "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+    log["amp"] = args.amp
+    tokenizer = build_tokenizer()
+    vae = train_vae(args, device, log, arch)
+    bank = latent_bank(args, vae, tokenizer, device)
+    transformer, text_encoder = train_transformer(args, device, vae, tokenizer, bank, log, arch)
+    del bank
+    save_pipeline(args.out, vae, transformer, text_encoder, tokenizer)
+    log["weights"] = weight_digests(args.out)
+    log["train_seconds"] = round(time.time() - t0, 1)
+    log_path = os.path.join(args.results, "builtin_video_training_log.json")
+    os.makedirs(args.results, exist_ok=True)
+    save_plot(log, args.results)
+    pipe = load_pipeline(args.out, device)
+    log["sample_captions"] = save_strip(pipe, os.path.join(args.results, "builtin_video_samples.png"), args)
+    captions = heldout_captions()[: 2 if args.smoke else None]
+    log["quick_eval"] = {f"guidance_{g}": quick_eval(pipe, captions, args, g) for g in (1.0, 3.0)}
+    log["quick_eval"]["captions"] = len(captions)
+    log["total_seconds"] = round(time.time() - t0, 1)
+    with open(log_path, "w") as fh:
+        json.dump(log, fh, indent=1)
+    print(f"[eval] held-out captions, {args.eval_steps} steps: {log['quick_eval']}", flush=True)
+    print(f"done in {log['total_seconds']:.0f}s; saved {args.out} (folder sha256 {log['weights']['folder_sha256']}); "
+          f"log {log_path}", flush=True)
+    return log
+
+
+if __name__ == "__main__":
+    main()
