@@ -138,7 +138,10 @@ class LoraManager:
         """Load every named adapter into the cache and the first into the slot, at scale 0, before the pipeline is
         accelerated: the compiled graphs then include the LoRA layers, and later adapters swap in place."""
         for name, path in self.named.items():
-            self._state(name, path, param="--lora")
+            try:
+                self._state(name, path, param="--lora")
+            except LoraRequestError as exc:  # a start-up flag: the command line's error
+                raise AccelError(str(exc)) from None
         if self.named:
             first = next(iter(self.named.values()))
             self._create_slot(first)
@@ -192,6 +195,10 @@ class LoraManager:
                                    "lora.path", 404)
         return full
 
+    def check(self, choice: LoraChoice) -> None:
+        """Read and check ``choice``'s adapter now (cached): a bad adapter is the request's 400, not a failed call."""
+        self._state(choice.name, choice.path)
+
     # -- the worker (every rank) ------------------------------------------------------------------------------
     def activate(self, choice: dict | None) -> float:
         """Put ``choice`` (a ``LoraChoice.as_dict()``, or None = the base model) into the pipeline; returns the
@@ -234,7 +241,8 @@ class LoraManager:
         """The first adapter: peft layers created (padded to max_rank, scalings as tensors). On an accelerated
         pipeline omni_accel re-applies its passes around this load (a compiled pipeline compiles again once)."""
         self.pipe.enable_lora_hotswap(target_rank=self.max_rank)
-        self.pipe.load_lora_weights(dict(self._cache[path]), adapter_name=SLOT)
+        # copies: peft may adopt the given tensors as the slot's parameters, which later swaps overwrite in place
+        self.pipe.load_lora_weights({k: v.clone() for k, v in self._cache[path].items()}, adapter_name=SLOT)
         self.slot_path = path
 
     def _set_scale(self, scale: float) -> None:
