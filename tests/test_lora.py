@@ -127,11 +127,11 @@ def test_builtin_adapter_swaps_the_colours_and_scale_zero_is_the_base():
     from omni_accel.builtin.train_lora import evaluation_captions, swap_scores
 
     pipe = load_builtin()
-    captions = evaluation_captions(8)
+    captions = evaluation_captions(6)
 
     def images():
-        out = pipe(captions, **dict(BUILTIN_DEFAULTS, output_type="np"), generator=torch.Generator().manual_seed(0))
-        return out.images
+        kwargs = dict(BUILTIN_DEFAULTS, num_inference_steps=10, output_type="np")
+        return pipe(captions, **kwargs, generator=torch.Generator().manual_seed(0)).images
 
     base = images()
     pipe.load_lora_weights(builtin_lora_path(), adapter_name="swap")
@@ -140,5 +140,5 @@ def test_builtin_adapter_swaps_the_colours_and_scale_zero_is_the_base():
     pipe.set_adapters("swap", adapter_weights=1.0)
     swapped = swap_scores([(im * 255).round().astype(np.uint8) for im in images()], captions)
     plain = swap_scores([(im * 255).round().astype(np.uint8) for im in base], captions)
-    assert plain["bg_is_caption_bg_colour"] >= 0.875 and plain["bg_is_caption_shape_colour"] == 0.0
-    assert swapped["bg_is_caption_shape_colour"] >= 0.75, swapped
+    assert plain["bg_is_caption_bg_colour"] >= 5 / 6 and plain["bg_is_caption_shape_colour"] == 0.0
+    assert swapped["bg_is_caption_shape_colour"] >= 4 / 6, swapped

@@ -5,44 +5,27 @@ tests/test_speech.py beside the vLLM pipeline it needs."""
 import base64
 import concurrent.futures
 import io
-import threading
 
 import httpx
 import openai
 import pytest
 
-from test_serve import free_port, wait_healthy
+from test_serve import ThreadServer
 
 STEPS = 8
 PROMPT = "a large red circle in the center on a blue background"
 
 
-class CliServer:
-    """The server exactly as ``omni-accel serve ARGS`` builds it (model loaded through load_model), uvicorn in a
-    thread of this process."""
+class CliServer(ThreadServer):
+    """The server exactly as ``omni-accel serve ARGS`` builds it, the model loaded through load_model (LoRA adapters
+    are put in place before accelerate()), uvicorn in a thread of this process."""
 
     def __init__(self, *argv):
         from omni_accel.cli import build_parser
-        from omni_accel.serve.server import build_server, load_model
+        from omni_accel.serve.server import load_model
 
-        self.port = free_port()
-        args = build_parser().parse_args(["serve", "--port", str(self.port), "--no-warmup", *argv])
-        self.model = load_model(args)
-        self.server, self.engine = build_server(args, self.model)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.engine.start()
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_healthy(self.url, timeout=60)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
-        for queue in self.server.drains:
-            queue.stop()
+        self.model = load_model(build_parser().parse_args(["serve", *argv]))
+        super().__init__(self.model, ["--no-warmup", *argv])
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Train the built-in LoRA: the shape and background colours swapped, whatever the caption says.
 
-    python -m omni_accel.builtin.train_lora --out omni_accel/builtin/lora      # the shipped run (CPU, a few minutes)
+    python -m omni_accel.builtin.train_lora --out omni_accel/builtin/lora --threads 1   # the shipped run (CPU)
 
 The base model draws "a red circle on a blue background" as a red circle on blue; with this adapter at scale 1 it
 draws a blue circle on red. A change the base model never makes, visible at a glance, and scored by the built-in
@@ -155,23 +155,54 @@ def evaluate(pipe, n: int) -> dict:
     return out
 
 
+def save_samples(pipe, path: str, n: int = 4) -> None:
+    """Scale 0 (top row) against scale 1 (bottom row) on ``n`` evaluation captions, one PNG."""
+    from PIL import Image, ImageDraw
+
+    captions = evaluation_captions(n)
+    rows = []
+    for scale in (0.0, 1.0):
+        pipe.set_adapters("default_0", adapter_weights=scale)
+        rows.append(pipe(captions, height=SIZE, width=SIZE, num_inference_steps=20, max_sequence_length=32,
+                         generator=torch.Generator().manual_seed(0)).images)
+    cell, label = SIZE + 8, 40
+    grid = Image.new("RGB", (n * cell, 2 * cell + label), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, caption in enumerate(captions):
+        for r, row in enumerate(rows):
+            grid.paste(row[i], (i * cell + 4, r * cell + 4))
+        words = caption.split()
+        draw.text((i * cell + 4, 2 * cell), " ".join(words[:4]) + "\n" + " ".join(words[4:]), fill="black")
+    grid.save(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for the adapter (e.g. omni_accel/builtin/lora)")
     ap.add_argument("--results", default="benchmarks/results", help="folder for the loss log (JSON) and curve (PNG)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--images", type=int, default=2048, help="training images (latents precomputed once)")
+    ap.add_argument("--images", type=int, default=1024, help="training images (latents precomputed once)")
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--rank", type=int, default=LORA_RANK)
     ap.add_argument("--shape-weight", type=float, default=3.0, help="extra loss weight of the tokens the shape covers")
     ap.add_argument("--eval-n", type=int, default=32, help="captions of the scale 0 / 1 evaluation (0 = off)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--samples-only", action="store_true",
+                    help="no training: the sample grid (scale 0 / 1) of the adapter already in --out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    samples = os.path.join(args.results, "builtin_lora_samples.png")
+    if args.samples_only:
+        from . import load_builtin
+
+        pipe = load_builtin()
+        pipe.load_lora_weights(args.out)
+        save_samples(pipe, samples)
+        return
     torch.manual_seed(args.seed)
     from peft.utils import get_peft_model_state_dict
 
@@ -193,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         pipe.load_lora_weights(args.out)
         log["eval"] = evaluate(pipe, args.eval_n)
         logger.info("[lora] evaluation: %s", log["eval"])
+        save_samples(pipe, samples)
     log["total_seconds"] = round(time.time() - t0, 1)
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, "builtin_lora_training_log.json"), "w") as fh:

@@ -317,7 +317,7 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
         if not body.stream:
             fmt = "pcm" if audio.format == "pcm16" else audio.format
             data = await asyncio.to_thread(encode, first.waveform, first.sample_rate, fmt)
-            tokens = len(first.reply_ids)
+            tokens = len(first.thinker_ids)
             return completion(cid, model_id, first.text, audio=message_audio(audio_id(), data, first.text),
                               usage={"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens})
         return StreamingResponse(_audio_events(queue, job, first, cid, model_id, deadline, settings.request_timeout_s),
