@@ -4,13 +4,13 @@ own adapter manager (omni_accel.serve.lora.LoraManager: one hot-swapped slot, sc
     python benchmarks/bench_lora.py                                       # built-in model + its adapter, CPU
     python benchmarks/bench_lora.py --device cuda --dtype bfloat16 --compile on --out benchmarks/results/bench_lora_gpu.json
 
-Rows (each the median of --iters pipeline calls after --warmup calls):
-  plain      the pipeline without any LoRA layer
+Rows (medians of --iters rounds after --warmup rounds; each round runs every row once, interleaved):
+  plain      a second copy of the pipeline without any LoRA layer
   slot_base  the LoRA slot at scale 0 (a request without an adapter on a server that has adapters)
-  adapter    the same adapter every call (no switch)
-  switching  the two adapters alternating every call (a hot swap before each call)
-and the switch itself (``activate`` alone, median over the switching calls). With --compile on, the dynamo graph
-count is read before and after the switching calls: a recompile would show there.
+  switching  a call right after a switch to the other adapter (the switch's time included)
+  adapter    the same adapter again (no switch)
+and the switch itself (``activate`` alone). The dynamo graph count is read after the warm-up and at the end: with
+--compile on, a recompile on a switch would show there.
 """
 
 from __future__ import annotations
@@ -40,21 +40,13 @@ def second_adapter(pipe, folder: str, rank: int) -> str:
     return folder
 
 
-def timed_calls(pipe, kwargs: dict, n: int, before_call=None) -> tuple[list[float], list[float]]:
-    """(call seconds, before_call seconds) of n calls."""
-    calls, hooks = [], []
-    for i in range(n):
-        t0 = time.perf_counter()
-        if before_call is not None:
-            before_call(i)
-        t1 = time.perf_counter()
-        with torch.inference_mode():
-            pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
-        if pipe.device.type == "cuda":
-            torch.cuda.synchronize()
-        calls.append(time.perf_counter() - t1)
-        hooks.append(t1 - t0)
-    return calls, hooks
+def timed_call(pipe, kwargs: dict) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
+    if pipe.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,8 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--out", default="benchmarks/results/bench_lora_cpu.json")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import omni_accel
     from omni_accel.builtin import BUILTIN_DEFAULTS, builtin_lora_path, load_builtin
@@ -82,19 +77,16 @@ def main(argv: list[str] | None = None) -> None:
     knobs = dict(compile=args.compile == "on")
     result: dict = {"args": vars(args), "torch": torch.__version__, "device": str(pipe.device),
                     "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                    "rows": {}}
+                    "load_average_at_start": os.getloadavg(), "rows": {}}
 
-    def row(name: str, calls: list[float], extra: dict | None = None) -> None:
+    def row(name: str, calls: list[float]) -> None:
         result["rows"][name] = {"median_s": round(statistics.median(calls), 5), "min_s": round(min(calls), 5),
-                                "calls_s": [round(c, 5) for c in calls], **(extra or {})}
+                                "calls_s": [round(c, 5) for c in calls]}
         print(f"{name:10s} median {statistics.median(calls) * 1e3:9.2f} ms/call", flush=True)
         write_result(args.out, result)
 
-    omni_accel.accelerate(pipe, **knobs)
-    timed_calls(pipe, kwargs, args.warmup)
-    row("plain", timed_calls(pipe, kwargs, args.iters)[0])
-    omni_accel.restore(pipe)
-
+    plain = load_builtin(args.model, dtype=dtype, device=args.device)  # a second copy without any LoRA layer
+    omni_accel.accelerate(plain, **knobs)
     tmp = tempfile.mkdtemp(prefix="bench_lora_")
     first = args.lora or builtin_lora_path()
     other = second_adapter(pipe, os.path.join(tmp, "other"), rank=8)
@@ -102,25 +94,37 @@ def main(argv: list[str] | None = None) -> None:
     manager.prepare()  # the slot exists before accelerate(): compiled graphs include the LoRA layers
     omni_accel.accelerate(pipe, **knobs)
     choices = [{"name": n, "path": manager.named[n], "scale": 1.0} for n in ("first", "other")]
-    timed_calls(pipe, kwargs, args.warmup, lambda i: manager.activate(choices[i % 2]))
-    manager.activate(None)
-    row("slot_base", timed_calls(pipe, kwargs, args.iters)[0])
-    manager.activate(choices[0])
-    row("adapter", timed_calls(pipe, kwargs, args.iters)[0])
     from torch._dynamo.utils import counters
 
-    graphs = counters["stats"]["unique_graphs"]
-    calls, switches = timed_calls(pipe, kwargs, args.iters, lambda i: manager.activate(choices[(i + 1) % 2]))
-    row("switching", calls, {"switch_s_median": round(statistics.median(switches), 6),
-                             "switch_s": [round(s, 6) for s in switches],
-                             "dynamo_graphs_before": graphs, "dynamo_graphs_after": counters["stats"]["unique_graphs"]})
-    plain = result["rows"]["plain"]["median_s"]
+    times: dict[str, list[float]] = {"plain": [], "slot_base": [], "switching": [], "adapter": [], "switch": []}
+    graphs = None
+    # rounds interleave the rows, so that a change of the machine's load falls on every row alike
+    for r in range(args.warmup + args.iters):
+        t_plain = timed_call(plain, kwargs)
+        manager.activate(None)
+        t_base = timed_call(pipe, kwargs)
+        t0 = time.perf_counter()
+        manager.activate(choices[r % 2])  # the other adapter than the round before: a hot swap
+        t_switch = time.perf_counter() - t0
+        t_switched = timed_call(pipe, kwargs)
+        t_adapter = timed_call(pipe, kwargs)  # the same adapter again: no switch
+        if r == args.warmup - 1 or (args.warmup == 0 and r == 0):
+            graphs = counters["stats"]["unique_graphs"]
+        if r >= args.warmup:
+            for key, value in (("plain", t_plain), ("slot_base", t_base), ("switch", t_switch),
+                               ("switching", t_switched + t_switch), ("adapter", t_adapter)):
+                times[key].append(value)
+    for name in ("plain", "slot_base", "adapter", "switching"):
+        row(name, times[name])
+    base = statistics.median(times["plain"])
     result["summary"] = {
-        "switch_ms_median": round(statistics.median(switches) * 1e3, 3),
-        "overhead_slot_base_pct": round(100 * (result["rows"]["slot_base"]["median_s"] / plain - 1), 2),
-        "overhead_adapter_pct": round(100 * (result["rows"]["adapter"]["median_s"] / plain - 1), 2),
-        "overhead_switching_pct": round(100 * (statistics.median(calls) / plain - 1), 2),
+        "switch_ms_median": round(statistics.median(times["switch"]) * 1e3, 3),
+        "switch_ms": [round(t * 1e3, 3) for t in times["switch"]],
+        **{f"overhead_{name}_pct": round(100 * (statistics.median(times[name]) / base - 1), 2)
+           for name in ("slot_base", "adapter", "switching")},
+        "dynamo_graphs_after_warmup": graphs, "dynamo_graphs_at_end": counters["stats"]["unique_graphs"],
         "recompiled_on_switch": counters["stats"]["unique_graphs"] != graphs,
+        "load_average_at_end": os.getloadavg(),
     }
     print(result["summary"], flush=True)
     write_result(args.out, result)
