@@ -129,13 +129,13 @@ def server(tiny_dirs, tmp_path_factory):
 class ThreadServer:
     """A real uvicorn server in a thread of this process (the app built exactly as the CLI builds it)."""
 
-    def __init__(self, model, argv=(), executor=None):
+    def __init__(self, model, argv=(), executor=None, video_model=None):
         from omni_accel.cli import build_parser
         from omni_accel.serve.server import build_server
 
         self.port = free_port()
         args = build_parser().parse_args(["serve", "--port", str(self.port), *argv])
-        self.server, self.engine = build_server(args, model)
+        self.server, self.engine = build_server(args, model, video_model=video_model)
         if executor is not None:
             self.engine.executor = executor
         self.url = f"http://127.0.0.1:{self.port}"
@@ -150,7 +150,10 @@ class ThreadServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(10)
-        self.engine.stop()
+        for queue in self.server.drains:
+            queue.stop()
+        for cleanup in self.server.cleanups:
+            cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -607,9 +610,9 @@ def test_sigterm_drains_queued_503_running_finish_exit_0(tmp_path):
         body = {"prompt": "p", "size": "32x32"}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             running = pool.submit(httpx.post, url + GEN, json=body, timeout=30)
-            assert _wait(lambda: httpx.get(url + "/health").json()["running"] == 1)
+            assert wait_until(lambda: httpx.get(url + "/health").json()["running"] == 1)
             queued = pool.submit(httpx.post, url + GEN, json=body, timeout=30)
-            assert _wait(lambda: httpx.get(url + "/health").json()["queue_depth"] == 1)
+            assert wait_until(lambda: httpx.get(url + "/health").json()["queue_depth"] == 1)
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert_error(queued.result(), 503, code="unavailable")
@@ -632,7 +635,7 @@ def test_drain_answers_running_requests_503_when_the_grace_runs_out(kontext_mode
     with server as s:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             running = pool.submit(httpx.post, s.url + GEN, json={"prompt": "p", "size": "32x32"}, timeout=30)
-            assert _wait(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+            assert wait_until(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
             t0 = time.monotonic()
             s.server.handle_exit(signal.SIGTERM, None)  # what the signal does (this server is not on the main thread)
             assert_error(running.result(), 503, code="unavailable")
@@ -641,7 +644,7 @@ def test_drain_answers_running_requests_503_when_the_grace_runs_out(kontext_mode
         assert not s.thread.is_alive() and slow.aborted == 1
 
 
-def _wait(condition, timeout: float = 10.0) -> bool:
+def wait_until(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():

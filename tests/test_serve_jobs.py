@@ -11,6 +11,7 @@ import pytest
 
 from omni_accel.serve.jobs import (CANCELLED, COMPLETED, Aborted, Job, JobKind, JobQueue, QueueFull, ShuttingDown)
 from omni_accel.serve.metrics import ServeMetrics
+from test_serve import wait_until
 
 
 class Echo(JobKind):
@@ -42,15 +43,6 @@ class Steps:
         return None
 
 
-def wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def metric(metrics: ServeMetrics, name: str, **labels) -> float:
     text = metrics.render().decode()
     wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
@@ -73,7 +65,7 @@ def test_jobs_batch_only_with_equal_keys_and_report_progress(queue):
     q, executor, metrics = queue
     kind = Echo()
     jobs = [q.submit(Job(kind=kind, route="/r", params="a1", key="lora-a"))]
-    assert wait_for(lambda: q.running == 1)  # a1 is taken alone before the others come
+    assert wait_until(lambda: q.running == 1)  # a1 is taken alone before the others come
     jobs += [q.submit(Job(kind=kind, route="/r", params=name, key=key))
              for name, key in [("b1", "lora-b"), ("a2", "lora-a"), ("n1", None), ("a3", "lora-a"), ("a4", "lora-a")]]
     executor.gate.set()
@@ -92,11 +84,11 @@ def test_cancel_drops_a_queued_job_and_aborts_a_call_whose_jobs_all_left(queue):
     running = q.submit(Job(kind=kind, route="/r", params="running"))
     waiting = q.submit(Job(kind=kind, route="/r", params="waiting"))
     executor.gate.set()
-    assert wait_for(lambda: running.progress >= 2)  # progress moves while it runs
+    assert wait_until(lambda: running.progress >= 2)  # progress moves while it runs
     assert q.cancel(waiting, "deleted") == "queued" and waiting.status == CANCELLED
     assert q.cancel(running, "deleted") == "running"
     assert q.cancel(running, "deleted") is None  # counted once
-    assert wait_for(lambda: running.status == CANCELLED) and running.progress < 100
+    assert wait_until(lambda: running.status == CANCELLED) and running.progress < 100
     assert executor.calls == [["running"]]  # the cancelled queued job never ran
     assert metric(metrics, "omni_accel_cancelled_requests_total", reason="deleted", stage="queued") == 1
     assert metric(metrics, "omni_accel_cancelled_requests_total", reason="deleted", stage="running") == 1
@@ -110,7 +102,7 @@ def test_full_queue_refuses_with_the_running_calls_remaining_time_and_drain_ends
     executor.gate.set()
     q.submit(Job(kind=kind, route="/r", params="measured", cost=2.0)).future.result(10)
     running = q.submit(Job(kind=kind, route="/r", params="running", cost=2.0))
-    assert wait_for(lambda: q.running == 1)
+    assert wait_until(lambda: q.running == 1)
     waiting = [q.submit(Job(kind=kind, route="/r", params=f"w{i}", cost=2.0)) for i in range(q.max_queue)]
     with pytest.raises(QueueFull) as refused:
         q.submit(Job(kind=kind, route="/r2", params="one too many"))

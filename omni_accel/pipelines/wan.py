@@ -66,6 +66,7 @@ ADAPTER = ModelAdapter(
         "sequences must stay padded to 512 there."
     ),
     extra={"cfg_needs_negative": False,  # an absent negative prompt encodes ""
+           "fps": 16,  # Wan 2.1 and 2.2 A14B clips (diffusers' examples export at 16; TI2V-5B makes 24)
            "boundary_arg": "boundary_ratio", "rope_module": "rope", "patch_size": (1, 2, 2),
            # tp: diffusers has no _tp_plan for Wan. Self- and cross-attention split by heads (I2V's image K/V
            # projections too), the GELU FFN by hidden units.

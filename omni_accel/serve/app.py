@@ -194,12 +194,12 @@ def _validation_to_error(exc: RequestValidationError) -> ApiError:
 
 def _describe(kind: str, ctx: dict, value, param: str) -> str | None:
     flag = LIMIT_FLAGS.get(param)
-    if kind in ("less_than_equal", "less_than"):
+    if kind in ("less_than_equal", "less_than"):  # the value as sent (a form field's is a string): unquoted
         bound = ctx.get("le", ctx.get("lt"))
         allowed = "this server allows" if flag else "allowed"
-        return f"{value!r} is more than {allowed} (at most {bound}{', ' + flag if flag else ''})"
+        return f"{value} is more than {allowed} (at most {bound}{', ' + flag if flag else ''})"
     if kind in ("greater_than_equal", "greater_than"):
-        return f"{value!r} is less than the minimum of {ctx.get('ge', ctx.get('gt'))}"
+        return f"{value} is less than the minimum of {ctx.get('ge', ctx.get('gt'))}"
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"{value!r} is not an integer"
     if kind in ("float_type", "float_parsing"):
@@ -448,15 +448,22 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
         return ModelCard(id=name, created=model.created, family=model.family, pipeline=model.pipeline_class,
                          capabilities=card().capabilities, root=model.lora.named[name], parent=model.id)
 
+    # other routes' models (videos) add theirs; LoRA adapters are listed with parent = the model
+    api.state.model_cards = [card] + [lambda name=name: adapter_card(name) for name in adapters]
+
     @api.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]},
-             summary="The served model and its LoRA adapters (parent = the model)")
+             summary="The served models (LoRA adapters with their parent)")
     async def models():
-        return ModelList(data=[card()] + [adapter_card(name) for name in adapters])
+        return ModelList(data=[make() for make in api.state.model_cards])
 
     @api.get("/v1/models/{model_id}", response_model=ModelCard, responses={404: ERROR_RESPONSES[404]})
     async def get_model(model_id: str):
-        check_model(model_id)
-        return adapter_card(model_id) if model_id in adapters else card()
+        for make in api.state.model_cards:
+            found = make()
+            if found.id == model_id:
+                return found
+        check_model(model_id)  # 404 naming the served model
+        return card()
 
     @api.get("/health", response_model=Health, summary="Liveness and queue state")
     async def health():

@@ -82,5 +82,4 @@ def follower_loop(runners: dict[str, Runner]) -> int:
         except Exception:  # noqa: BLE001 -- rank 0 raised the same (identical inputs) and answered the client
             logger.exception("omni_accel.serve: rank %d: the %s call failed", dist.get_rank(), kind)
         calls += 1
-        logger.info("omni_accel.serve: rank %d ran batch %d (%s, %d prompts)", dist.get_rank(), calls, kind,
-                    len(spec.get("prompts", ())))
+        logger.info("omni_accel.serve: rank %d ran batch %d (%s)", dist.get_rank(), calls, kind)

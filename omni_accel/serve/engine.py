@@ -26,6 +26,7 @@ logger = logging.getLogger("omni_accel.serve")
 
 BUILTIN_ID = "omni-accel-builtin"
 DEFAULT_STEPS = 28  # for a pipeline whose __call__ names no default
+DEFAULT_FPS = 16  # for a video family whose adapter names no frame rate
 MAX_REFERENCES = 16  # what a multi-reference pipeline is trusted with (the server's --max-input-images is lower)
 
 
@@ -38,7 +39,8 @@ class Limits:
     max_steps: int = 100
     max_size: int | None = None  # largest side in pixels (None: twice the model's native side)
     max_pixels: int | None = None  # largest output width*height (None: max_size squared)
-    max_cost: float | None = None  # megapixel-steps of one request (None: COST_HEADROOM x a native-size request)
+    max_cost: float | None = None  # megapixel-steps of one request (None: a multiple of a native-size request)
+    max_frames: int | None = None  # frames of one video (None: about twice the video model's native frames)
     max_body_bytes: int = 20 * 2**20
     max_upload_bytes: int = 20 * 2**20
     max_input_pixels: int = 4096 * 4096  # decoded pixels of one uploaded image (decompression bombs)
@@ -47,17 +49,24 @@ class Limits:
 
     def resolved(self, model: "LoadedModel") -> "Limits":
         """These limits with the model-sized ones filled in: the largest side defaults to twice the model's
-        native one, the cost bound to COST_HEADROOM times a request of ``max_n`` native-size images at the model's
-        default steps (a CPU worker must not be held for many minutes by one request at the default limits)."""
+        native one, the cost bound to a multiple of one native-size image (or clip) at the model's default steps
+        (COST_HEADROOM; VIDEO_COST_HEADROOM), a video's frames to twice its native count (a CPU worker must not be
+        held for many minutes by one request at the default limits)."""
         m = model.size_multiple
         max_size = self.max_size or max(m, 2 * max(model.native_size) // m * m)
-        native_cost = request_cost(1, model.native_size[0], model.native_size[1], model.default_steps)
+        frames = model.native_frames or 1
+        native_cost = request_cost(1, model.native_size[0], model.native_size[1], model.default_steps, frames)
+        headroom = VIDEO_COST_HEADROOM if model.native_frames else COST_HEADROOM
+        max_frames = self.max_frames
+        if max_frames is None and model.native_frames:
+            max_frames = (2 * (model.native_frames - 1)) // model.frame_multiple * model.frame_multiple + 1
         return dataclasses.replace(
             self, max_size=max_size, max_pixels=self.max_pixels or max_size * max_size,
-            max_cost=self.max_cost or round(COST_HEADROOM * native_cost, 3))
+            max_cost=self.max_cost or round(headroom * native_cost, 3), max_frames=max_frames)
 
 
-COST_HEADROOM = 8.0  # the default cost bound in native-size, default-step images
+COST_HEADROOM = 8.0  # the default cost bound of an image model, in native-size, default-step images
+VIDEO_COST_HEADROOM = 2.0  # ... of a video model, in native clips
 
 
 def request_cost(images: int, width: int, height: int, steps: int, frames: int = 1) -> float:
@@ -80,6 +89,9 @@ class LoadedModel:
     accepted: frozenset = frozenset()
     max_references: int = 1  # reference images an edit takes at most (several for multi-reference pipelines)
     min_reference_side: int = 1  # smallest side of a reference image the pipeline accepts
+    native_frames: int | None = None  # video pipelines: the default clip length in frames
+    frame_multiple: int = 1  # video pipelines: frames come as frame_multiple * k + 1 (the VAE's time compression)
+    fps: int | None = None  # video pipelines: frames per second of the clips it was trained on
     created: int = field(default_factory=lambda: int(time.time()))
     lora: Any = None  # a serve.lora.LoraManager when the server offers LoRA adapters
 
@@ -93,8 +105,13 @@ class LoadedModel:
         adapter = adapter_for(pipe)
         defaults = dict(defaults or {})
         params = call_parameters(pipe)
-        vae_scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
+        # video pipelines (Wan) name the spatial and the temporal factor of their VAE apart
+        vae_scale = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
         multiple = vae_scale * 2
+        for key in ("num_inference_steps", "guidance_scale", "height", "width", "num_frames"):
+            default = params[key].default if key in params else None
+            if key not in defaults and default not in (None, inspect.Parameter.empty):
+                defaults[key] = default
         if native_size is None:
             if defaults.get("width") and defaults.get("height"):
                 native_size = (int(defaults["width"]), int(defaults["height"]))
@@ -102,13 +119,15 @@ class LoadedModel:
                 sample = getattr(pipe, "default_sample_size", None)
                 side = int(sample) * vae_scale if sample else 1024
                 native_size = (side, side)
-        for key in ("num_inference_steps", "guidance_scale"):
-            if key not in defaults and key in params and params[key].default is not inspect.Parameter.empty:
-                defaults[key] = params[key].default
+        temporal = getattr(pipe, "vae_scale_factor_temporal", None)
+        video = temporal is not None and "num_frames" in params
         return cls(pipe=pipe, id=model_id, family=adapter.family, defaults=defaults, native_size=native_size,
                    size_multiple=multiple, can_edit=adapter.is_edit_pipeline(pipe), accepted=frozenset(params),
                    max_references=MAX_REFERENCES if adapter.takes_several_references(pipe) else 1,
-                   min_reference_side=adapter.min_reference_side or multiple)
+                   min_reference_side=adapter.min_reference_side or multiple,
+                   native_frames=int(defaults.get("num_frames") or 1) if video else None,
+                   frame_multiple=int(temporal) if video else 1,
+                   fps=int(adapter.extra.get("fps", DEFAULT_FPS)) if video else None)
 
     @property
     def pipeline_class(self) -> str:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 KNOWN_PATHS = ("/v1/images/generations", "/v1/images/edits", "/v1/audio/speech", "/v1/audio/voices", "/v1/models",
-               "/health", "/metrics")
+               "/v1/videos", "/health", "/metrics")
 
 
 class ServeMetrics:
@@ -61,6 +61,8 @@ class ServeMetrics:
             return path
         if path.startswith("/v1/images/files/"):
             return "/v1/images/files"
+        if path.startswith("/v1/videos/"):  # one label per route, not per video id
+            return "/v1/videos/{id}/content" if path.endswith("/content") else "/v1/videos/{id}"
         return "other"
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:

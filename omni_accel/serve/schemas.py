@@ -20,7 +20,8 @@ HARD_MAX_PROMPT = 4000
 MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
 # request fields bounded by a server flag: the flag is named in the 400 answer
-LIMIT_FLAGS = {"n": "--max-n", "num_inference_steps": "--max-steps"}
+LIMIT_FLAGS = {"n": "--max-n", "num_inference_steps": "--max-steps", "num_frames": "--max-frames",
+               "width": "--max-size", "height": "--max-size"}
 SIZE_RE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 SIZE_DESCRIPTION = ("'WIDTHxHEIGHT' in pixels, e.g. '256x256', or 'auto' / omitted for the model's native size. "
                     "Both sides must be multiples of the model's size multiple (16 for FLUX: vae_scale_factor * 2) "

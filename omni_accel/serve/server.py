@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -71,6 +72,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--url-cache", type=int, default=64,
                      help="images kept in memory for response_format=url (default 64)")
     add_acceleration_arguments(p)
+    v = p.add_argument_group("video (POST /v1/videos: docs/serving.md)")
+    v.add_argument("--video-model", default=os.environ.get("OMNI_ACCEL_VIDEO_MODEL"), metavar="PATH|builtin",
+                   help="a Wan 2.1 / 2.2 pipeline folder (text- or image-to-video), or 'builtin': serve /v1/videos "
+                        "beside the image endpoints, accelerated with the same flags (env OMNI_ACCEL_VIDEO_MODEL)")
+    v.add_argument("--served-video-model-name", default=None,
+                   help="the video model id clients use (default: the folder name of --video-model)")
+    v.add_argument("--video-dir", default=None,
+                   help="folder of the finished videos (default: a temporary folder removed at exit)")
+    v.add_argument("--video-store-count", type=int, default=100,
+                   help="finished video jobs kept at most; the oldest are evicted (default 100)")
+    v.add_argument("--video-store-mb", type=float, default=2048.0,
+                   help="MiB of video files kept at most; the oldest are evicted (default 2048)")
+    v.add_argument("--video-fps", type=int, default=None,
+                   help="frames per second of the clips (default: the model's: 16 for Wan, 8 for the built-in)")
+    v.add_argument("--max-frames", type=int, default=None,
+                   help="frames of one video at most (default: about twice the model's native clip: 161 for Wan)")
     lo = p.add_argument_group("LoRA adapters (docs/serving.md)")
     lo.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                     help="a LoRA adapter (a folder written by save_lora_weights, or its .safetensors file) served "
@@ -116,11 +133,12 @@ def _check_args(args) -> None:
     from .app import check_api_key
 
     for name in ("max_concurrency", "max_batch_images", "max_queue", "max_n", "max_steps", "max_size",
-                 "max_input_pixels", "url_cache", "max_connections_per_client", "max_connections"):
+                 "max_input_pixels", "url_cache", "max_connections_per_client", "max_connections",
+                 "video_store_count", "video_fps", "max_frames"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be >= 1.")
     for name in ("request_timeout", "max_body_mb", "max_upload_mb", "max_request_cost", "header_timeout",
-                 "idle_timeout"):
+                 "idle_timeout", "video_store_mb"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be > 0.")
     if args.shutdown_grace < 0:
@@ -133,15 +151,11 @@ def _check_args(args) -> None:
         raise CliError(f"--api-key / OMNI_ACCEL_API_KEY: {exc}.")
 
 
-def load_model(args):
-    """(LoadedModel, accel config) from the parsed arguments; the pipeline is accelerated."""
+def device_dtype_config(args):
+    """(device, torch dtype, validated AccelConfig) of the flags: under torchrun each rank takes cuda:LOCAL_RANK."""
     import torch
 
-    import omni_accel
-
-    from ..cli import (CliError, _accel_config, _check_attention_early, _default_size, _load_pipeline_quietly,
-                       _resolve_device, _torch_dtype)
-    from .engine import LoadedModel
+    from ..cli import _accel_config, _check_attention_early, _resolve_device, _torch_dtype
 
     device = args.device
     if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
@@ -150,6 +164,17 @@ def load_model(args):
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     config = _accel_config(args, device)
     _check_attention_early(args.attention, device, dtype)
+    return device, dtype, config
+
+
+def load_model(args):
+    """The image model of the parsed arguments as a LoadedModel; the pipeline is accelerated."""
+    import omni_accel
+
+    from ..cli import CliError, _default_size, _load_pipeline_quietly
+    from .engine import LoadedModel
+
+    device, dtype, config = device_dtype_config(args)
     native = _default_size(args)
     pipe, defaults, source = _load_pipeline_quietly(args, device, dtype)
     lora = None
@@ -187,9 +212,9 @@ def _warmup(model) -> None:
         logger.warning("omni_accel.serve: warm-up call failed: %r", exc)
 
 
-def build_server(args, model, *, leader=None, world_size: int = 1):
+def build_server(args, model, *, video_model=None, leader=None, world_size: int = 1):
     """(uvicorn.Server, the image job queue) for rank 0 / a single process; ``server.drains`` are all its job
-    queues (``serve`` stops them)."""
+    queues and ``server.cleanups`` what to close after them (``serve`` does both)."""
     from .app import create_app
     from .engine import Limits, image_queue
     from .metrics import ServeMetrics
@@ -210,8 +235,22 @@ def build_server(args, model, *, leader=None, world_size: int = 1):
     from . import chat
     from .sleep import Sleeper, add_sleep_mode
 
-    queues = [engine]
+    queues, cleanups = [engine], []
     sleepers = [Sleeper(engine, model.pipe, leader.executor("sleep") if leader else None)]
+    if video_model is not None:  # /v1/videos beside the image routes, with the video model's queue
+        from . import videos
+
+        settings = videos.VideoSettings.from_args(args)
+        store = videos.VideoStore(settings.folder, settings.max_count, settings.max_bytes)
+        video_limits = dataclasses.replace(limits, max_frames=args.max_frames).resolved(video_model)
+        queue = videos.video_queue(video_model, store, max_queue=args.max_queue, metrics=metrics,
+                                   executor=leader.executor("video") if leader else None,
+                                   on_idle=leader.ping if leader else None, idle_s=PING_S,
+                                   can_abort=leader is None)
+        videos.install(app.fastapi, video_model, queue, store, video_limits, video_model.fps)
+        queues.append(queue)
+        cleanups.append(store.close)
+        sleepers.append(Sleeper(queue, video_model.pipe, leader.executor("sleep_video") if leader else None))
     speech = None
     if getattr(args, "speech_model", None):  # speech routes beside the image ones, with a queue of their own
         from .speech import SpeechSettings, folder_name, install, load_pipeline
@@ -223,7 +262,9 @@ def build_server(args, model, *, leader=None, world_size: int = 1):
         speech = (pipeline, queues[-1], settings)
     chat.install(app.fastapi, image=app.image_service, speech=speech)
     add_sleep_mode(app, app.fastapi, sleepers, enabled=args.enable_sleep_mode, auto_wake=not args.no_auto_wake)
-    return uvicorn_server(app, args, drains=queues), engine
+    server = uvicorn_server(app, args, drains=queues)
+    server.cleanups = cleanups
+    return server, engine
 
 
 def uvicorn_server(app, args, drains=()):
@@ -253,6 +294,8 @@ def serve(server, leader=None) -> int:
             queue.stop(timeout=None if leader is not None else 30.0)
         if leader is not None:
             leader.stop()
+        for cleanup in getattr(server, "cleanups", ()):
+            cleanup()
     return 0
 
 
@@ -275,7 +318,7 @@ def run(args) -> int:
         raise CliError(f"omni-accel serve needs the serve extra ({exc.name} is missing): "
                        "pip install 'omni-accel[serve]'")
     _check_args(args)
-    if args.speech_model and args.model is None:  # a speech-only server
+    if args.speech_model and args.model is None and args.video_model is None:  # a speech-only server
         from .speech import run as run_speech
 
         return run_speech(args)
@@ -288,11 +331,21 @@ def run(args) -> int:
         rank = odist.rank()
     try:
         model = load_model(args)
-        if not args.no_warmup:
-            _warmup(model)  # every rank: the same local call, no collectives outside the pipeline's own
+        video_model = None
+        if args.video_model:
+            from .videos import load_video_model, video_runner, warmup
+
+            video_model = load_video_model(args)
+        if not args.no_warmup:  # every rank: the same local calls, no collectives outside the pipeline's own
+            _warmup(model)
+            if video_model is not None:
+                warmup(video_model)
         from .sleep import run_sleep
 
         runners = {"image": image_runner(model), "sleep": lambda spec, control=None: run_sleep(model.pipe, spec)}
+        if video_model is not None:
+            runners["video"] = video_runner(video_model)
+            runners["sleep_video"] = lambda spec, control=None: run_sleep(video_model.pipe, spec)
         if rank != 0:
             from .distributed import follower_loop
 
@@ -303,9 +356,10 @@ def run(args) -> int:
             from .distributed import Leader
 
             leader = Leader(runners)
-        server, engine = build_server(args, model, leader=leader, world_size=world)
+        server, engine = build_server(args, model, video_model=video_model, leader=leader, world_size=world)
         engine.start()
-        print(f"omni-accel serve: {model.id} ({model.pipeline_class}) on http://{args.host}:{args.port} "
+        videos = f", videos: {video_model.id} ({video_model.pipeline_class})" if video_model is not None else ""
+        print(f"omni-accel serve: {model.id} ({model.pipeline_class}){videos} on http://{args.host}:{args.port} "
               f"(world size {world})", file=sys.stderr, flush=True)
         return serve(server, leader)
     finally:
