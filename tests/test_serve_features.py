@@ -157,3 +157,43 @@ def test_no_auto_wake_answers_503_and_sleep_mode_off_refuses(tmp_path):
     with CliServer(*common) as s:
         r = httpx.post(s.url + "/sleep")
         assert r.status_code == 400 and r.json()["error"]["code"] == "sleep_mode_disabled"
+
+
+def test_video_jobs_with_and_without_an_adapter(tmp_path):
+    """--video-lora on the tiny Wan: a job naming the adapter (model: NAME) gets another clip than the base model,
+    and the adapter at scale 0 gives the base model's clip; the adapter is listed with its parent."""
+    from test_serve_videos import API_KEY, mp4_frames, same_clip
+    from test_serve_videos import client as video_client
+
+    from omni_accel.testing import tiny_pipeline
+    from omni_accel.testing.lora import random_lora
+
+    wan, _ = tiny_pipeline("wan")
+    flux, _ = tiny_pipeline("flux")
+    for name, pipe in (("wan", wan), ("flux", flux)):
+        pipe.save_pretrained(tmp_path / name)
+    state = random_lora(wan, rank=4, seed=2, std=0.5, targets=("*to_q", "*to_k", "*to_v", "*to_out.0"))
+    wan.save_lora_weights(str(tmp_path / "wan_lora"),
+                          transformer_lora_layers={k.removeprefix("transformer."): v for k, v in state.items()})
+    argv = ["--model", str(tmp_path / "flux"), "--video-model", str(tmp_path / "wan"), "--device", "cpu",
+            "--video-lora", f"motion={tmp_path / 'wan_lora'}", "--api-key", API_KEY]
+    from omni_accel.cli import build_parser
+    from omni_accel.serve.server import load_model
+    from omni_accel.serve.videos import load_video_model
+
+    args = build_parser().parse_args(["serve", *argv])
+    with ThreadServer(load_model(args), argv, video_model=load_video_model(args)) as s:
+        c = video_client(s.url)
+        extra = {"num_frames": 5, "num_inference_steps": 2, "seed": 3}
+
+        def clip(**more):
+            video = c.videos.create_and_poll(prompt="a cat walks", size="32x32", poll_interval_ms=100,
+                                             **{"extra_body": {**extra, **more.pop("extra_body", {})}}, **more)
+            assert video.status == "completed", video
+            return mp4_frames(c.videos.download_content(video.id).content)
+
+        base, adapted = clip(), clip(model="motion")
+        assert not same_clip(base, adapted)
+        assert same_clip(clip(extra_body={"lora": '{"name": "motion", "scale": 0.0}'}), base)
+        cards = {m.id: m for m in c.models.list().data}
+        assert cards["motion"].parent == "wan" and "videos" in cards["motion"].capabilities

@@ -271,21 +271,10 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
 
     async def resolve_lora(name: str | None, lora: dict | None):
         """The request's adapter (``model: NAME`` or the ``lora`` field), read and checked before it is queued."""
-        if model.lora is None:
-            if lora is not None:
-                raise bad_request("this server offers no LoRA adapters; start it with --lora NAME=PATH or --lora-dir "
-                                  "ROOT", "lora", "lora_not_supported")
-            return None
-        from .lora import LoraRequestError
+        from .lora import request_lora
 
-        try:
-            choice = model.lora.resolve(name, lora)
-            if choice is not None:
-                await asyncio.to_thread(model.lora.check, choice)
-        except LoraRequestError as exc:
-            raise ApiError(exc.status, str(exc), param=exc.param,
-                           code="lora_not_found" if exc.status == 404 else "invalid_lora")
-        return choice
+        return await asyncio.to_thread(request_lora, model.lora, name, lora,
+                                       flags="--lora NAME=PATH or --lora-dir ROOT")
 
     def check_size(size: str | None) -> tuple[int, int]:
         try:

@@ -55,17 +55,17 @@ class LoraChoice:
         return {"name": self.name, "path": self.path, "scale": self.scale}
 
 
-def parse_lora_flags(values: list[str]) -> dict[str, str]:
+def parse_lora_flags(values: list[str], flag: str = "--lora") -> dict[str, str]:
     """``--lora NAME=PATH`` values -> {name: absolute path}; AccelError naming the bad value."""
     out: dict[str, str] = {}
     for value in values or []:
         name, sep, path = value.partition("=")
         if not sep or not name or not path:
-            raise AccelError(f"--lora {value!r} is not NAME=PATH; e.g. --lora swap={_example_path()}")
+            raise AccelError(f"{flag} {value!r} is not NAME=PATH; e.g. {flag} swap={_example_path()}")
         if name in out:
-            raise AccelError(f"--lora {name}=... is given twice; give each adapter one name.")
+            raise AccelError(f"{flag} {name}=... is given twice; give each adapter one name.")
         if not os.path.exists(path):
-            raise AccelError(f"--lora {value!r}: {path!r} does not exist; pass a folder written by "
+            raise AccelError(f"{flag} {value!r}: {path!r} does not exist; pass a folder written by "
                              "save_lora_weights (or its .safetensors file).")
         out[name] = os.path.realpath(path)
     return out
@@ -286,3 +286,24 @@ class LoraManager:
     def stats(self) -> dict:
         return {"cached": list(self._cache), "slot": self.slot_path, "active": self.active,
                 "switches": self.switches}
+
+
+def request_lora(manager: LoraManager | None, model: str | None, lora: dict | None, *, flags: str,
+                 what: str = "") -> LoraChoice | None:
+    """The adapter a request asks for (``model: NAME`` or the ``lora`` field), read and checked now -- file reads:
+    call it off the event loop -- with OpenAI errors: 400 / 404 naming the field, 400 when the server has none."""
+    from .errors import ApiError, bad_request
+
+    if manager is None:
+        if lora is not None:
+            raise bad_request(f"this server offers no LoRA adapters{what}; start it with {flags}", "lora",
+                              "lora_not_supported")
+        return None
+    try:
+        choice = manager.resolve(model, lora)
+        if choice is not None:
+            manager.check(choice)
+    except LoraRequestError as exc:
+        raise ApiError(exc.status, str(exc), param=exc.param,
+                       code="lora_not_found" if exc.status == 404 else "invalid_lora")
+    return choice

@@ -95,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--lora-dir", default=None, metavar="ROOT",
                     help="let requests name an adapter folder under ROOT ({\"lora\": {\"path\": \"sub/dir\"}}); "
                          "paths resolving outside ROOT are refused")
+    lo.add_argument("--video-lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a LoRA adapter of the --video-model, served as model NAME on /v1/videos (repeatable)")
+    lo.add_argument("--video-lora-dir", default=None, metavar="ROOT",
+                    help="as --lora-dir, for the video model's adapters")
     lo.add_argument("--max-loras", type=int, default=4,
                     help="adapters held in memory at most (least recently used out first; --lora ones stay)")
     lo.add_argument("--max-lora-rank", type=int, default=64,
