@@ -16,6 +16,7 @@ from typing import Any
 
 from .config import AccelConfig
 from .errors import AccelError, NotAvailableYet
+from .sleep import is_sleeping, sleep, wake_up
 
 __version__ = "0.1.0"
 
@@ -48,4 +49,4 @@ def builtin_model_path() -> str:
 
 
 __all__ = ["accelerate", "restore", "AccelConfig", "AccelError", "NotAvailableYet", "builtin_model_path",
-           "__version__"]
+           "sleep", "wake_up", "is_sleeping", "__version__"]

@@ -17,6 +17,7 @@ from .kernels.attention import AttentionPass
 from .kernels.fuse_qkv import FuseQkvPass
 from .kernels.fused_pass import KernelsPass
 from .kernels.quant import QuantPass
+from .lora import LoraPass
 from .offload import OffloadPass
 from .parallel.cfg import CfgParallelPass
 from .parallel.sequence import SequenceParallelPass
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 # fused q/k/v linear, so that one activation is quantized once).
 PASSES: tuple[AccelPass, ...] = (
     StatsPass(),
+    LoraPass(),
     FuseQkvPass(),
     QuantPass(),
     KernelsPass(),

@@ -8,9 +8,11 @@ the diffusers methods that would break it or silently do the wrong thing, with r
 instead:
 
 * after ``quant`` / ``fuse_qkv`` / ``tp`` (the weights are no longer diffusers' own layers): ``save_pretrained``
-  (the FP8 / fused / sharded layers cannot be loaded back), ``load_lora_weights`` / ``load_lora_adapter`` (the
-  LoRA's target layers are gone: FP8 raises, a fused q/k/v silently ignores the LoRA), and ``pipe.to(...)`` to
-  another device or dtype (restore() puts the original weights back where they were at accelerate() time);
+  (the FP8 / fused / sharded layers cannot be loaded back), a transformer's own ``load_lora_adapter`` (the LoRA's
+  target layers are gone: FP8 raises, a fused q/k/v silently ignores the LoRA; the pipeline's
+  ``load_lora_weights`` works, through the lora pass, which restores, loads and accelerates again), and
+  ``pipe.to(...)`` to another device or dtype (restore() puts the original weights back where they were at
+  accelerate() time);
 * ``fuse_qkv_projections`` / ``unfuse_qkv_projections`` after ``quant`` or ``fuse_qkv``;
 * ``enable_cache`` after ``cache=``.
 
@@ -100,10 +102,10 @@ class DiffusersCompatPass(AccelPass):
             save = (f"save_pretrained() after accelerate({shown}) would write {saved}, which diffusers cannot load "
                     "back: call omni_accel.restore(pipe) first, save the plain weights, and accelerate() again after "
                     "loading them (an acceleration is applied after loading, it is not saved).")
-            lora = (f"loading a LoRA after accelerate({shown}) cannot reach the layers it adapts ({why}): call "
-                    "omni_accel.restore(pipe), load the LoRA, then accelerate() again.")
+            lora = (f"loading a LoRA into the transformer after accelerate({shown}) cannot reach the layers it adapts "
+                    f"({why}): use pipe.load_lora_weights(...), which restores, loads and accelerates again, or "
+                    "call omni_accel.restore(pipe) first.")
             guard(pipe, "save_pretrained", _refusal(save))
-            guard(pipe, "load_lora_weights", _refusal(lora))
             guard(pipe, "to", self._guarded_to(transformers, shown))
             for name, transformer in transformers:
                 guard(transformer, "save_pretrained", _refusal(save), component=name)

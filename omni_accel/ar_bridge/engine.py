@@ -365,6 +365,14 @@ class VLLMEngine(Engine):
                 with contextlib.suppress(Exception):
                     engine.abort_request([request_id])
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's own sleep: on a GPU engine started with ``enable_sleep_mode=True`` the weights go to host memory
+        and the KV cache is dropped (level 1); vLLM's CPU worker only pauses the scheduler."""
+        self._live().sleep(level=level)
+
+    def wake_up(self) -> None:
+        self._live().wake_up()
+
     def _live(self):
         if self.llm is None:
             raise AccelError("this vLLM engine is closed; start a new one.")

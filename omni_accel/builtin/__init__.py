@@ -67,6 +67,13 @@ def builtin_model_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
 
 
+def builtin_lora_path() -> str:
+    """Absolute path of the shipped LoRA adapter of the built-in model (omni_accel/builtin/lora): it swaps the
+    shape and background colours of the caption. ``pipe.load_lora_weights(builtin_lora_path())``; trained by
+    ``python -m omni_accel.builtin.train_lora`` (docs/builtin_model.md)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora")
+
+
 def builtin_video_model_path() -> str:
     """Absolute path of the built-in video model's diffusers folder (omni_accel/builtin/video_model)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "video_model")
@@ -197,6 +204,6 @@ def _resolve_dtype(dtype: Any, torch_dtype: Any):
     return chosen
 
 
-__all__ = ["BUILTIN_DEFAULTS", "BUILTIN_VIDEO_DEFAULTS", "BUILTIN_VIDEO_FPS", "TRAINED_SIZE", "builtin_model_path",
-           "builtin_video_model_path", "call_defaults", "is_builtin", "is_builtin_video", "load_builtin",
+__all__ = ["BUILTIN_DEFAULTS", "BUILTIN_VIDEO_DEFAULTS", "BUILTIN_VIDEO_FPS", "TRAINED_SIZE", "builtin_lora_path",
+           "builtin_model_path", "builtin_video_model_path", "call_defaults", "is_builtin", "is_builtin_video", "load_builtin",
            "load_builtin_video", "off_trained_size"]

@@ -185,14 +185,17 @@ def recon_scores(vae, x: torch.Tensor, caps: list[str]) -> dict:
     return {k: round(float(np.mean([s_[k] for s_ in sc if k in s_])), 3) for k in ("bg_color", "color", "shape", "position")}
 
 
-def save_loss_plot(log: dict, path: str) -> None:
+LOSS_PANELS = (("vae", "VAE (L1+MSE+KL)"), ("dit", "Transformer (flow matching MSE)"))
+
+
+def save_loss_plot(log: dict, path: str, panels: tuple = LOSS_PANELS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "vae", "VAE (L1+MSE+KL)"), (axes[1], "dit", "Transformer (flow matching MSE)")):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
         rec = log.get(key, [])
         if rec:
             s = [r["step"] for r in rec]

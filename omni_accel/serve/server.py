@@ -88,6 +88,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="frames per second of the clips (default: the model's: 16 for Wan, 8 for the built-in)")
     v.add_argument("--max-frames", type=int, default=None,
                    help="frames of one video at most (default: about twice the model's native clip: 161 for Wan)")
+    lo = p.add_argument_group("LoRA adapters (docs/serving.md)")
+    lo.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a LoRA adapter (a folder written by save_lora_weights, or its .safetensors file) served "
+                         "as model NAME; repeat for more. Loaded at start-up and never evicted")
+    lo.add_argument("--lora-dir", default=None, metavar="ROOT",
+                    help="let requests name an adapter folder under ROOT ({\"lora\": {\"path\": \"sub/dir\"}}); "
+                         "paths resolving outside ROOT are refused")
+    lo.add_argument("--video-lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a LoRA adapter of the --video-model, served as model NAME on /v1/videos (repeatable)")
+    lo.add_argument("--video-lora-dir", default=None, metavar="ROOT",
+                    help="as --lora-dir, for the video model's adapters")
+    lo.add_argument("--max-loras", type=int, default=4,
+                    help="adapters held in memory at most (least recently used out first; --lora ones stay)")
+    lo.add_argument("--max-lora-rank", type=int, default=64,
+                    help="the highest adapter rank served: ranks are padded to it so that a compiled pipeline "
+                         "switches adapters without recompiling (default 64)")
+    sl = p.add_argument_group("sleep mode (docs/serving.md)")
+    sl.add_argument("--enable-sleep-mode", action="store_true",
+                    help="allow POST /sleep and POST /wake_up (weights to host memory, or to a file on a CPU)")
+    sl.add_argument("--no-auto-wake", action="store_true",
+                    help="answer requests that arrive while asleep with 503 + Retry-After instead of waking up")
     sp = p.add_argument_group("speech (docs/speech.md)")
     sp.add_argument("--speech-model", default=os.environ.get("OMNI_ACCEL_SPEECH_MODEL"),
                     help="a Qwen2.5-Omni folder: serve POST /v1/audio/speech and GET /v1/audio/voices (alone, or "
@@ -160,8 +181,16 @@ def load_model(args):
     device, dtype, config = device_dtype_config(args)
     native = _default_size(args)
     pipe, defaults, source = _load_pipeline_quietly(args, device, dtype)
+    lora = None
+    if args.lora or args.lora_dir:  # before accelerate(): the adapter slot's layers are part of the passes' work
+        from .lora import LoraManager, parse_lora_flags
+
+        lora = LoraManager(pipe, parse_lora_flags(args.lora), max_loras=args.max_loras, lora_dir=args.lora_dir,
+                           max_rank=args.max_lora_rank)
+        lora.prepare()
     omni_accel.accelerate(pipe, config=config)
     model = LoadedModel.from_pipeline(pipe, _model_id(args), defaults, native)
+    model.lora = lora
     w, h = model.native_size
     if w % model.size_multiple or h % model.size_multiple:
         raise CliError(f"--default-size {w}x{h}: both sides must be multiples of {model.size_multiple}.")
@@ -207,7 +236,11 @@ def build_server(args, model, *, video_model=None, leader=None, world_size: int 
                          on_idle=leader.ping if leader else None, idle_s=PING_S, can_abort=leader is None)
     app = create_app(model, engine, limits=limits, api_key=args.api_key, metrics=metrics, url_cache=args.url_cache,
                      world_size=world_size, body_timeout_s=args.idle_timeout)
+    from . import chat
+    from .sleep import Sleeper, add_sleep_mode
+
     queues, cleanups = [engine], []
+    sleepers = [Sleeper(engine, model.pipe, leader.executor("sleep") if leader else None)]
     if video_model is not None:  # /v1/videos beside the image routes, with the video model's queue
         from . import videos
 
@@ -221,11 +254,18 @@ def build_server(args, model, *, video_model=None, leader=None, world_size: int 
         videos.install(app.fastapi, video_model, queue, store, video_limits, video_model.fps)
         queues.append(queue)
         cleanups.append(store.close)
+        sleepers.append(Sleeper(queue, video_model.pipe, leader.executor("sleep_video") if leader else None))
+    speech = None
     if getattr(args, "speech_model", None):  # speech routes beside the image ones, with a queue of their own
         from .speech import SpeechSettings, folder_name, install, load_pipeline
 
-        queues.append(install(app.fastapi, load_pipeline(args),
-                              SpeechSettings.from_args(args, folder_name(args.speech_model)), metrics))
+        pipeline = load_pipeline(args)
+        settings = SpeechSettings.from_args(args, folder_name(args.speech_model))
+        queues.append(install(app.fastapi, pipeline, settings, metrics))
+        sleepers.append(Sleeper(queues[-1], pipeline))
+        speech = (pipeline, queues[-1], settings)
+    chat.install(app.fastapi, image=app.image_service, speech=speech)
+    add_sleep_mode(app, app.fastapi, sleepers, enabled=args.enable_sleep_mode, auto_wake=not args.no_auto_wake)
     server = uvicorn_server(app, args, drains=queues)
     server.cleanups = cleanups
     return server, engine
@@ -304,9 +344,12 @@ def run(args) -> int:
             _warmup(model)
             if video_model is not None:
                 warmup(video_model)
-        runners = {"image": image_runner(model)}
+        from .sleep import run_sleep
+
+        runners = {"image": image_runner(model), "sleep": lambda spec, control=None: run_sleep(model.pipe, spec)}
         if video_model is not None:
             runners["video"] = video_runner(video_model)
+            runners["sleep_video"] = lambda spec, control=None: run_sleep(video_model.pipe, spec)
         if rank != 0:
             from .distributed import follower_loop
 
