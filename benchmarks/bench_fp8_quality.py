@@ -1,10 +1,18 @@
-"""FP8 image quality on the trained built-in model: quant="fp8" and "fp8_weight_only" against bf16, same seeds.
+"""FP8 image quality on the trained built-in model against bf16, same seeds: quant="fp8" (per-token activation
+scales), "fp8_weight_only", static activation scales, and static scales + FP8 attention.
 
-    python benchmarks/bench_fp8_quality.py --out benchmarks/results/fp8_quality.json      # CPU, about a minute
+    python benchmarks/bench_fp8_quality.py --out benchmarks/results/fp8_quality.json      # CPU, a few minutes
 
 The built-in model runs in bf16 (the dtype FP8 replaces on a GPU); ``fp8`` uses PyTorch's CPU ``_scaled_mm`` —
 the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its speed. Prompts: held-out captions
 (triples never seen in training). PSNR / SSIM per image against the bf16 image of the same prompt and seed.
+
+- ``fp8_static``: ``quant_config={"activations": "static"}``; the calibrating first call uses a caption seen in
+  training, not one of the test prompts, so the scales meet the test images as they would a user's later prompts.
+- ``fp8_static_fp8attn``: the same plus FP8 attention with the arithmetic of cuDNN's FP8 SDPA (e4m3 q / smoothed k /
+  v, e4m3 probabilities and output, per-tensor scales), which the op emulates on the CPU. The built-in model's heads
+  are 32 wide, so the route's head-dim filter (64 / 128, the GPU kernel's) is widened for this row: it measures
+  what the arithmetic does to a trained model's images, not a GPU speed.
 """
 
 from __future__ import annotations
@@ -34,6 +42,20 @@ def images(pipe, prompts: list[str], seed: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _route_fp8_attention(pipe):
+    """FP8 attention with cuDNN's arithmetic (emulated by the op on the CPU) on every attention call."""
+    from omni_accel.kernels import fp8_attention
+
+    widened, fp8_attention._HEAD_DIMS = fp8_attention._HEAD_DIMS, fp8_attention.INTERPRETED_HEAD_DIMS
+    undo = fp8_attention.route_transformer(pipe.transformer, "cudnn")
+
+    def restore() -> None:
+        undo()
+        fp8_attention._HEAD_DIMS = widened
+
+    return restore
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -47,13 +69,23 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     reference = images(pipe, prompts, args.seed)
     rows = {"bf16": {"seconds": round(time.perf_counter() - t0, 2)}}
-    for mode in ("fp8", "fp8_weight_only"):
-        omni_accel.accelerate(pipe, quant=mode, quant_config={"measure_error": True})
+    calibration_prompt = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(7)))[0]
+    for mode in ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn"):
+        quant_mode = "fp8_weight_only" if mode == "fp8_weight_only" else "fp8"
+        quant_config = {"measure_error": True}
+        if mode.startswith("fp8_static"):
+            quant_config["activations"] = "static"
+        omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config)
+        undo_route = _route_fp8_attention(pipe) if mode.endswith("fp8attn") else None
+        if mode.startswith("fp8_static"):
+            images(pipe, [calibration_prompt], args.seed + 1000)  # observes; the next call freezes the scales
         t0 = time.perf_counter()
         got = images(pipe, prompts, args.seed)
         seconds = time.perf_counter() - t0
         (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
         layer_out = [v["output_rel_err"] for v in omni_accel.kernels.quant.quant_error_report(pipe).values()]
+        if undo_route is not None:
+            undo_route()
         omni_accel.restore(pipe)
         p, s = psnr(got, reference), ssim(got, reference)
         rows[mode] = {"psnr_min": round(min(p), 2), "psnr_mean": round(sum(p) / len(p), 2),
@@ -62,6 +94,8 @@ def main(argv=None) -> int:
                       "weight_rel_err_max": applied["weight_rel_err_max"],
                       "layer_output_rel_err_max": max(e for e in layer_out if e is not None),
                       "seconds": round(seconds, 2), "psnr": [round(x, 2) for x in p]}
+        if mode.startswith("fp8_static"):
+            rows[mode]["calibration_prompt"] = calibration_prompt
         print(mode, {k: v for k, v in rows[mode].items() if k != "psnr"}, flush=True)
     import diffusers
 

@@ -395,15 +395,17 @@ def summarize(rows: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------------------ table and plot
 def markdown_table(result: dict) -> str:
-    lines = ["| model | config | ms/step | TFLOP/s | rel. err vs eager | first call s | peak GiB | SM MHz | W |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    """One row per config: ms per step, the speed-up over diffusers' best recipe of the same run, and the rest."""
+    lines = ["| model | config | ms/step | × diffusers best | TFLOP/s | rel. err vs eager | first call s | peak GiB "
+             "| SM MHz | W |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    best = {r["model"]: r["ms"] for r in result["rows"] if r["config"] == "diffusers_best" and "ms" in r}
     for r in result["rows"]:
         if "ms" not in r:
-            lines.append(f"| {r['model']} | {r['config']} | {r.get('error', r.get('skipped', ''))[:60]} |"
-                         " | | | | | |")
+            lines.append(f"| {r['model']} | {r['config']} | {r.get('error', '')[:60]} | | | | | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['config']} | {r['ms_per_step']:.1f} | {r['tflops']:.0f} | "
-                     f"{r['rel_err_vs_eager']:.4f} | {r['first_call_s']:.1f} | {r.get('peak_mem_gib') or '':} | "
+        ratio = f"{best[r['model']] / r['ms']:.2f}" if r["model"] in best else ""
+        lines.append(f"| {r['model']} | {r['config']} | {r['ms_per_step']:.1f} | {ratio} | {r['tflops']:.0f} | "
+                     f"{r['rel_err_vs_eager']:.4f} | {r['first_call_s']:.1f} | {r.get('peak_mem_gib') or ''} | "
                      f"{r.get('sm_clock_mhz', '')} | {r.get('power_w', '')} |")
     return "\n".join(lines)
 
@@ -451,7 +453,8 @@ def parse_args(argv):
     ap.add_argument("--log-clocks", action="store_true", help="SM clock and board power over each row's forwards")
     ap.add_argument("--out", default="benchmarks/results/bench_peers.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
-    ap.add_argument("--table-from", default=None, help="print the markdown table of a result file and exit")
+    ap.add_argument("--table-from", default=None,
+                    help="print the markdown table of result files (comma list) and exit: the README's tables")
     return ap.parse_args(argv)
 
 
@@ -460,8 +463,11 @@ def main(argv=None) -> int:
     if args.table_from:
         import json
 
-        with open(args.table_from) as f:
-            print(markdown_table(json.load(f)))
+        for path in args.table_from.split(","):
+            with open(path) as f:
+                result = json.load(f)
+            print(f"`{os.path.basename(path)}` ({result['env']['gpu']}, torch {result['env']['torch']}):\n")
+            print(markdown_table(result) + "\n")
         return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -11,11 +11,13 @@ from .ar_bridge.text_encoder import TextEncoderPass
 from .cache import CachePass
 from .compiler import CompilePass
 from .config import AccelConfig
+from .diffusers_compat import DiffusersCompatPass
 from .errors import AccelError
 from .kernels.attention import AttentionPass
 from .kernels.fuse_qkv import FuseQkvPass
 from .kernels.fused_pass import KernelsPass
 from .kernels.quant import QuantPass
+from .lora import LoraPass
 from .offload import OffloadPass
 from .parallel.cfg import CfgParallelPass
 from .parallel.sequence import SequenceParallelPass
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 # fused q/k/v linear, so that one activation is quantized once).
 PASSES: tuple[AccelPass, ...] = (
     StatsPass(),
+    LoraPass(),
     FuseQkvPass(),
     QuantPass(),
     KernelsPass(),
@@ -48,10 +51,11 @@ PASSES: tuple[AccelPass, ...] = (
     CachePass(),
     OffloadPass(),
     CompilePass(),
+    DiffusersCompatPass(),  # last: its guards on pipe.to / save_pretrained must not stop the passes above
 )
 
 
-def _resolve_device(pipe: Any, config: AccelConfig) -> torch.device:
+def _resolve_device(pipe: Any, adapter: Any, config: AccelConfig) -> torch.device:
     if config.device is not None:
         try:
             device = torch.device(config.device)
@@ -62,10 +66,30 @@ def _resolve_device(pipe: Any, config: AccelConfig) -> torch.device:
         return device
     if config.offload is not None and torch.cuda.is_available():
         return torch.device("cuda")  # offload keeps weights on the host and computes on the GPU
-    try:
-        return next(pipe.transformer.parameters()).device
-    except (AttributeError, StopIteration):
-        return torch.device("cpu")
+    for _, transformer in adapter.transformers_of(pipe):  # the first denoiser the pipeline holds
+        for param in transformer.parameters():
+            return param.device
+    return torch.device("cpu")
+
+
+def _modules_of(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The pipeline's model components (transformer, VAE, text encoders ...) by name."""
+    return {name: m for name, m in getattr(pipe, "components", {}).items() if isinstance(m, torch.nn.Module)}
+
+
+def _check_shared_modules(pipe: Any) -> None:
+    """Refuse a pipeline whose modules another accelerated pipeline holds (``FluxPipeline(**pipe.components)``):
+    the patches live on the modules, so two sets of them would stack on one transformer."""
+    modules = sorted(_modules_of(pipe).items(), key=lambda item: not item[0].startswith("transformer"))
+    for name, module in modules:  # the transformer first: it is what users think of as shared
+        owner = AccelState.owner_of(module)
+        if owner is not None:
+            raise AccelError(
+                f"the {name} of this {type(pipe).__name__} is shared with another pipeline that omni_accel has "
+                f"accelerated ({owner.pipeline_class_name}, e.g. built with {type(pipe).__name__}(**pipe.components)): "
+                "a module carries one acceleration at a time. Call the accelerated pipeline instead (it is the same "
+                "model), or omni_accel.restore() the other pipeline first."
+            )
 
 
 def _build_config(config: AccelConfig | None, knobs: dict) -> AccelConfig:
@@ -123,13 +147,15 @@ def accelerate(
             "this pipeline is already accelerated; call omni_accel.restore(pipe) first, then accelerate() "
             "again with the new settings."
         )
-    ctx = PassContext(pipe=pipe, adapter=adapter, config=cfg, device=_resolve_device(pipe, cfg))
+    _check_shared_modules(pipe)
+    ctx = PassContext(pipe=pipe, adapter=adapter, config=cfg, device=_resolve_device(pipe, adapter, cfg))
     wanted = [p for p in PASSES if p.wanted(cfg)]
     for p in wanted:  # validation of every pass before any pass touches the pipeline
         p.check(ctx)
 
     ctx.state = AccelState(pipe, adapter, cfg, ctx.device)
     object.__setattr__(pipe, "omni_accel", ctx.state)
+    ctx.state.claim_modules(_modules_of(pipe))
     try:
         for p in wanted:
             p.apply(ctx)
@@ -153,6 +179,7 @@ def restore(pipe: Any) -> Any:
         except Exception as exc:  # keep undoing the rest; report all at the end
             errors.append(f"{applied.name}: {exc!r}")
     state.applied.clear()
+    state.release_modules()
     object.__delattr__(pipe, "omni_accel")
     if errors:
         raise AccelError("restore() could not undo every patch: " + "; ".join(errors))

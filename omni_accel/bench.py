@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -30,7 +31,6 @@ from typing import Any
 from .cli import (CliError, _accel_config, _call_kwargs, _check_attention_early, _check_sampling_args,
                   _load_pipeline_quietly, _resolve_device, _torch_dtype, add_acceleration_arguments,
                   add_model_arguments, call_parameters, under_torchrun)
-from .testing import output_tensor
 
 logger = logging.getLogger("omni_accel.bench")
 
@@ -153,7 +153,7 @@ def _one_call(pipe, kwargs: dict, seed: int, device, count_flops: bool) -> tuple
     from torch.utils.flop_counter import FlopCounterMode
 
     call = dict(kwargs, generator=torch.Generator("cpu").manual_seed(seed))  # a fresh generator: equal inputs
-    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS) if count_flops else None
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops()) if count_flops else None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -162,6 +162,8 @@ def _one_call(pipe, kwargs: dict, seed: int, device, count_flops: bool) -> tuple
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    from .testing import output_tensor
+
     return seconds, output_tensor(result), counter.get_total_flops() if counter is not None else None
 
 
@@ -172,14 +174,13 @@ def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, 
     return 2 * math.prod(batch) * s_q * s_k * (d + d_v)
 
 
-def _cpu_attention_mapping() -> dict:
+@functools.cache
+def _cpu_attention_flops() -> dict:
+    """FlopCounterMode's custom mapping for CPU SDPA (built on first use: importing torch is for the run)."""
     import torch
 
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     return {op: _cpu_sdpa_flops} if op is not None else {}
-
-
-_CPU_ATTENTION_FLOPS = _cpu_attention_mapping()
 
 
 def _result(args, kwargs: dict, source: str, dtype, device: str, steps: int | None, world: int,
@@ -205,12 +206,15 @@ def _result(args, kwargs: dict, source: str, dtype, device: str, steps: int | No
     row["applied"] = list(dict.fromkeys(p["pass"] for p in report["applied"]))
     row["transformer_forwards"] = (report.get("last_call") or {}).get("transformer_forwards")
     if report.get("cache"):  # a cached forward still counts as a forward: these say how many were reused
-        row["cache_steps"] = {k: report["cache"][k] for k in ("backend", "computed", "reused")}
+        counted = ("computed", "reused") if "computed" in report["cache"] else ("block_forwards",)  # tea_cache
+        row["cache_steps"] = {k: report["cache"][k] for k in ("backend", *counted)}  # counts steps, the others blocks
     if plain is not None and "error" not in plain:
         row["speedup_vs_plain"] = round(statistics.median(plain["times"]) / statistics.median(accelerated["times"]), 4)
         row.update(_difference(accelerated["output"], plain["output"]))
     rows.append(row)
+    call = {k: v for k, v in kwargs.items() if k not in ("prompt", "generator", "output_type")}
     return {"prompt": args.prompt, "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
+            "call_kwargs": call,  # the model's defaults and the flags, as the pipeline got them
             "flops_per_call": flops, "flops_counted_by": "torch FlopCounterMode on the plain call" if flops else None,
             "rows": rows}
 
@@ -273,6 +277,7 @@ def format_table(result: dict) -> str:
     facts = (f"{first['model']} on {first['gpu']}, world size {first['world_size']}: output {output}, "
              f"{shape['steps']} steps, {shape['dtype']}; median of {result['repeats']} timed calls after "
              f"{result['warmup']} warm-up")
-    cached = [f"{r['config']}: {r['cache_steps']['computed']} forwards computed, {r['cache_steps']['reused']} "
-              "reused from the cache" for r in result["rows"] if "cache_steps" in r]
+    cached = [f"{r['config']}: " + (f"{c['computed']} forwards computed, {c['reused']} reused from the cache"
+                                    if "computed" in c else f"{c.get('block_forwards')} block forwards run")
+              for r in result["rows"] if (c := r.get("cache_steps")) is not None]
     return "\n".join([facts, *text, *cached])

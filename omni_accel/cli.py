@@ -1,6 +1,7 @@
 """The ``omni-accel`` command line (also ``python -m omni_accel``).
 
     omni-accel generate "a red circle on a blue background" -o out.png              # built-in model
+    omni-accel generate --video "a red circle moving from left to right on a blue background" -o clip.mp4
     omni-accel generate "a fox" --model ./FLUX.1-dev --device cuda --dtype bfloat16 \\
         --attention auto --compile on -o fox.png
     omni-accel info
@@ -20,6 +21,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 logger = logging.getLogger("omni_accel.cli")
@@ -35,7 +37,9 @@ ENV_HELP = "configuration precedence: command-line arguments first, then environ
     "\n".join(f"  {k:18s} {v}" for k, v in ENV_VARS.items())
 
 DTYPES = ("float32", "bfloat16", "float16")
-COMPILE_CHOICES = {"off": False, "on": True, "max": "max"}
+DEFAULT_FPS = 16  # Wan 2.1's frame rate; the built-in video model carries its own
+COMPILE_CHOICES = ("off", "on", "max")  # AccelConfig takes these words as well as False / True
+OUTPUT_DEFAULTS = ("fps",)  # model defaults that describe the written file, not the pipeline call
 
 
 class CliError(Exception):
@@ -45,12 +49,15 @@ class CliError(Exception):
 # ---------------------------------------------------------------------------------------------- generate
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the text prompt")
-    p.add_argument("-o", "--output", default="out.png",
-                   help="output image (default out.png). Video pipelines (e.g. Wan): a .gif path gets every frame "
-                        "as an animated GIF, any other extension gets the first frame only")
+    p.add_argument("-o", "--output", default=None,
+                   help="output file (default out.png, or out.mp4 with --video). Video pipelines (e.g. Wan): .mp4 "
+                        "gets an H.264 MP4, .gif an animated GIF, any other extension the first frame only")
     add_model_arguments(p)
     add_acceleration_arguments(p)
     r = p.add_argument_group("output")
+    r.add_argument("--fps", type=int, default=None,
+                   help="frames per second of a video file (default: the model's, 8 for the built-in video model, "
+                        f"else {DEFAULT_FPS})")
     r.add_argument("--report", choices=["table", "json", "none"], default="table",
                    help="how to print pipe.omni_accel.report() after saving (default table)")
 
@@ -62,15 +69,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=os.environ.get("OMNI_ACCEL_MODEL"),
                    help="local diffusers pipeline folder, loaded with DiffusionPipeline.from_pretrained "
                         "(env OMNI_ACCEL_MODEL); default: the built-in model with its own defaults")
-    g.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    g.add_argument("--video", action="store_true",
+                   help="generate a video: the default model becomes the built-in video model (a WanPipeline); "
+                        "--model must then be a video pipeline")
+    # diffusers' keyword names work as aliases of the short flags (--num-inference-steps = --steps ...)
+    g.add_argument("--steps", "--num-inference-steps", dest="steps", type=int, default=None,
+                   help="denoising steps (default: the model's)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    g.add_argument("--height", type=int, default=None, help="image height in pixels")
-    g.add_argument("--width", type=int, default=None, help="image width in pixels")
-    g.add_argument("--guidance", type=float, default=None, help="guidance_scale of the pipeline")
+    g.add_argument("--height", type=int, default=None, help="image height in pixels (default: the model's)")
+    g.add_argument("--width", type=int, default=None, help="image width in pixels (default: the model's)")
+    g.add_argument("--guidance", "--guidance-scale", dest="guidance", type=float, default=None,
+                   help="guidance_scale of the pipeline (default: the model's)")
     g.add_argument("--true-cfg-scale", type=float, default=None,
                    help="true_cfg_scale for pipelines with true CFG (FLUX, Qwen-Image); needs --negative-prompt")
-    g.add_argument("--negative-prompt", default=None, help="negative prompt")
-    g.add_argument("--frames", type=int, default=None, help="num_frames for video pipelines")
+    g.add_argument("--negative-prompt", default=None, help="negative prompt ('' for an empty one)")
+    g.add_argument("--frames", "--num-frames", dest="frames", type=int, default=None,
+                   help="num_frames for video pipelines")
     g.add_argument("--dtype", choices=DTYPES, default=os.environ.get("OMNI_ACCEL_DTYPE"),
                    help="weights dtype (env OMNI_ACCEL_DTYPE; default bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--device", default=os.environ.get("OMNI_ACCEL_DEVICE"),
@@ -82,7 +96,7 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("acceleration (the keywords of omni_accel.accelerate)")
     a.add_argument("--attention", default="auto", help="attention backend (default auto; see `omni-accel info`)")
     a.add_argument("--compile", choices=list(COMPILE_CHOICES), default="off",
-                   help="torch.compile: off, on (regional) or max (regional + GEMM autotuning)")
+                   help="torch.compile: off, on (regional) or max (regional + a CUDA graph of the whole forward)")
     a.add_argument("--offload", choices=["model", "block"], default=None, help="CPU offload mode")
     a.add_argument("--vae-tiling", action="store_true", help="decode the VAE in tiles")
     a.add_argument("--vae-slicing", action="store_true", help="decode the VAE one image at a time")
@@ -92,7 +106,7 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--cfg-parallel", type=int, default=1, help="CFG-parallel degree")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     a.add_argument("--vae-parallel", type=int, default=1, help="VAE-parallel degree")
-    a.add_argument("--cache", default=None, help="step cache backend (tea_cache, cache_dit, fb_cache)")
+    a.add_argument("--cache", default=None, help="step cache backend (tea_cache, cache_dit, fb_cache, mag_cache)")
     a.add_argument("--cache-config", default=None, metavar="JSON",
                    help='cache options as JSON, e.g. \'{"rel_l1": 0.2}\'')
     a.add_argument("--quant", default=None, help="quantization (fp8, fp8_weight_only)")
@@ -135,7 +149,7 @@ def _accel_config(args: argparse.Namespace, device: str):
     config = AccelConfig(
         sp=args.sp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel, tp=args.tp,
         vae_parallel=args.vae_parallel, cache=args.cache, cache_config=cache_config, offload=args.offload,
-        quant=args.quant, attention=args.attention, compile=COMPILE_CHOICES[args.compile],
+        quant=args.quant, attention=args.attention, compile=args.compile,
         text_encoder=args.text_encoder, kernels=args.kernels, fuse_qkv=args.fuse_qkv, vae_tiling=args.vae_tiling,
         vae_slicing=args.vae_slicing, device=device,
     )
@@ -152,34 +166,47 @@ def _check_attention_early(name: str, device: str, dtype) -> None:
 
 
 def _load_pipeline(args: argparse.Namespace, device: str, dtype) -> tuple[Any, dict, str]:
-    """(pipe, default call kwargs, description). Weights stay on the host when offload is asked for."""
-    target = "cpu" if args.offload else device
+    """(pipe, the model's call defaults, description). Weights stay on the host when offload is asked for."""
+    target = "cpu" if getattr(args, "offload", None) else device
+    video = getattr(args, "video", False)
+    if args.model is None and video:
+        from .builtin import BUILTIN_VIDEO_DEFAULTS, BUILTIN_VIDEO_FPS, load_builtin_video
+
+        pipe = load_builtin_video(dtype=dtype, device=target)  # AccelError naming the training command if absent
+        return pipe, {**BUILTIN_VIDEO_DEFAULTS, "fps": BUILTIN_VIDEO_FPS}, "built-in video model"
     if args.model is None:
         try:
-            from .builtin import BUILTIN_DEFAULTS, load_builtin
+            from .builtin import load_builtin
         except ImportError as exc:
             raise CliError(f"the built-in model is not available in this install ({exc}); pass --model PATH.")
         try:
             pipe = load_builtin(dtype=dtype, device=target)
         except (OSError, FileNotFoundError) as exc:
             raise CliError(f"could not load the built-in model: {exc}; pass --model PATH.")
-        return pipe, dict(BUILTIN_DEFAULTS), "built-in model"
-    path = os.path.expanduser(args.model)
-    if not os.path.exists(path):
-        raise CliError(f"--model {args.model!r}: no such folder. Pass a local diffusers pipeline folder (one with "
-                       "model_index.json), e.g. one saved by pipe.save_pretrained() or `hf download`.")
-    if not os.path.isfile(os.path.join(path, "model_index.json")):
-        raise CliError(f"--model {args.model!r} has no model_index.json: it is not a diffusers pipeline folder.")
-    from diffusers import DiffusionPipeline
+        source = "built-in model"
+    else:
+        path = os.path.expanduser(args.model)
+        if not os.path.exists(path):
+            raise CliError(f"--model {args.model!r}: no such folder. Pass a local diffusers pipeline folder (one "
+                           "with model_index.json), e.g. one saved by pipe.save_pretrained() or `hf download`.")
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise CliError(f"--model {args.model!r} has no model_index.json: it is not a diffusers pipeline folder.")
+        from diffusers import DiffusionPipeline
 
-    try:
-        # diffusers >= 0.36 names it ``dtype`` (``torch_dtype`` still works there, with a FutureWarning)
-        key = "dtype" if "dtype" in inspect.getsource(DiffusionPipeline.from_pretrained) else "torch_dtype"
-        pipe = DiffusionPipeline.from_pretrained(path, **{key: dtype})
-    except (OSError, ValueError) as exc:
-        raise CliError(f"could not load --model {args.model!r}: {exc}")
-    pipe.to(target)
-    return pipe, {}, path
+        try:
+            # diffusers >= 0.36 names it ``dtype`` (``torch_dtype`` still works there, with a FutureWarning)
+            key = "dtype" if "dtype" in inspect.getsource(DiffusionPipeline.from_pretrained) else "torch_dtype"
+            pipe = DiffusionPipeline.from_pretrained(path, **{key: dtype})
+        except (OSError, ValueError) as exc:
+            raise CliError(f"could not load --model {args.model!r}: {exc}")
+        if video and "num_frames" not in call_parameters(pipe):
+            raise CliError(f"--video: --model {args.model!r} is a {type(pipe).__name__}, which makes images; pass "
+                           "a video pipeline folder (e.g. Wan) or leave --model out for the built-in video model.")
+        pipe.to(target)
+        source = path
+    from .builtin import call_defaults
+
+    return pipe, call_defaults(pipe), source
 
 
 def _default_size(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -208,6 +235,23 @@ def _check_sampling_args(args: argparse.Namespace) -> None:
                         ("--frames", args.frames)):
         if value is not None and value < 1:
             raise CliError(f"{name} {value} is invalid: it must be a positive integer.")
+    scale = getattr(args, "true_cfg_scale", None)
+    if scale is not None and scale > 1 and getattr(args, "negative_prompt", None) is None:
+        raise CliError(f"--true-cfg-scale {scale} runs true CFG only with a negative prompt: add --negative-prompt "
+                       "TEXT (--negative-prompt '' for an empty one), or drop --true-cfg-scale.")
+
+
+def _check_output_path(path: str) -> None:
+    """Refuse an output name PIL cannot write before the model is loaded (not after the image is made)."""
+    from PIL import Image
+
+    extension = os.path.splitext(path)[1].lower()
+    if extension != ".mp4" and extension not in Image.registered_extensions():  # .mp4: omni_accel.video_io
+        shown = f"extension {extension!r}" if extension else "no extension"
+        raise CliError(f"-o {path!r} has {shown}: the image format comes from it; use e.g. "
+                       f"{os.path.splitext(path)[0] or 'out'}.png (or .jpg, .webp; .mp4 or .gif for a video).")
+    if os.path.isdir(path):
+        raise CliError(f"-o {path!r} is a folder; give a file path such as {os.path.join(path, 'out.png')}.")
 
 
 def call_parameters(pipe) -> "dict[str, inspect.Parameter]":
@@ -217,27 +261,27 @@ def call_parameters(pipe) -> "dict[str, inspect.Parameter]":
 
 
 def _call_kwargs(pipe, args: argparse.Namespace, defaults: dict) -> dict:
+    """The model's call defaults, overridden by the flags the user gave; keys the pipeline does not take are
+    dropped (with a warning when the user asked for them)."""
     import torch
 
-    wanted = {
+    given = {
         "prompt": args.prompt,
-        "num_inference_steps": args.steps if args.steps is not None else defaults.get("num_inference_steps"),
-        "height": args.height if args.height is not None else defaults.get("height"),
-        "width": args.width if args.width is not None else defaults.get("width"),
-        "guidance_scale": args.guidance if args.guidance is not None else defaults.get("guidance_scale"),
-        "true_cfg_scale": args.true_cfg_scale if args.true_cfg_scale is not None else defaults.get("true_cfg_scale"),
+        "num_inference_steps": args.steps,
+        "height": args.height,
+        "width": args.width,
+        "guidance_scale": args.guidance,
+        "true_cfg_scale": args.true_cfg_scale,
         "negative_prompt": args.negative_prompt,
-        "num_frames": args.frames,
+        "num_frames": args.frames if args.frames is not None else defaults.get("num_frames"),
     }
+    given = {key: value for key, value in given.items() if value is not None}
+    defaults = {k: v for k, v in defaults.items() if k not in OUTPUT_DEFAULTS}
     accepted = call_parameters(pipe)
-    kwargs = {}
-    for key, value in wanted.items():
-        if value is None:
-            continue
+    for key in given:
         if key not in accepted:
             logger.warning("%s does not take %s; ignoring it", type(pipe).__name__, key)
-            continue
-        kwargs[key] = value
+    kwargs = {k: v for k, v in {**defaults, **given}.items() if k in accepted}
     kwargs["generator"] = torch.Generator("cpu").manual_seed(args.seed)
     if "output_type" in accepted:
         kwargs["output_type"] = "pil"
@@ -262,14 +306,20 @@ def _to_pil_list(images) -> list:
     return out
 
 
-def save_output(result, path: str) -> dict:
+def save_output(result, path: str, fps: int = DEFAULT_FPS) -> dict:
     """Save an image (``.images``) or video (``.frames``) result; returns what was written."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     if getattr(result, "frames", None) is not None:
         frames = _to_pil_list(result.frames[0])
+        if path.lower().endswith(".mp4"):
+            from .video_io import encode_mp4
+
+            with open(path, "wb") as fh:
+                fh.write(encode_mp4(frames, fps))
+            return {"path": path, "kind": "video", "frames": len(frames), "fps": fps, "size": list(frames[0].size)}
         if path.lower().endswith(".gif"):
-            frames[0].save(path, save_all=True, append_images=frames[1:], duration=1000 // 16, loop=0)
-            return {"path": path, "kind": "video", "frames": len(frames), "size": list(frames[0].size)}
+            frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+            return {"path": path, "kind": "video", "frames": len(frames), "fps": fps, "size": list(frames[0].size)}
         frames[0].save(path)
         return {"path": path, "kind": "video (first frame)", "frames": len(frames), "size": list(frames[0].size)}
     image = _to_pil_list(result.images[:1])[0]
@@ -293,7 +343,8 @@ def format_report(report: dict, saved: dict, wall_s: float) -> str:
         ("total s", times.get("total")),
         ("peak GPU mem GiB", last.get("peak_gpu_mem_gib")),
         ("wall s (incl. load)", round(wall_s, 3)),
-        ("saved", f"{saved['path']} ({saved['kind']}, {saved['size'][0]}x{saved['size'][1]})"),
+        ("saved", f"{saved['path']} ({saved['kind']}, {saved['size'][0]}x{saved['size'][1]}"
+                  + (f", {saved['frames']} frames at {saved['fps']} fps" if "fps" in saved else "") + ")"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -327,6 +378,10 @@ def _generate(args: argparse.Namespace, t0: float) -> int:
     device = _resolve_device(args.device)
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     _check_sampling_args(args)
+    if args.fps is not None and args.fps < 1:
+        raise CliError(f"--fps {args.fps} is invalid: it must be a positive integer.")
+    output = args.output or ("out.mp4" if args.video else "out.png")
+    _check_output_path(output)
     config = _accel_config(args, device)  # AccelError on bad values, before any loading
     _check_attention_early(args.attention, device, dtype)
     pipe, defaults, source = _load_pipeline(args, device, dtype)
@@ -338,7 +393,7 @@ def _generate(args: argparse.Namespace, t0: float) -> int:
         result = pipe(**kwargs)
     if not is_main_process():  # every rank holds the same images; only rank 0 writes and reports
         return EXIT_OK
-    saved = save_output(result, args.output)
+    saved = save_output(result, output, args.fps or defaults.get("fps", DEFAULT_FPS))
     report = pipe.omni_accel.report()
     if args.report == "json":
         print(json.dumps({"saved": saved, **report}, separators=(",", ":"), default=str))
@@ -429,30 +484,56 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _drop_torchvision_notes(record: logging.LogRecord) -> bool:
+    return "torchvision" not in record.getMessage()
+
+
+def _quiet_torchvision() -> None:
+    """Silence the torchvision notes every command would print, about image processing omni_accel never does:
+    transformers' "`CLIPImageProcessor` requires torchvision (not installed)" when diffusers imports a pipeline
+    module, and a torchvision built for another torch warning about its image extension when it is installed."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torchvision(\.|$)")
+    logging.getLogger("transformers.utils.import_utils").addFilter(_drop_torchvision_notes)
+
+
+def _chosen_subcommand(argv: list[str] | None) -> str | None:
+    """The subcommand named in ``argv`` (its first word that is one), or None."""
+    return next((word for word in argv or () if word in SUBCOMMANDS), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given ``argv``, only the subcommand it names gets its arguments (the others' modules --
+    fastapi, gradio, torch -- stay unimported, so ``omni-accel --help`` answers at once)."""
     parser = argparse.ArgumentParser(
         prog="omni-accel", description="Accelerate stock diffusers pipelines in place.", epilog=ENV_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"omni-accel {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    chosen = _chosen_subcommand(argv) if argv is not None else None
     for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=ENV_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        add_arguments(p)
+        if argv is None or name == chosen:
+            add_arguments(p)
         p.set_defaults(_run=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    _quiet_torchvision()
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("omni_accel").setLevel(level)
     from .errors import AccelError

@@ -12,11 +12,12 @@ from typing import Any
 
 from .errors import AccelError
 
-CACHE_BACKENDS = ("tea_cache", "cache_dit", "fb_cache")
+CACHE_BACKENDS = ("tea_cache", "cache_dit", "fb_cache", "mag_cache")
 OFFLOAD_MODES = ("model", "block")
 QUANT_MODES = ("fp8", "fp8_weight_only")
 TEXT_ENCODER_ENGINES = ("vllm", "transformers")
-COMPILE_MODES = (False, True, "max")
+# compile= accepts the command line's words too: one vocabulary for Python and the CLI
+COMPILE_MODES = {False: False, True: True, "off": False, "on": True, "max": "max"}
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -81,8 +82,10 @@ class AccelConfig:
                 raise AccelError("quant_config was given without quant=...; add quant='fp8' or 'fp8_weight_only'.")
         if not isinstance(self.attention, str) or not self.attention:
             raise AccelError(f"attention={self.attention!r} must be a backend name such as 'auto'.")
-        if self.compile not in COMPILE_MODES or not isinstance(self.compile, (bool, str)):
-            raise AccelError(f"compile={self.compile!r} is not known. Use False, True (regional) or 'max'.")
+        if not isinstance(self.compile, (bool, str)) or self.compile not in COMPILE_MODES:
+            raise AccelError(f"compile={self.compile!r} is not known. Use False / 'off', True / 'on' (regional) "
+                             "or 'max'.")
+        self.compile = COMPILE_MODES[self.compile]
         if self.text_encoder is not None:
             _one_of("text_encoder", self.text_encoder, TEXT_ENCODER_ENGINES)
         for name in ("kernels", "fuse_qkv", "vae_tiling", "vae_slicing"):

@@ -5,11 +5,14 @@ All our hooks are named ``omni_accel.<what>`` so ``restore`` can remove exactly 
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Callable
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
+
+from .errors import copy_refusal
 
 PREFIX = "omni_accel."
 
@@ -79,8 +82,7 @@ def wrap_method(obj: Any, name: str, make_wrapper: Callable[[Callable], Callable
     """
     had_own = name in vars(obj)
     previous = vars(obj).get(name)
-    original = getattr(obj, name)
-    object.__setattr__(obj, name, make_wrapper(original))
+    object.__setattr__(obj, name, MethodWrapper(obj, name, make_wrapper, previous if had_own else None))
 
     def undo() -> None:
         if had_own:
@@ -89,3 +91,32 @@ def wrap_method(obj: Any, name: str, make_wrapper: Callable[[Callable], Callable
             object.__delattr__(obj, name)
 
     return undo
+
+
+class MethodWrapper:
+    """The instance attribute ``wrap_method`` installs: ``make_wrapper(original)``, where the original is the
+    attribute it shadows (or the class's method, bound to ``owner``).
+
+    A deep copy follows its owner: ``copy.deepcopy(pipe.vae).decode`` wraps the *copy's* decode (a closure would
+    keep calling the original module). Pickling is refused with the fix: the wrapper belongs to this process.
+    """
+
+    def __init__(self, owner: Any, name: str, make_wrapper: Callable[[Callable], Callable], previous: Any = None):
+        self._owner, self._name, self._make, self._previous = owner, name, make_wrapper, previous
+        original = previous if previous is not None else getattr(type(owner), name).__get__(owner)
+        self._call = make_wrapper(original)
+        self.__wrapped__ = original  # inspect.signature() and friends see the method's own signature
+        self.__doc__ = getattr(original, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "MethodWrapper":
+        owner = copy.deepcopy(self._owner, memo)  # the copy under construction (already in memo)
+        return MethodWrapper(owner, self._name, self._make, copy.deepcopy(self._previous, memo))
+
+    def __reduce_ex__(self, protocol: Any):
+        raise copy_refusal(f"{type(self._owner).__name__} (its {self._name} is wrapped by omni_accel)")
+
+    def __repr__(self) -> str:
+        return f"<omni_accel wrapper of {type(self._owner).__name__}.{self._name}>"

@@ -21,6 +21,11 @@ class PassContext:
     device: torch.device
     state: AccelState | None = None  # set once validation is over and patching begins
 
+    def __deepcopy__(self, memo: dict) -> "PassContext":
+        """Shared, not copied: hooks of a deep-copied module belong to the same accelerate() call (a copy would
+        drag a copy of the whole pipeline along)."""
+        return self
+
 
 class AccelPass:
     """A generic transformation of a pipeline, driven by its adapter.

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import copy
+import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .config import AccelConfig
+from .errors import copy_refusal
 from .hooks import Stopwatch
 from .pipelines.base import ModelAdapter
+
+logger = logging.getLogger("omni_accel")
 
 
 @dataclass
@@ -51,6 +56,9 @@ class CallStats:
 class AccelState:
     """Attached to the pipeline as ``pipe.omni_accel`` by ``accelerate`` and removed by ``restore``."""
 
+    # module -> the state whose patches it carries (pipelines built over the same modules share them)
+    _owners: "weakref.WeakKeyDictionary[torch.nn.Module, AccelState]" = weakref.WeakKeyDictionary()
+
     def __init__(self, pipe: Any, adapter: ModelAdapter, config: AccelConfig, device: torch.device):
         self.adapter = adapter
         self.config = config
@@ -60,9 +68,12 @@ class AccelState:
         self.last_call: CallStats | None = None
         self._current: CallStats | None = None
         self._call_start_hooks: list[Callable[[], None]] = []
+        self._call_end_hooks: list[Callable[[], None]] = []
         self._pipe_class_name = type(pipe).__name__
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
+        self.call_arguments: dict = {}  # every argument of the current call by name, defaults filled in
+        self.warned: set[str] = set()
         # The process mesh when a parallel pass is applied (omni_accel.parallel.ParallelMesh), else None.
         # A cache must make identical decisions on every rank: reduce its metric with all_reduce_mean below.
         self.mesh = None
@@ -73,6 +84,27 @@ class AccelState:
         self.encode_watch = Stopwatch(device_fn)
         self.decode_watch = Stopwatch(device_fn)
 
+    @property
+    def pipeline_class_name(self) -> str:
+        return self._pipe_class_name
+
+    # -- modules this state patches -----------------------------------------------------------------------
+    def claim_modules(self, modules: dict) -> None:
+        self._claimed = list(modules.values())
+        for module in self._claimed:
+            AccelState._owners[module] = self
+
+    def release_modules(self) -> None:
+        for module in getattr(self, "_claimed", ()):
+            if AccelState._owners.get(module) is self:
+                del AccelState._owners[module]
+        self._claimed = []
+
+    @classmethod
+    def owner_of(cls, module: torch.nn.Module) -> "AccelState | None":
+        """The state of the accelerated pipeline that holds ``module``, if any."""
+        return cls._owners.get(module)
+
     # -- filled by passes -------------------------------------------------------------------------------
     def record(self, name: str, undo: Callable[[], None], **details: Any) -> None:
         self.applied.append(AppliedPass(name, details, undo))
@@ -80,6 +112,16 @@ class AccelState:
     def on_call_start(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` at the start of every pipeline call (caches reset their state here)."""
         self._call_start_hooks.append(fn)
+
+    def on_call_end(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at the end of every pipeline call, also when the call raised (mag_cache reads its calibration
+        here)."""
+        self._call_end_hooks.append(fn)
+
+    def remove_call_hooks(self, *fns: Callable[[], None]) -> None:
+        """Forget call-start / call-end hooks (a pass's undo)."""
+        for hooks in (self._call_start_hooks, self._call_end_hooks):
+            hooks[:] = [h for h in hooks if h not in fns]
 
     def count(self, key: str, amount: int = 1) -> None:
         """Add to a per-call counter (e.g. "cache.computed"); a no-op outside a call."""
@@ -89,6 +131,12 @@ class AccelState:
     def count_transformer_forward(self) -> None:
         if self._current is not None:
             self._current.transformer_forwards += 1
+
+    def warn_once(self, message: str | None) -> None:
+        """Log ``message`` as a warning the first time it comes up for this accelerated pipeline."""
+        if message and message not in self.warned:
+            self.warned.add(message)
+            logger.warning("omni_accel: %s", message)
 
     def all_reduce_mean(self, tensor: torch.Tensor, group: str = "world") -> torch.Tensor:
         """Mean of ``tensor`` over the ranks of ``group`` ("world", "sequence", "cfg", ...); the tensor itself
@@ -102,8 +150,9 @@ class AccelState:
         return self._current is not None
 
     # -- call bracketing (driven by the pipeline subclass installed in api.py) ----------------------------
-    def begin_call(self, args: tuple = (), kwargs: dict | None = None) -> None:
+    def begin_call(self, args: tuple = (), kwargs: dict | None = None, arguments: dict | None = None) -> None:
         self.call_args, self.call_kwargs = args, dict(kwargs or {})  # read by call-start hooks (cfg_parallel)
+        self.call_arguments = dict(arguments or {})
         self._current = CallStats()
         self.encode_watch.seconds = 0.0
         self.decode_watch.seconds = 0.0
@@ -121,6 +170,8 @@ class AccelState:
         stats = self._current
         if stats is None:
             return
+        for fn in self._call_end_hooks:
+            fn()
         self.encode_watch.stop()
         self.decode_watch.stop()
         if self.device.type == "cuda":
@@ -149,6 +200,16 @@ class AccelState:
             "last_call": self.last_call.as_dict() if self.last_call else None,
             **{name: section() for name, section in self.report_sections.items()},
         }
+
+    # -- copies ------------------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> "AccelState":
+        """Shared, not copied: a deep-copied module's hooks keep reporting to this state (a copy of the state
+        would carry undo functions that patch the original modules)."""
+        return self
+
+    def __reduce_ex__(self, protocol: Any):
+        # every module omni_accel hooked refers to its state: pickling one of them ends here, with the fix
+        raise copy_refusal(f"a module of an accelerated {self._pipe_class_name} (it carries omni_accel's hooks)")
 
     def __repr__(self) -> str:
         names = ", ".join(p.name for p in self.applied if not p.details.get("hidden")) or "nothing"

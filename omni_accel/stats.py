@@ -1,4 +1,5 @@
-"""Always-on instrumentation: brackets each pipeline call and times its stages for ``report()``.
+"""Always-on instrumentation: brackets each pipeline call, checks its arguments (call_checks.py) and times its
+stages for ``report()``.
 
 Stage times: text encoding = time inside ``pipe.encode_prompt``; VAE decode = time inside ``vae.decode``;
 denoising = the rest of the call (latent preparation, the transformer loop, the scheduler).
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+from .call_checks import call_arguments, check_call
+from .errors import copy_refusal
 from .hooks import CallbackHook, add_hook, wrap_method
 from .pass_base import AccelPass, PassContext
 
@@ -27,13 +30,22 @@ def _instrumented_class(cls: type) -> type:
             state = self.__dict__.get("omni_accel")
             if state is None or state.in_call:
                 return cls.__call__(self, *args, **kwargs)
-            state.begin_call(args, kwargs)
+            arguments = call_arguments(cls, self, args, kwargs)
+            check_call(self, state, cls, arguments, kwargs)  # AccelError before anything runs
+            state.begin_call(args, kwargs, arguments)
             try:
                 return cls.__call__(self, *args, **kwargs)
             finally:
                 state.end_call()
 
+        def __reduce_ex__(self, protocol):
+            raise copy_refusal(f"an accelerated {cls.__name__}")
+
+        def __deepcopy__(self, memo):  # a copy would share the modules' patches, and restore() on it undo ours
+            raise copy_refusal(f"an accelerated {cls.__name__}", "deep-copied")
+
         _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                                       "__reduce_ex__": __reduce_ex__, "__deepcopy__": __deepcopy__,
                                                        "_omni_accel_original_class": cls})
     return _SUBCLASSES[cls]
 

@@ -1,8 +1,12 @@
 """Helpers shared by the tests that start real server processes."""
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
+import sys
+import time
 
 
 def stop_process_group(proc: subprocess.Popen, wait_s: float) -> None:
@@ -12,3 +16,38 @@ def stop_process_group(proc: subprocess.Popen, wait_s: float) -> None:
         proc.wait(wait_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_demo(tmp_path, *args: str, start_timeout_s: float = 120):
+    """``omni-accel demo --port <free> *args`` in its own process group, from the repository root; yields its URL
+    once it answers, stops it afterwards. Its output goes to tmp_path/demo.log (shown if it exits early)."""
+    import httpx
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = os.path.join(str(tmp_path), "demo.log")
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "omni_accel", "demo", "--port", str(port), *args], cwd=root,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        url = f"http://127.0.0.1:{port}/"
+        try:
+            t0 = time.time()
+            while True:
+                if proc.poll() is not None:
+                    log.flush()
+                    with open(log_path) as fh:
+                        raise AssertionError(f"demo exited {proc.returncode}: {fh.read()[-3000:]}")
+                try:
+                    if httpx.get(url, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.time() - t0 < start_timeout_s, f"demo did not start in {start_timeout_s} s"
+                time.sleep(0.5)
+            yield url
+        finally:
+            stop_process_group(proc, 15)

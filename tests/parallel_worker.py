@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import omni_accel  # noqa: E402
 from omni_accel import AccelError  # noqa: E402
 from omni_accel.testing import TINY_BUILDERS, run, tiny_pipeline  # noqa: E402
+from omni_accel.testing.lora import random_lora  # noqa: E402
 # the comparison with diffusers' context parallelism: one source for the test and the results file
 from benchmarks.parallel_vs_diffusers_cpu import compare_rows  # noqa: E402
 
@@ -42,11 +43,13 @@ def available(family: str) -> bool:
 
 
 def case(name, family, knobs, overrides=None, tol=1e-4, restore=False, vae_attention=False, call=None,
-         reference=None, decode_rows=None):
+         reference=None, decode_rows=None, lora=None):
     """``reference``: knobs of the single-process reference (default: the plain pipeline), e.g. the same cache.
-    ``decode_rows``: no pipeline call, ``pipe.vae.decode`` of a latent with that many rows (see run_decode_case)."""
+    ``decode_rows``: no pipeline call, ``pipe.vae.decode`` of a latent with that many rows (see run_decode_case).
+    ``lora``: a seeded random LoRA loaded on every rank "before" accelerate() or "after" it (the reference has it)."""
     return dict(name=name, family=family, knobs=knobs, overrides=overrides or {}, tol=tol, restore=restore,
-                vae_attention=vae_attention, call=call or {}, reference=reference, decode_rows=decode_rows)
+                vae_attention=vae_attention, call=call or {}, reference=reference, decode_rows=decode_rows,
+                lora=lora)
 
 
 TEA = dict(cache="tea_cache", cache_config={"threshold": 0.3})  # reuses some of 6 steps on every tiny family
@@ -94,6 +97,10 @@ def suite_2():
                       restore=True))
     cases.append(case("ulysses+vae-flux-odd", "flux", dict(sp=2, vae_parallel=2), ODD["flux"], restore=True))
     cases.append(case("ulysses-flux-compile", "flux", dict(sp=2, compile=True), ODD["flux"]))
+    # LoRA: every rank loads the same adapter (before accelerate, or after it: restore, load, accelerate again)
+    cases.append(case("ulysses-flux-odd-lora-after", "flux", dict(sp=2), ODD["flux"], lora="after"))
+    cases.append(case("cfg-qwen_image-lora-before", "qwen_image", dict(cfg_parallel=2), dict(num_inference_steps=3),
+                      lora="before"))
     # batched CFG (one forward on [uncond, cond]): the doubled batch is split over the two CFG ranks
     cases.append(case("cfg-sd3-odd", "sd3", dict(cfg_parallel=2), dict(ODD["sd3"], num_inference_steps=3),
                       restore=True))
@@ -232,6 +239,9 @@ def run_case(c) -> dict:
         t = t[0] if isinstance(t, (tuple, list)) else t
         captured.append(t)
 
+    lora = random_lora(pipe, seed=1) if c["lora"] else None
+    if lora is not None:
+        pipe.load_lora_weights(dict(lora), adapter_name="a")
     handles = [getattr(pipe, n).register_forward_hook(capture) for n in ("transformer", "transformer_2")
                if getattr(pipe, n, None) is not None]
     ref_cache = None
@@ -243,8 +253,12 @@ def run_case(c) -> dict:
     else:
         ref = run(pipe, kwargs)
     ref_preds, captured[:] = [t.detach().clone() for t in captured], []
+    if c["lora"] == "after":
+        pipe.unload_lora_weights()
     try:
         omni_accel.accelerate(pipe, **c["knobs"])
+        if c["lora"] == "after":
+            pipe.load_lora_weights(dict(lora), adapter_name="a")
     except Exception as exc:
         exc.omni_stage = "accelerate"
         raise

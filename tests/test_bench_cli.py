@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from omni_accel.bench import _CPU_ATTENTION_FLOPS
+from omni_accel.bench import _cpu_attention_flops
 from omni_accel.cli import main
 from omni_accel.testing import tiny_pipeline
 
@@ -50,7 +50,7 @@ def test_lossless_rows_equal_outputs_and_a_speedup_from_the_same_run(saved, tmp_
 def test_flops_are_counted_on_the_plain_call_attention_included(saved, tmp_path):
     """The CPU SDPA op is counted too (FlopCounterMode alone does not know it): 4 * b * h * s_q * s_k * d."""
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
-    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops())
     with counter:
         torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert counter.get_total_flops() == 4 * 1 * 2 * 8 * 10 * 16

@@ -72,6 +72,59 @@ def test_one_image_at_the_defaults_takes_under_five_seconds(pipe):
     assert min(seconds) <= 5.0, f"{seconds} s on {torch.get_num_threads()} threads"
 
 
+def test_a_plain_diffusers_load_gets_one_dtype_and_the_trained_size_is_named():
+    """DiffusionPipeline.from_pretrained(path) without torch_dtype loaded the text encoders in fp16 and the
+    transformer in fp32 ('mat1 and mat2 must have the same dtype'); FluxPipeline's 1024x1024 default cannot be
+    changed from the folder, so its model card names the trained size."""
+    from diffusers import DiffusionPipeline
+
+    plain = DiffusionPipeline.from_pretrained(builtin_model_path())
+    dtypes = {name: next(m.parameters()).dtype for name, m in plain.components.items()
+              if isinstance(m, torch.nn.Module)}
+    assert set(dtypes.values()) == {torch.float32}, dtypes
+    image = plain(CAPTIONS[0], height=64, width=64, num_inference_steps=1, max_sequence_length=32).images[0]
+    assert image.size == (64, 64)
+    with open(os.path.join(builtin_model_path(), "README.md")) as fh:
+        assert "**It was trained at 128x128 only.**" in fh.read()
+
+
+def test_load_builtin_renders_the_trained_size_by_default_and_takes_torch_dtype():
+    pipe = load_builtin(torch_dtype=torch.float32)  # the diffusers spelling of dtype=
+    image = pipe(CAPTIONS[0], num_inference_steps=1, max_sequence_length=32).images[0]
+    assert image.size == (128, 128)  # FluxPipeline's own default: 1024x1024, minutes, noise
+    with pytest.raises(AccelError) as info:
+        load_builtin(dtype=torch.float32, torch_dtype=torch.float16)
+    assert str(info.value) == ("load_builtin got dtype=torch.float32 and torch_dtype=torch.float16; give one of "
+                               "them.")
+
+
+def test_call_defaults_and_the_off_size_warning_belong_to_the_builtin_model_only(caplog):
+    """One place owns the built-in model's call defaults (every command reads call_defaults); a call at another
+    size than the trained one is said, once."""
+    import logging
+
+    from diffusers import DiffusionPipeline
+
+    import omni_accel
+    from omni_accel.builtin import call_defaults, off_trained_size
+    from omni_accel.testing import tiny_pipeline
+
+    pipe = DiffusionPipeline.from_pretrained(builtin_model_path())  # --model omni_accel/builtin/model
+    assert call_defaults(pipe) == BUILTIN_DEFAULTS and call_defaults(tiny_pipeline("flux")[0]) == {}
+    assert off_trained_size(pipe, 128, 128) is None
+    assert off_trained_size(tiny_pipeline("flux")[0], 64, 64) is None
+    omni_accel.accelerate(pipe)
+    try:
+        with caplog.at_level(logging.WARNING, logger="omni_accel"):
+            for _ in range(2):
+                pipe(CAPTIONS[0], height=64, width=64, num_inference_steps=1, max_sequence_length=32)
+    finally:
+        omni_accel.restore(pipe)
+    assert [r.getMessage() for r in caplog.records if "trained" in r.getMessage()] == [
+        "omni_accel: the built-in model was trained at 128x128 only; at 64x64 it draws noise and grids. Call it "
+        "with height=128, width=128 (omni_accel.builtin.BUILTIN_DEFAULTS)."]
+
+
 def test_missing_folder_is_a_clear_error(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(AccelError, match="does not exist") as e:

@@ -6,7 +6,10 @@ state, state resets per call, restore is exact, bad cache_config keys are refuse
 built-in trained model by benchmarks/bench_cache.py.
 """
 
+import inspect
 import json
+import logging
+import sys
 
 import pytest
 import torch
@@ -247,7 +250,7 @@ def test_cache_dit_defaults_clamped_to_block_counts():
         omni_accel.restore(pipe)
 
 
-def test_profile_and_calibrate(tmp_path):
+def test_profile_and_calibrate(tmp_path, caplog):
     pipe, kwargs = tiny_pipeline("flux")
     kw = {k: v for k, v in kwargs.items() if k not in ("prompt", "output_type", "num_inference_steps")}
     profile = omni_accel.cache.calibrate(pipe, ["a cat"], target_psnr=25.0, steps=8, call_kwargs=kw,
@@ -262,21 +265,39 @@ def test_profile_and_calibrate(tmp_path):
         applied = [p for p in pipe.omni_accel.report()["applied"] if p["pass"] == "cache"][0]
         assert applied["coefficients_source"] == "profile"
         assert applied["threshold"] == pytest.approx(profile["threshold"])
-        run(pipe, kwargs)
+        with caplog.at_level(logging.WARNING, logger="omni_accel"):
+            run(pipe, kwargs)  # 2 steps on a profile calibrated at 8: said once, not silently
+            run(pipe, kwargs)
+            run(pipe, dict(kwargs, num_inference_steps=8))
     finally:
         omni_accel.restore(pipe)
+    assert [r.getMessage() for r in caplog.records if "calibrated at" in r.getMessage()] == [
+        f"omni_accel: tea_cache profile {str(tmp_path / 'p.json')!r} was calibrated at 8 steps and this call runs 2: "
+        "its quality (min PSNR 25.0 dB) was measured at 8 steps only. Call with num_inference_steps=8, or calibrate "
+        "at 2 (omni-accel calibrate --steps 2)."]
     with pytest.raises(AccelError, match="family"):
         bad = dict(saved, family="wan")
         omni_accel.accelerate(pipe, cache="tea_cache", cache_config={"profile": bad})
 
 
 def test_cli_parser():
-    import argparse
+    from omni_accel.cache.calibrate import calibrate
+    from omni_accel.cli import build_parser
 
-    from omni_accel.cache import cli
-
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers(dest="command")
-    cli.add_parser(sub)
-    args = ap.parse_args(["calibrate", "--model", "/x", "--target-psnr", "28", "-o", "p.json"])
+    args = build_parser().parse_args(["calibrate", "--model", "/x", "--target-psnr", "28", "-o", "p.json"])
     assert args.target_psnr == 28.0 and args.output == "p.json" and args.model == "/x"
+    args = build_parser().parse_args(["calibrate", "-o", "p.json"])  # the built-in model, like every command
+    assert args.model is None
+    # one default criterion for the command and the function (the docs once said both ways)
+    assert args.criterion == inspect.signature(calibrate).parameters["criterion"].default == "min"
+
+
+@pytest.mark.parametrize("backend", ["cache_dit", "fb_cache"])
+def test_cache_dit_backends_without_the_cache_extra_name_it(monkeypatch, backend):
+    pipe, _ = tiny_pipeline("flux")
+    monkeypatch.setitem(sys.modules, "cache_dit", None)  # `import cache_dit` now fails, as without the extra
+    with pytest.raises(AccelError) as info:
+        omni_accel.accelerate(pipe, cache=backend)
+    assert str(info.value) == (f"cache={backend!r} needs the 'cache_dit' package, which is not installed: pip install "
+                               "'omni-accel[cache]'; or use cache='tea_cache', which is built in.")
+    assert "omni_accel" not in vars(pipe)

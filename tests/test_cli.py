@@ -1,6 +1,8 @@
 """The omni-accel command line, run in-process through main(argv) on a tiny FLUX pipeline folder."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -8,6 +10,8 @@ from PIL import Image
 
 from omni_accel.cli import main, save_output
 from omni_accel.testing import tiny_pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +136,8 @@ def test_python_dash_m_runs_the_same_cli(monkeypatch, capsys):
 
 
 def test_without_model_uses_builtin_with_its_defaults(monkeypatch, tmp_path, capsys):
-    """--model left out: load_builtin(dtype=, device=) and BUILTIN_DEFAULTS fill the call (a stand-in module)."""
+    """--model left out: load_builtin(dtype=, device=), and every key of the model's call defaults reaches the call
+    (max_sequence_length too: generate once dropped it, 5x slower on the built-in model) -- a stand-in module."""
     import types
 
     import torch
@@ -140,19 +145,22 @@ def test_without_model_uses_builtin_with_its_defaults(monkeypatch, tmp_path, cap
     calls = {}
 
     def load_builtin(path=None, dtype=torch.float32, device="cpu"):
-        calls.update(dtype=dtype, device=device)
-        return tiny_pipeline("flux")[0]
+        calls.update(dtype=dtype, device=device, pipe=tiny_pipeline("flux")[0])
+        return calls["pipe"]
 
     fake = types.ModuleType("omni_accel.builtin")
     fake.load_builtin = load_builtin
-    fake.BUILTIN_DEFAULTS = {"height": 32, "width": 64, "num_inference_steps": 2, "guidance_scale": 1.0}
+    fake.call_defaults = lambda pipe: {"height": 32, "width": 64, "num_inference_steps": 2, "guidance_scale": 1.0,
+                                       "max_sequence_length": 7}
+    fake.off_trained_size = lambda pipe, height, width: None
     monkeypatch.setitem(sys.modules, "omni_accel.builtin", fake)
     monkeypatch.delenv("OMNI_ACCEL_MODEL", raising=False)
     out = tmp_path / "b.png"
     assert main(["generate", "a red circle", "--device", "cpu", "--report", "json", "-o", str(out)]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert calls == {"dtype": torch.float32, "device": "cpu"}
+    assert {k: calls[k] for k in ("dtype", "device")} == {"dtype": torch.float32, "device": "cpu"}
     assert report["saved"]["size"] == [64, 32] and report["last_call"]["transformer_forwards"] == 2
+    assert calls["pipe"].omni_accel.call_kwargs["max_sequence_length"] == 7
 
 
 def test_real_builtin_model_when_shipped(tmp_path, capsys):
@@ -176,3 +184,100 @@ def test_serve_and_demo_refuse_bad_defaults_before_loading_the_model(capsys, com
     assert main([command, "--model", "/nonexistent/model", "--device", "cpu", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "/nonexistent/model" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-o", "noext"], "error: -o 'noext' has no extension: the image format comes from it; use e.g. noext.png (or "
+                      ".jpg, .webp; .mp4 or .gif for a video)."),
+    (["-o", "x.imgx"], "error: -o 'x.imgx' has extension '.imgx': the image format comes from it; use e.g. x.png (or "
+                       ".jpg, .webp; .mp4 or .gif for a video)."),
+    (["--true-cfg-scale", "4"], "error: --true-cfg-scale 4.0 runs true CFG only with a negative prompt: add "
+                                "--negative-prompt TEXT (--negative-prompt '' for an empty one), or drop "
+                                "--true-cfg-scale."),
+])
+def test_output_name_and_true_cfg_are_checked_before_the_model_loads(capsys, flags, message):
+    # a model path that does not exist: an error naming it would mean the model was looked for first
+    assert main(["generate", "x", "--model", "/nonexistent/model", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == message and "Traceback" not in err
+
+
+def test_a_size_the_vae_cannot_encode_is_a_clear_error(tiny_flux_dir, tmp_path, capsys):
+    assert main(["generate", "x", "--model", tiny_flux_dir, "--device", "cpu", "--width", "8",
+                 "-o", str(tmp_path / "o.png")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: width=8 is too small: FluxPipeline needs at least 16 pixels per side (sides are multiples of 16: the "
+        "VAE's down-sampling x 2x2 patches).")
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_diffusers_names_of_the_sampling_flags_and_version(capsys):
+    from omni_accel import __version__
+    from omni_accel.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "x", "--num-inference-steps", "3", "--guidance-scale", "2.5",
+                                      "--num-frames", "9"])
+    assert (args.steps, args.guidance, args.frames) == (3, 2.5, 9)
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"omni-accel {__version__}"
+
+
+def test_every_flag_of_every_command_is_documented():
+    from omni_accel.cli import SUBCOMMANDS, build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert set(commands) == set(SUBCOMMANDS)
+    for name, sub in commands.items():
+        undocumented = [a.option_strings or a.dest for a in sub._actions if not a.help]
+        assert not undocumented, f"omni-accel {name}: flags without help: {undocumented}"
+
+
+def test_import_and_help_stay_light():
+    """`import omni_accel` and `omni-accel --help` load neither torch nor diffusers (they took 4-5 s; the times are
+    measured by benchmarks/bench_startup.py)."""
+    code = ("import sys, omni_accel; from omni_accel.cli import main; code = main(['--help']); "
+            "print(code, sorted(m for m in ('torch', 'diffusers', 'transformers', 'fastapi', 'gradio') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+    assert out.strip().splitlines()[-1] == "0 []"
+
+
+def test_torchvision_notes_are_silenced_on_the_command_line(caplog):
+    """transformers' note when torchvision is absent, and a mismatched torchvision's image-extension warning, were
+    printed by every command; the CLI drops both (and nothing else)."""
+    import logging
+    import warnings
+
+    from omni_accel.cli import _quiet_torchvision
+
+    noisy = logging.getLogger("transformers.utils.import_utils")
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        _quiet_torchvision()
+        warnings.warn_explicit("Failed to load image Python extension", UserWarning, "image.py", 1,
+                               module="torchvision.io.image")
+        warnings.warn_explicit("something else", UserWarning, "x.py", 1, module="somewhere")
+        noisy.warning("`CLIPImageProcessor` requires torchvision (not installed); falling back to ...")
+        noisy.warning("an unrelated import note")
+    assert [str(w.message) for w in caught] == ["something else"]
+    assert [r.getMessage() for r in caplog.records] == ["an unrelated import note"]
+
+
+def test_calibrate_runs_like_the_other_commands(tiny_flux_dir, tmp_path, capsys):
+    """calibrate takes --model / --device / --dtype like generate (the built-in model without --model), shows its
+    progress, and writes the profile."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n")
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", tiny_flux_dir, "--device", "cpu", "--prompts", str(prompts), "--steps", "8",
+                 "--height", "32", "--width", "48", "--target-psnr", "20", "--batch-size", "1", "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    profile = json.loads(out.read_text())
+    assert profile["steps"] == 8 and profile["criterion"] == "min" and profile["prompts"] == 1
+    assert profile["call_kwargs"]["height"] == 32 and profile["call_kwargs"]["width"] == 48
+    assert json.loads(captured.out.strip().splitlines()[-1])["family"] == "flux"
+    assert "calibrating (reference, then threshold trials)" in captured.err
+    assert main(["calibrate", "--model", tiny_flux_dir, "--steps", "0", "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: --steps 0 is invalid: it must be >= 1.")

@@ -38,10 +38,10 @@ def _fingerprint(pipe):
         (dict(sp=0), "sp=0 is invalid: sp must be a positive integer (1 turns it off)."),
         (dict(tp=-2), "tp=-2 is invalid: tp must be a positive integer (1 turns it off)."),
         (dict(cfg_parallel=1.5), "cfg_parallel=1.5 is invalid: cfg_parallel must be a positive integer (1 turns it off)."),
-        (dict(cache="teacache"), "cache='teacache' is not known. Use one of: 'tea_cache', 'cache_dit', 'fb_cache'."),
+        (dict(cache="teacache"), "cache='teacache' is not known. Use one of: 'tea_cache', 'cache_dit', 'fb_cache', 'mag_cache'."),
         (dict(offload="disk"), "offload='disk' is not known. Use one of: 'model', 'block'."),
         (dict(quant="int4"), "quant='int4' is not known. Use one of: 'fp8', 'fp8_weight_only'."),
-        (dict(compile="fast"), "compile='fast' is not known. Use False, True (regional) or 'max'."),
+        (dict(compile="fast"), "compile='fast' is not known. Use False / 'off', True / 'on' (regional) or 'max'."),
         (dict(ulysses=2, ring=2, sp=8), "ulysses=2 x ring=2 = 4 does not match sp=8; set sp=4 or leave sp out."),
         (dict(ulysses=3, sp=4), "ulysses=3 does not divide sp=4; choose ulysses among the divisors of sp."),
         (dict(cache_config={"threshold": 0.1}), "cache_config was given without cache=...; pick a backend, e.g. cache='tea_cache'."),
@@ -81,8 +81,11 @@ def test_pipeline_without_transformer():
                        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
                        norm_num_groups=4)
     pipe = DDPMPipeline(unet=unet, scheduler=DDPMScheduler())
-    with pytest.raises(AccelError, match=r"DDPMPipeline has no transformer component .*families: flux, flux2"):
+    with pytest.raises(AccelError) as info:
         omni_accel.accelerate(pipe)
+    assert str(info.value) == (
+        "DDPMPipeline is a UNet pipeline (unet: UNet2DModel); omni_accel accelerates DiT pipelines (a transformer "
+        "denoiser) of these families: flux, flux2, qwen_image, wan, sd3, z_image.")
 
 
 def test_unsupported_transformer_lists_families_and_docs():
@@ -103,7 +106,7 @@ def test_unsupported_transformer_lists_families_and_docs():
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(sp=2), r"need several processes: launch with torchrun"),
+        (dict(sp=2), r"ulysses=2 runs on 2 processes, one per rank: launch with torchrun"),
         (dict(quant="fp8", quant_config={"skip": "*.ff.*"}), r"quant_config\['skip'\]='\*\.ff\.\*' must be a list"),
         (dict(text_encoder="vllm"), r"text_encoder='vllm' is not supported for flux pipelines yet"),
         (dict(attention="nope"), r"attention='nope' is not a known backend\. Available here: auto, sdpa"),
@@ -199,3 +202,24 @@ def test_report_counts_each_call_separately(flux):
         assert report["last_call"]["transformer_forwards"] == 3
     finally:
         omni_accel.restore(pipe)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # sp=3 on 2 heads advises ring=3, and ring=3 then asked for 2 processes: each message now holds after the other
+    (dict(sp=3), "ulysses=3 does not divide the 2 attention heads of the transformer; choose ulysses among the "
+                 "divisors of 2 and use ring for the rest, e.g. ulysses=1, ring=3."),
+    (dict(ring=3), "ring=3 runs on 3 processes, one per rank: launch with torchrun, e.g. `torchrun --nproc_per_node=3 "
+                   "your_script.py` (no torch.distributed environment was found)."),
+    (dict(sp=4, ring=2), "ring=2, ulysses=2 runs on 4 processes, one per rank: launch with torchrun, e.g. "
+                         "`torchrun --nproc_per_node=4 your_script.py` (no torch.distributed environment was found)."),
+])
+def test_parallel_degrees_without_torchrun_name_the_process_count(flux, kwargs, message):
+    pipe, _, _ = flux
+    with pytest.raises(AccelError) as info:
+        omni_accel.accelerate(pipe, **kwargs)
+    assert str(info.value) == message
+
+
+def test_compile_takes_the_command_line_words_too():
+    assert [AccelConfig(compile=v).validate().compile for v in ("on", "off", "max", True, False)] == \
+        [True, False, "max", True, False]

@@ -6,24 +6,15 @@ Needs /usr/bin/chromium (Debian: apt-get install -y chromium) -- skipped only wh
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
-from conftest import stop_process_group
+from conftest import running_demo
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_backend_shows_accel_errors_and_computes_psnr():
@@ -37,6 +28,7 @@ def test_backend_shows_accel_errors_and_computes_psnr():
     assert out["error"] is None and out["image"].size == (48, 32) and out["plain_image"].size == (48, 32)
     assert out["psnr"] > 30  # the sdpa backend matches the plain pipeline closely
     assert out["report"]["last_call"]["transformer_forwards"] == 2 and "PSNR" in out["summary"]
+    assert pipe.omni_accel.call_kwargs["max_sequence_length"] == 11  # the model's call defaults reach the call
     bad = backend.generate("a fox", 48, 32, 2, 0, Settings(attention="no-such-backend"))
     assert bad["error"] and "no-such-backend" in bad["error"] and bad["image"] is None
     assert "Error" in bad["summary"]
@@ -47,6 +39,23 @@ def test_backend_shows_accel_errors_and_computes_psnr():
     assert psnr(again["image"], again["image"]) == float("inf")
 
 
+def test_the_summary_shows_what_the_cache_saved():
+    """TeaCache reuses whole forwards that still count as forwards: the page said "saved: 0" while the report said
+    4 reused. The saving comes from the cache's own counters (cache-dit's in blocks)."""
+    from omni_accel.demo.app import DemoBackend, Settings, cache_savings
+    from omni_accel.testing import tiny_pipeline
+
+    backend = DemoBackend.from_pipeline(tiny_pipeline("flux")[0], {}, "cpu", (48, 32))
+    out = backend.generate("a fox", 48, 32, 6, 0, Settings(cache="tea_cache", cache_threshold=1.0))
+    last = out["report"]["last_call"]
+    assert last["transformer_forwards"] == 6 and last["cache.reused"] > 0
+    assert (f"**Saved by the cache:** {last['cache.reused']} of 6 transformer forwards reused, "
+            f"{last['cache.computed']} computed") in out["summary"]
+    assert "**Transformer forwards:** 6 (plain: 6)" in out["summary"]
+    assert cache_savings({"cache.block_forwards": 8}, 12) == "4 of 12 block forwards skipped, 8 computed"
+    assert cache_savings({"transformer_forwards": 6}, 12) is None  # no cache: nothing claimed
+
+
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent (apt-get install -y chromium)")
 def test_demo_in_headless_chromium(tmp_path):
     import httpx
@@ -54,9 +63,6 @@ def test_demo_in_headless_chromium(tmp_path):
 
     from omni_accel.testing import tiny_pipeline
 
-    port = _free_port()
-    log = open(tmp_path / "demo.log", "w+")
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost")
     builtin = os.path.join(ROOT, "omni_accel", "builtin", "model", "model_index.json")
     if os.path.exists(builtin):  # the built-in model draws real shapes: a meaningful screenshot
         model_args = ["--default-size", "128x128", "--default-steps", "8"]
@@ -64,23 +70,7 @@ def test_demo_in_headless_chromium(tmp_path):
         pipe, _ = tiny_pipeline("flux")
         pipe.save_pretrained(tmp_path / "tiny_flux")
         model_args = ["--model", str(tmp_path / "tiny_flux"), "--default-size", "96x64", "--default-steps", "4"]
-    proc = subprocess.Popen([sys.executable, "-m", "omni_accel", "demo", "--port", str(port), "--max-size", "256",
-                             *model_args], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                pytest.fail(f"demo exited {proc.returncode}: {(tmp_path / 'demo.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() - t0 < 120, "demo did not start in 120 s"
-            time.sleep(0.5)
+    with running_demo(tmp_path, "--max-size", "256", "--video-model", "none", *model_args) as url:
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
             page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -100,6 +90,15 @@ def test_demo_in_headless_chromium(tmp_path):
             os.makedirs(os.path.join(ROOT, "docs"), exist_ok=True)
             page.screenshot(path=os.path.join(ROOT, "docs", "demo.png"), full_page=True)
             browser.close()
-    finally:
-        stop_process_group(proc, 15)
-        log.close()
+
+
+def test_a_cache_backend_without_its_extra_is_a_message_in_the_page(monkeypatch):
+    from omni_accel.demo.app import DemoBackend, Settings
+    from omni_accel.testing import tiny_pipeline
+
+    monkeypatch.setitem(sys.modules, "cache_dit", None)  # as without the cache extra
+    backend = DemoBackend.from_pipeline(tiny_pipeline("flux")[0], {}, "cpu", (48, 32))
+    out = backend.generate("a fox", 48, 32, 2, 0, Settings(cache="cache_dit"))
+    assert out["error"] == ("cache='cache_dit' needs the 'cache_dit' package, which is not installed: pip install "
+                            "'omni-accel[cache]'; or use cache='tea_cache', which is built in.")
+    assert out["summary"].startswith("**Error:** cache='cache_dit' needs")

@@ -68,6 +68,8 @@ CASES_2 = [
     "vae-flux-attention",
     "ulysses+vae-flux-odd",
     "ulysses-flux-compile",
+    "ulysses-flux-odd-lora-after",  # LoRA loaded after accelerate(sp=2): restore, load, accelerate on every rank
+    "cfg-qwen_image-lora-before",
     "cfg-sd3-odd",  # batched CFG: the doubled batch split over the CFG ranks
     "cfg-z_image-odd",
 ]

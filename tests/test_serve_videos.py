@@ -229,7 +229,7 @@ def test_shutdown_cancels_queued_then_running_video_jobs(t2v):
          param="input_reference", code="unsupported_parameter"),
     dict(name="second expert's guidance on one expert", data={"guidance_scale_2": "3"}, param="guidance_scale_2",
          message="guidance_scale_2 applies to Wan 2.2's two experts; 'wan' has one transformer"),
-    dict(name="lora", data={"lora": '{"name": "x"}'}, param="lora", code="unsupported_parameter"),
+    dict(name="lora", data={"lora": '{"name": "x"}'}, param="lora", code="lora_not_supported"),
     dict(name="two videos", data={"n": "2"}, param="n"),
     dict(name="unknown model", data={"model": "sora-2"}, status=404, code="model_not_found"),
     dict(name="no prompt", data={"prompt": None}, param="prompt", code="missing_required_parameter"),

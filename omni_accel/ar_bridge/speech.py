@@ -518,8 +518,11 @@ class SpeechPipeline:
     def resolve_voice(self, voice: str | None) -> str:
         return match_voice(self.voices, voice)
 
-    def prompt_ids(self, text: str, system: str | None = None) -> list[int]:
+    def prompt_ids(self, text: str, system: str | None = None,
+                   history: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """The thinker's prompt: the system prompt, earlier (role, text) turns, then ``text`` as the user's."""
         messages = [{"role": "system", "content": family.SYSTEM_PROMPT if system is None else system},
+                    *({"role": role, "content": turn} for role, turn in history),
                     {"role": "user", "content": text}]
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -553,12 +556,15 @@ class SpeechPipeline:
 
     def _codes(self, text: str, voice: str | None, mode: str, max_codes: int, max_text_tokens: int,
                sampling: dict | None, seed: int | None, timings: dict, min_codes: int = 0,
-               cancel: threading.Event | None = None):
+               cancel: threading.Event | None = None, conversation: dict | None = None):
         voice = self.resolve_voice(voice)
         if max_codes < 1:
             raise AccelError(f"max_codes={max_codes} must be >= 1.")
         t0 = time.perf_counter()
-        prompt_ids = self.prompt_ids(text if mode == "chat" else "Repeat after me: " + text)
+        if mode == "chat":
+            prompt_ids = self.prompt_ids(text, **(conversation or {}))
+        else:
+            prompt_ids = self.prompt_ids("Repeat after me: " + text)
         reply_ids = self._reply_ids(text, mode, prompt_ids, max_text_tokens)
         prompt, reply, text_ids = self._talker_inputs(prompt_ids, reply_ids, voice)
         timings["thinker_s"] = round(time.perf_counter() - t0, 4)
@@ -572,18 +578,20 @@ class SpeechPipeline:
     # -- public API ----------------------------------------------------------------------------------------
     def generate(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
                  max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0,
-                 speed: float = 1.0, min_codes: int = 0, cancel: threading.Event | None = None) -> SpeechResult:
+                 speed: float = 1.0, min_codes: int = 0, cancel: threading.Event | None = None,
+                 conversation: dict | None = None) -> SpeechResult:
         """The whole waveform for one request (``mode`` "tts" or "chat").
 
         ``sampling``: the talker's {temperature, top_k, top_p, repetition_penalty}; {} is greedy, None the model's
         defaults (family.TALKER_SAMPLING). ``min_codes`` keeps the talker from stopping before that many codes.
-        ``cancel``: set it (from any thread) to stop the request at the next talker step (SpeechCancelled)."""
+        ``cancel``: set it (from any thread) to stop the request at the next talker step (SpeechCancelled).
+        ``conversation``: chat mode's ``{"system": str, "history": [(role, text), ...]}`` before ``text``."""
         check_speed(speed)
         timings: dict = {}
         with self._lock:
             t0 = time.perf_counter()
             voice, reply_ids, stream = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
-                                                   timings, min_codes, cancel)
+                                                   timings, min_codes, cancel, conversation)
             codes = list(stream)
             timings["talker_s"] = round(time.perf_counter() - t0 - timings["thinker_s"], 4)
             if not codes:
@@ -597,6 +605,13 @@ class SpeechPipeline:
         return SpeechResult(change_speed(wave, speed), self.sample_rate, self._reply_text(reply_ids), codes,
                             reply_ids, timings)
 
+    def reply(self, text: str, *, max_text_tokens: int = 256, conversation: dict | None = None) -> tuple[str, int]:
+        """The thinker's text answer alone (no talker, no token2wav): (text, tokens)."""
+        with self._lock:
+            prompt_ids = self.prompt_ids(text, **(conversation or {}))
+            ids = self.thinker.generate(prompt_ids, max_text_tokens, self.layout.text_eos)
+        return self._reply_text(ids), len(ids)
+
     def speech(self, text: str, voice: str | None = None, **kwargs: Any) -> tuple[torch.Tensor, int]:
         result = self.generate(text, voice, mode="tts", **kwargs)
         return result.waveform, result.sample_rate
@@ -608,8 +623,9 @@ class SpeechPipeline:
     def stream(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
                max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0, speed: float = 1.0,
                stats: dict | None = None, min_codes: int = 0, cancel: threading.Event | None = None,
-               **chunking: Any) -> Iterator[torch.Tensor]:
-        """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets first_chunk_s, codes, chunks.
+               conversation: dict | None = None, **chunking: Any) -> Iterator[torch.Tensor]:
+        """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets the reply ``text`` before the first
+        chunk, then first_chunk_s, codes, chunks.
         ``cancel``: set it to stop before the next talker step or chunk (SpeechCancelled); closing the generator
         early stops the talker too."""
         check_speed(speed)
@@ -617,7 +633,8 @@ class SpeechPipeline:
         with self._lock:
             t0 = time.perf_counter()
             voice, reply_ids, codes = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
-                                                  stats, min_codes, cancel)
+                                                  stats, min_codes, cancel, conversation)
+            stats["text"] = self._reply_text(reply_ids)  # known before the talker speaks: a chat streams it along
             got: list[int] = []
             n = 0
             try:
@@ -631,8 +648,21 @@ class SpeechPipeline:
                 codes.close()
             if n == 0:  # as generate() does: a request that speaks nothing is refused, not answered with silence
                 raise AccelError("the talker produced no speech codes; try another text or voice.")
-            stats.update(codes=got, chunks=n, total_s=round(time.perf_counter() - t0, 4),
-                         text=self._reply_text(reply_ids))
+            stats.update(codes=got, chunks=n, total_s=round(time.perf_counter() - t0, 4))
+
+    def sleep_parts(self) -> tuple[list[torch.nn.Module], list]:
+        """(torch modules, vLLM engines) that ``omni_accel.sleep`` releases: token2wav, the embeddings, the
+        transformers stages' models and the talker projection; the thinker's and talker's vLLM engines."""
+        modules: list[torch.nn.Module] = [self.token2wav.module, self.embed]
+        engines = []
+        for stage in (self.thinker, self.talker):
+            for attr in ("model", "proj"):
+                if isinstance(getattr(stage, attr, None), torch.nn.Module):
+                    modules.append(getattr(stage, attr))
+            for attr in ("pool", "gen", "engine"):
+                if getattr(stage, attr, None) is not None:
+                    engines.append(getattr(stage, attr))
+        return modules, engines
 
     def close(self) -> None:
         for stage in (getattr(self, "thinker", None), getattr(self, "talker", None)):

@@ -2,7 +2,7 @@
 WanPipeline).
 
     from omni_accel.builtin import load_builtin, BUILTIN_DEFAULTS
-    pipe = load_builtin()                       # FluxPipeline, fp32, CPU
+    pipe = load_builtin()                       # FluxPipeline, fp32, CPU, 128x128 by default
     image = pipe("a large red star in the top left on a blue background", **BUILTIN_DEFAULTS).images[0]
 
     from omni_accel.builtin import load_builtin_video, BUILTIN_VIDEO_DEFAULTS, BUILTIN_VIDEO_FPS
@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import json
 import os
-
-import torch
+from typing import Any
 
 from ..errors import AccelError
 
-# Default generation settings (the CLI uses them). guidance_embeds=False in this model, so FluxPipeline
-# ignores guidance_scale; it is kept for the CLI's sake. max_sequence_length=32 keeps the T5 sequence
-# short (2.7x faster on CPU than FluxPipeline's default 512; the T5 encoder is causal, so the caption's
+# The one size the model was trained at (64 image tokens): other sizes draw noise and grids.
+TRAINED_SIZE = 128
+
+# The model's call defaults -- the one place every entry point (generate, bench, serve, demo, calibrate) takes
+# them from, through call_defaults(pipe). guidance_embeds=False in this model,
+# so FluxPipeline ignores guidance_scale; it is kept for the CLI's sake. max_sequence_length=32 keeps the T5
+# sequence short (2.7x faster on CPU than FluxPipeline's default 512; the T5 encoder is causal, so the caption's
 # embedding does not depend on the padding, and the transformer was trained on both 32 and 512).
 # True classifier-free guidance is available (10 % caption dropout in training): add
 # true_cfg_scale=4.0, negative_prompt=[""] * batch  (twice the compute).
 BUILTIN_DEFAULTS: dict = {
-    "height": 128,
-    "width": 128,
+    "height": TRAINED_SIZE,
+    "width": TRAINED_SIZE,
     "num_inference_steps": 20,
     "guidance_scale": 1.0,
     "max_sequence_length": 32,
@@ -62,6 +65,13 @@ _VIDEO_FIX = ("train it with `python -m omni_accel.builtin.train_video --out {pa
 def builtin_model_path() -> str:
     """Absolute path of the shipped diffusers folder (omni_accel/builtin/model)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
+
+
+def builtin_lora_path() -> str:
+    """Absolute path of the shipped LoRA adapter of the built-in model (omni_accel/builtin/lora): it swaps the
+    shape and background colours of the caption. ``pipe.load_lora_weights(builtin_lora_path())``; trained by
+    ``python -m omni_accel.builtin.train_lora`` (docs/builtin_model.md)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora")
 
 
 def builtin_video_model_path() -> str:
@@ -102,37 +112,98 @@ def _check_folder(path: str, fix: str = _FIX, what: str = "built-in model") -> N
                                  f"{os.path.join(c, fn)!r} ({type(e).__name__}: {e}); {fix}") from None
 
 
-def load_builtin(path: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load the built-in model (or the FluxPipeline folder at `path`) as a diffusers pipeline.
+def _loaded_from(pipe: Any, folder: str) -> bool:
+    source = getattr(getattr(pipe, "config", None), "_name_or_path", None)
+    try:
+        return bool(source) and os.path.samefile(source, folder)
+    except OSError:  # a hub id or a folder that is gone
+        return False
 
-    Raises AccelError naming the folder and the fix when it is missing or corrupt."""
+
+def is_builtin(pipe: Any) -> bool:
+    """True when ``pipe`` was loaded from the shipped image model's folder (by ``load_builtin`` or
+    ``from_pretrained``)."""
+    return _loaded_from(pipe, builtin_model_path())
+
+
+def is_builtin_video(pipe: Any) -> bool:
+    """True when ``pipe`` was loaded from the built-in video model's folder."""
+    return _loaded_from(pipe, builtin_video_model_path())
+
+
+def call_defaults(pipe: Any) -> dict:
+    """The keyword arguments omni-accel's commands call ``pipe`` with when the user gives none: the built-in
+    models' trained settings for them, nothing for other pipelines (their own defaults apply)."""
+    if is_builtin(pipe):
+        return dict(BUILTIN_DEFAULTS)
+    return dict(BUILTIN_VIDEO_DEFAULTS) if is_builtin_video(pipe) else {}
+
+
+def off_trained_size(pipe: Any, height: int | None, width: int | None) -> str | None:
+    """The warning for a call of the built-in model at a size it was not trained at (None when all is well)."""
+    height = height or getattr(pipe, "default_sample_size", 0) * getattr(pipe, "vae_scale_factor", 0)
+    width = width or getattr(pipe, "default_sample_size", 0) * getattr(pipe, "vae_scale_factor", 0)
+    if not is_builtin(pipe) or (height, width) == (TRAINED_SIZE, TRAINED_SIZE):
+        return None
+    return (f"the built-in model was trained at {TRAINED_SIZE}x{TRAINED_SIZE} only; at {width}x{height} it draws "
+            f"noise and grids. Call it with height={TRAINED_SIZE}, width={TRAINED_SIZE} "
+            "(omni_accel.builtin.BUILTIN_DEFAULTS).")
+
+
+def load_builtin(path: str | None = None, dtype: Any = None, device: Any = "cpu", *, torch_dtype: Any = None):
+    """Load the built-in model (or the FluxPipeline folder at `path`) as a diffusers pipeline whose plain call,
+    ``pipe(prompt)``, renders at the trained 128x128 (FluxPipeline's own default would be 1024x1024).
+
+    ``dtype`` (alias ``torch_dtype``, as in diffusers) defaults to float32. Raises AccelError naming the folder and
+    the fix when it is missing or corrupt."""
+    dtype = _resolve_dtype(dtype, torch_dtype)
     path = os.path.abspath(path or builtin_model_path())
     _check_folder(path)
     return _load(path, dtype, device, _FIX)
 
 
-def load_builtin_video(path: str | None = None, dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu"):
+def load_builtin_video(path: str | None = None, dtype: Any = None, device: Any = "cpu", *, torch_dtype: Any = None):
     """Load the built-in video model (or the WanPipeline folder at `path`) as a diffusers pipeline.
 
     Raises AccelError naming the folder and the fix when it is missing (the weights are trained by
     ``omni_accel.builtin.train_video``, not downloaded) or corrupt."""
+    dtype = _resolve_dtype(dtype, torch_dtype)
     path = os.path.abspath(path or builtin_video_model_path())
     fix = _VIDEO_FIX.format(path=path)
     _check_folder(path, fix, "built-in video model")
     return _load(path, dtype, device, fix)
 
 
-def _load(path: str, dtype: torch.dtype, device: str | torch.device, fix: str):
+def _load(path: str, dtype: Any, device: Any, fix: str):
     from diffusers import DiffusionPipeline
 
     try:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
     except Exception as e:  # noqa: BLE001 - re-raised with the folder and the fix named
         raise AccelError(f"could not load the model folder {path!r} ({type(e).__name__}: {e}); {fix}") from e
+    if fix == _FIX:
+        # FluxPipeline's default size is default_sample_size x vae_scale_factor, with default_sample_size fixed at
+        # 128 latent pixels in its __init__ (no config value reaches it): set the instance's to the trained size
+        pipe.default_sample_size = TRAINED_SIZE // pipe.vae_scale_factor
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
 
-__all__ = ["BUILTIN_DEFAULTS", "BUILTIN_VIDEO_DEFAULTS", "BUILTIN_VIDEO_FPS", "builtin_model_path",
-           "builtin_video_model_path", "load_builtin", "load_builtin_video"]
+def _resolve_dtype(dtype: Any, torch_dtype: Any):
+    import torch
+
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise AccelError(f"load_builtin got dtype={dtype!r} and torch_dtype={torch_dtype!r}; give one of them.")
+    chosen = dtype if dtype is not None else torch_dtype if torch_dtype is not None else torch.float32
+    if isinstance(chosen, str):
+        named = getattr(torch, chosen.removeprefix("torch."), None)
+        chosen = named if isinstance(named, torch.dtype) else chosen
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        raise AccelError(f"load_builtin dtype={chosen!r} is not a floating-point torch dtype; use torch.float32, "
+                         "torch.bfloat16 or torch.float16.")
+    return chosen
+
+
+__all__ = ["BUILTIN_DEFAULTS", "BUILTIN_VIDEO_DEFAULTS", "BUILTIN_VIDEO_FPS", "TRAINED_SIZE", "builtin_lora_path",
+           "builtin_model_path", "builtin_video_model_path", "call_defaults", "is_builtin", "is_builtin_video", "load_builtin",
+           "load_builtin_video", "off_trained_size"]

@@ -185,14 +185,17 @@ def recon_scores(vae, x: torch.Tensor, caps: list[str]) -> dict:
     return {k: round(float(np.mean([s_[k] for s_ in sc if k in s_])), 3) for k in ("bg_color", "color", "shape", "position")}
 
 
-def save_loss_plot(log: dict, path: str) -> None:
+LOSS_PANELS = (("vae", "VAE (L1+MSE+KL)"), ("dit", "Transformer (flow matching MSE)"))
+
+
+def save_loss_plot(log: dict, path: str, panels: tuple = LOSS_PANELS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "vae", "VAE (L1+MSE+KL)"), (axes[1], "dit", "Transformer (flow matching MSE)")):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
         rec = log.get(key, [])
         if rec:
             s = [r["step"] for r in rec]
@@ -217,6 +220,17 @@ def save_pipeline(out: str, vae, transformer, clip, t5, tok_clip, tok_t5, schedu
     pipe = FluxPipeline(scheduler=scheduler, vae=mods[0], transformer=mods[1], text_encoder=mods[2],
                         text_encoder_2=mods[3], tokenizer=tok_clip, tokenizer_2=tok_t5)
     pipe.save_pretrained(out, safe_serialization=True)
+    # transformers records the saved dtype (fp16) in the text encoders' configs and loads them in it by default,
+    # while diffusers loads the transformer and VAE in fp32: declare fp32 so that a plain
+    # DiffusionPipeline.from_pretrained(out) gets one dtype (fp16 -> fp32 is exact; the files stay fp16)
+    for name in ("text_encoder", "text_encoder_2"):
+        path = os.path.join(out, name, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["dtype"] = "float32"
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
 
 
 def folder_sha256(path: str) -> str:

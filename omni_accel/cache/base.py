@@ -18,6 +18,7 @@ class CacheBackend:
 
     name: str = "cache"
     options: dict[str, Any] = {}
+    requires: str | None = None  # the optional package it runs on (checked by CachePass before anything else)
 
     def resolve(self, ctx: PassContext) -> dict:
         """The options of this run: defaults overlaid with ``cache_config``; unknown keys are refused."""

@@ -95,6 +95,7 @@ def _dbcache_fields() -> dict:
 class CacheDitBackend(CacheBackend):
     name = "cache_dit"
     preset = DEFAULTS
+    requires = "cache_dit"
 
     @property
     def options(self) -> dict:  # every DBCacheConfig field, our defaults on top, and the calibrator switches

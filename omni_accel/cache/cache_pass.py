@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from ..deps import require
 from ..errors import AccelError
 from ..pass_base import AccelPass, PassContext
 from .base import CacheBackend
 from .cache_dit_backend import CacheDitBackend, FbCacheBackend
+from .mag_cache import MagCacheBackend
 from .tea_cache import TeaCacheBackend
 
 BACKENDS: dict[str, CacheBackend] = {
     "tea_cache": TeaCacheBackend(),
     "cache_dit": CacheDitBackend(),
     "fb_cache": FbCacheBackend(),
+    "mag_cache": MagCacheBackend(),
 }
 
 
@@ -29,6 +32,8 @@ class CachePass(AccelPass):
 
     def check(self, ctx: PassContext) -> None:
         backend = self._backend(ctx)
+        if backend.requires:
+            require(backend.requires, f"cache={backend.name!r}", "use cache='tea_cache', which is built in")
         if ctx.config.compile and ctx.config.cache != "tea_cache":
             # TeaCache's hooks stay outside the compiled block forwards (compiler._compile_block); cache-dit
             # swaps its own wrapper in for the block lists on every forward, untested under compile.

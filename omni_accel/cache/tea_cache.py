@@ -116,9 +116,12 @@ class _TransformerCache:
 
 
 class TeaCacheController:
+    @property
+    def pipe(self):  # through the context: a deep-copied module's hooks must not drag a copy of the pipeline along
+        return self.ctx.pipe
+
     def __init__(self, ctx: PassContext, options: dict, coefficients: tuple, threshold: float):
         self.ctx = ctx
-        self.pipe = ctx.pipe
         self.spec = ctx.adapter.teacache
         self.options = options
         self.coefficients = tuple(float(c) for c in coefficients)
@@ -366,13 +369,63 @@ class _TransformerHook(ModelHook):
         return output
 
 
-def _is_builtin(pipe) -> bool:
+def published_for(adapter, pipe):
+    """The adapter's published polynomial (``TeaCacheSpec.published``) for this pipeline's transformer, or None.
+    Checkpoints sharing one config are told apart by their folder name; when it does not say, the first is used
+    and a warning names the others."""
+    spec = adapter.teacache
+    transformers = adapter.transformers_of(pipe)
+    if spec is None or not spec.published or not transformers:
+        return None
+    config = transformers[0][1].config
+    fits = [p for p in spec.published if all(config.get(k) == v for k, v in p.config)
+            and (len(transformers) == 1 or not p.single_transformer)]
+    if len(fits) <= 1:
+        return fits[0] if fits else None
+    names = " ".join(str(x).lower() for x in (getattr(getattr(pipe, "config", None), "_name_or_path", ""),
+                                               config.get("_name_or_path", "")))
+    named = [p for p in fits if p.name_hint and p.name_hint in names]
+    if len(named) == 1:
+        return named[0]
+    logger.warning("tea_cache: the checkpoint's name does not say which of %s it is; using %s's coefficients (pass "
+                   "cache_config={'coefficients': [...]} for another).", ", ".join(p.model for p in fits), fits[0].model)
+    return fits[0]
+
+
+def _builtin_profile(pipe) -> str | None:
+    """The name of the shipped profile of the project's own model this pipeline was loaded from, if any (the image
+    model's "builtin"; "builtin_video" once one is calibrated for the video model's weights)."""
     import os
 
-    from ..builtin import builtin_model_path
+    from ..builtin import builtin_model_path, builtin_video_model_path
+    from .base import shipped_profiles
 
     path = str(getattr(getattr(pipe, "config", None), "_name_or_path", "") or "")
-    return bool(path) and os.path.realpath(path) == os.path.realpath(builtin_model_path())
+    if not path:
+        return None
+    for folder, name in ((builtin_model_path(), "builtin"), (builtin_video_model_path(), "builtin_video")):
+        if os.path.realpath(path) == os.path.realpath(folder) and name in shipped_profiles():
+            return name
+    return None
+
+
+def _profile_steps_check(state, profile: dict, name: Any):
+    """A call-start check: warn (once per step count) when a call runs another number of steps than the profile
+    was calibrated at -- its threshold's measured quality holds for that step count only."""
+    calibrated = int(profile["steps"])
+    shown = name if isinstance(name, str) else "given as a dict"
+
+    def check() -> None:
+        steps = state.call_arguments.get("num_inference_steps")
+        if isinstance(steps, int) and steps != calibrated:
+            state.warn_once(
+                f"tea_cache profile {shown!r} was calibrated at {calibrated} steps and this call runs {steps}: its "
+                f"quality ({profile.get('criterion', 'mean')} PSNR {profile.get('target_psnr', '?')} dB) was "
+                f"measured at {calibrated} steps only. Call with num_inference_steps={calibrated}, or calibrate at "
+                f"{steps} (omni-accel calibrate --steps {steps})."
+            )
+
+    return check
 
 
 class TeaCacheBackend(CacheBackend):
@@ -401,21 +454,26 @@ class TeaCacheBackend(CacheBackend):
                 raise AccelError(f"cache_config coefficients={c!r} must be a list of numbers, highest power first.")
         return opts
 
-    def settings(self, ctx: PassContext, opts: dict) -> tuple[tuple, float, str]:
-        """(coefficients, threshold, where they came from)."""
+    def settings(self, ctx: PassContext, opts: dict) -> tuple[tuple, float, str, dict, dict | None, str | None]:
+        """(coefficients, threshold, where they came from, the warm-up / final steps that source asks for, the
+        profile used and its name) -- the profile for the step-count check of each call."""
         profile = load_profile(opts["profile"]) if opts["profile"] is not None else None
-        if profile is None and opts["coefficients"] is None and _is_builtin(ctx.pipe):
-            profile = load_profile("builtin")  # the shipped profile of the project's own trained model
+        profile_name = opts["profile"] if profile is not None else None
+        if profile is None and opts["coefficients"] is None and (shipped := _builtin_profile(ctx.pipe)):
+            profile, profile_name = load_profile(shipped), shipped  # the shipped profile of the project's own model
         if profile is not None and profile.get("family") not in (None, ctx.adapter.family):
             raise AccelError(
                 f"cache_config profile is for family {profile.get('family')!r}, this pipeline is "
                 f"{ctx.adapter.family!r}; calibrate a profile for this model."
             )
         spec = ctx.adapter.teacache
+        published = None
         if opts["coefficients"] is not None:
             coef, source = tuple(opts["coefficients"]), "cache_config"
         elif profile is not None:
             coef, source = tuple(profile["coefficients"]), "profile"
+        elif (published := published_for(ctx.adapter, ctx.pipe)) is not None:
+            coef, source = published.coefficients, f"published ({published.model})"
         elif spec.coefficients:
             coef, source = tuple(spec.coefficients), "published"
         else:
@@ -425,8 +483,14 @@ class TeaCacheBackend(CacheBackend):
         elif profile is not None:
             thr = float(profile["threshold"])
         else:
-            thr = DEFAULT_THRESHOLD
-        return coef, thr, source
+            thr = published.threshold if published is not None else DEFAULT_THRESHOLD
+        if profile is not None:
+            steps = {k: int(profile[k]) for k in ("warmup_steps", "final_steps") if k in profile}
+        elif published is not None:
+            steps = {"warmup_steps": published.warmup_steps, "final_steps": published.final_steps}
+        else:
+            steps = {}
+        return coef, thr, source, steps, profile, profile_name
 
     def check(self, ctx: PassContext, opts: dict) -> None:
         spec = ctx.adapter.teacache
@@ -451,12 +515,11 @@ class TeaCacheBackend(CacheBackend):
                                       for b in adapter.block_lists]
 
     def apply(self, ctx: PassContext, opts: dict):
-        coef, thr, source = self.settings(ctx, opts)
-        if opts["profile"] is not None or source == "profile":  # its warm-up / final steps unless given
-            profile = load_profile(opts["profile"] if opts["profile"] is not None else "builtin")
-            given = ctx.config.cache_config or {}
-            opts = dict(opts, **{k: int(profile[k]) for k in ("warmup_steps", "final_steps")
-                                 if k in profile and k not in given})
+        coef, thr, source, steps, profile, profile_name = self.settings(ctx, opts)
+        given = ctx.config.cache_config or {}  # the profile's / publication's warm-up and final steps unless given
+        opts = dict(opts, **{k: v for k, v in steps.items() if k not in given})
+        if source != "profile":
+            profile = None  # coefficients given explicitly: the profile's step count says nothing about them
         if source == "identity":
             logger.warning(
                 "tea_cache: family %r has no fitted rescale coefficients; using the identity rescale (the "
@@ -490,15 +553,17 @@ class TeaCacheBackend(CacheBackend):
                                       last=bi == len(blocks) - 1, decider=ri == 0 and bi == 0)
                     removers.append(add_hook(block, f"tea_cache.{tname}.{region.block_list}.{bi}", hook))
         ctx.state.on_call_start(controller.reset)
+        checks = [controller.reset]
+        if profile is not None and profile.get("steps"):
+            checks.append(_profile_steps_check(ctx.state, profile, profile_name))
+            ctx.state.on_call_start(checks[-1])
         ctx.state.report_sections["cache"] = controller.summary
 
         def undo() -> None:
             ctx.state.report_sections.pop("cache", None)
             for remove in reversed(removers):
                 remove()
-            hooks = ctx.state._call_start_hooks
-            if controller.reset in hooks:
-                hooks.remove(controller.reset)
+            ctx.state.remove_call_hooks(*checks)
 
         details = {
             "backend": "tea_cache",

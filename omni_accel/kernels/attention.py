@@ -15,7 +15,6 @@ shapes on an H200); with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attentio
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch
 from diffusers.hooks import ModelHook
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..deps import installed, missing_message
 from ..errors import AccelError
 from ..hooks import add_hook
 from ..pass_base import AccelPass, PassContext
@@ -61,7 +61,7 @@ ALIASES = {"native": "sdpa", "flash": "flash_attn", "flash3": "fa3", "sageattent
 
 
 def _installed(package: str | None) -> bool:
-    return package is None or importlib.util.find_spec(package) is not None
+    return package is None or installed(package)
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
@@ -155,10 +155,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, compile
             f"attention={name!r} needs a CUDA GPU but the pipeline runs on {device}; use attention='auto' or 'sdpa'."
         )
     if not _installed(backend.package):
-        raise AccelError(
-            f"attention={name!r} needs the '{backend.package}' package, which is not installed; install it or use "
-            "attention='auto'."
-        )
+        raise AccelError(missing_message(backend.package, f"attention={name!r}", "use attention='auto'"))
     return backend
 
 
@@ -168,7 +165,7 @@ def _fp8_refusal(device: torch.device) -> str | None:
     from . import fused
 
     if not _installed("triton"):
-        return "attention='fp8' needs the 'triton' package, which is not installed; install it or use attention='auto'."
+        return missing_message("triton", "attention='fp8'", "use attention='auto'")
     if device.type != "cuda" and not fused.interpreted():  # the interpreter runs it on CPU tensors (CI)
         return (f"attention='fp8' needs a CUDA GPU with FP8 tensor cores but the pipeline runs on {device}; "
                 "use attention='auto'.")
@@ -230,9 +227,10 @@ class AttentionPass(AccelPass):
         return True
 
     def _plan(self, ctx: PassContext) -> Backend:
-        dtype = ctx.pipe.transformer.dtype
-        backend = resolve_backend(ctx.config.attention, ctx.device, dtype, compiled=bool(ctx.config.compile),
-                                  head_dim=_head_dim(ctx.pipe.transformer), fp8_stack=_fp8_stack(ctx))
+        transformer = ctx.adapter.transformers_of(ctx.pipe)[0][1]  # Wan 2.2 may hold only transformer_2
+        backend = resolve_backend(ctx.config.attention, ctx.device, transformer.dtype,
+                                  compiled=bool(ctx.config.compile), head_dim=_head_dim(transformer),
+                                  fp8_stack=_fp8_stack(ctx))
         if not ctx.adapter.attention_via_dispatcher and backend.sdpa is None and backend.name != "sdpa":
             # only SDPA kernels reach processors that call F.scaled_dot_product_attention themselves
             usable = [b.name for b in BACKENDS.values() if b.sdpa is not None or b.name == "sdpa"]

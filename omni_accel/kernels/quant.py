@@ -21,6 +21,7 @@ from diffusers.hooks import ModelHook
 
 from ..errors import AccelError
 from ..hooks import add_hook
+from ..lora import quant_target_name
 from ..pass_base import AccelPass, PassContext
 from .fp8 import Fp8Linear, fp8_alignment_problem, fp8_matmul_support
 
@@ -45,7 +46,10 @@ def _plan(ctx: PassContext, transformer) -> tuple[list[tuple[str, torch.nn.Linea
             if not isinstance(module, torch.nn.Linear) or not rel:
                 continue
             name = f"{block_name}.{rel}"
-            hit = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+            target = quant_target_name(name)  # a LoRA wrapper's base layer answers to the wrapper's name
+            if target is None:
+                continue  # the LoRA matrices stay in the pipeline's dtype beside the FP8 base
+            hit = next((p for p in patterns if fnmatch.fnmatchcase(target, p)), None)
             if hit is not None:
                 skipped[name] = f"skip pattern {hit!r}"
             elif ctx.config.quant == "fp8" and (problem := fp8_alignment_problem(module)) is not None:

@@ -33,6 +33,16 @@ def torchrun_env() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def check_launched(processes: int, degrees: str = "the parallel degrees") -> None:
+    """AccelError naming the process count when ``processes`` > 1 are needed and this one was neither started by
+    torchrun nor joined a process group itself. ``degrees`` names the knobs that ask for them ("sp=3")."""
+    if processes > 1 and not dist.is_initialized() and not torchrun_env():
+        raise AccelError(
+            f"{degrees} runs on {processes} processes, one per rank: launch with torchrun, e.g. "
+            f"`torchrun --nproc_per_node={processes} your_script.py` (no torch.distributed environment was found)."
+        )
+
+
 def init(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group from the torchrun environment (no-op if already initialised).
 
@@ -42,11 +52,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> None:
     """
     if dist.is_initialized():
         return
-    if not torchrun_env():
-        raise AccelError(
-            "parallel degrees > 1 need several processes: launch with torchrun, e.g. "
-            "`torchrun --nproc_per_node=2 your_script.py` (no torch.distributed environment was found)."
-        )
+    check_launched(2)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
@@ -210,6 +216,9 @@ def get_mesh(cfg: int = 1, ring: int = 1, ulysses: int = 1, tp: int = 1, device:
     """
     n = cfg * ring * ulysses * tp
     if n > 1:
+        degrees = ", ".join(f"{k}={v}" for k, v in (("cfg_parallel", cfg), ("ring", ring), ("ulysses", ulysses),
+                                                    ("tp", tp)) if v > 1)
+        check_launched(n, degrees)
         init()
     ws = world_size()
     if n != ws:

@@ -54,7 +54,8 @@ def get_adapter(family: str) -> ModelAdapter:
 
 
 def adapter_for(pipe) -> ModelAdapter:
-    """The adapter of a diffusers pipeline, found by its transformer's class (or a base class of it)."""
+    """The adapter of a diffusers pipeline, found by the class (or a base class) of whichever denoiser it holds:
+    Wan 2.2 built with ``transformer=None, transformer_2=...`` resolves through ``transformer_2``."""
     from diffusers import DiffusionPipeline
 
     if not isinstance(pipe, DiffusionPipeline):
@@ -62,18 +63,27 @@ def adapter_for(pipe) -> ModelAdapter:
             f"accelerate() needs a diffusers pipeline (a DiffusionPipeline), got {type(pipe).__name__}. "
             "Load one with diffusers.DiffusionPipeline.from_pretrained(PATH) and pass it."
         )
-    transformer = getattr(pipe, "transformer", None)
-    if transformer is None:
+    adapters = _load_all()
+    for adapter in adapters.values():
+        for name in adapter.transformer_names:
+            module = getattr(pipe, name, None)
+            if module is not None and any(c.__name__ in adapter.transformer_classes for c in type(module).__mro__):
+                return adapter
+    cls, families = type(pipe).__name__, ", ".join(adapters)
+    transformers = [(name, m) for name, m in getattr(pipe, "components", {}).items()
+                    if "transformer" in name and m is not None]
+    if transformers:
+        name, module = transformers[0]
         raise AccelError(
-            f"{type(pipe).__name__} has no transformer component (UNet pipelines are not supported). "
-            f"omni_accel accelerates DiT pipelines of these families: {', '.join(supported_families())}."
+            f"{cls} with {name} {type(module).__name__} is not supported. Supported families: {families}. "
+            f"To add one, write an adapter as described in {ADDING_A_MODEL_DOC}."
         )
-    class_names = [cls.__name__ for cls in type(transformer).__mro__]
-    for adapter in _load_all().values():
-        if any(name in adapter.transformer_classes for name in class_names):
-            return adapter
+    if getattr(pipe, "unet", None) is not None:
+        raise AccelError(
+            f"{cls} is a UNet pipeline (unet: {type(pipe.unet).__name__}); omni_accel accelerates DiT pipelines "
+            f"(a transformer denoiser) of these families: {families}."
+        )
     raise AccelError(
-        f"{type(pipe).__name__} with transformer {type(transformer).__name__} is not supported. "
-        f"Supported families: {', '.join(supported_families())}. "
-        f"To add one, write an adapter as described in {ADDING_A_MODEL_DOC}."
+        f"{cls} has no denoiser to accelerate (no transformer component is set); omni_accel accelerates DiT "
+        f"pipelines of these families: {families}."
     )

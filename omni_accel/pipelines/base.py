@@ -44,6 +44,28 @@ class CacheRegion:
 
 
 @dataclass(frozen=True)
+class PublishedTeaCache:
+    """A TeaCache rescale polynomial published for one checkpoint, with the settings it was fitted and used with.
+
+    It applies to a pipeline whose transformer config has every ``config`` (key, value) pair and, with
+    ``single_transformer``, holds one transformer (Wan 2.2 A14B's experts share Wan 2.1 14B's config). Checkpoints
+    that share one config (Wan 2.1 I2V 480P / 720P) are told apart by ``name_hint``, a substring of the folder or
+    repository name the pipeline was loaded from. ``threshold`` is the source's quality ("slow") setting,
+    ``warmup_steps`` / ``final_steps`` the steps the source always computes; ``source`` cites where the numbers
+    come from."""
+
+    model: str
+    coefficients: tuple[float, ...]
+    config: tuple[tuple[str, object], ...]
+    threshold: float
+    warmup_steps: int
+    final_steps: int
+    source: str
+    name_hint: str = ""
+    single_transformer: bool = True
+
+
+@dataclass(frozen=True)
 class TeaCacheSpec:
     """How TeaCache reads a family: the module whose output is the first block's modulated input.
 
@@ -55,7 +77,8 @@ class TeaCacheSpec:
     ``modulation_arg``; its output split in ``modulation_chunks`` gives shift (chunk 0) and scale (chunk 1), and
     the modulated input is ``out * (1 + scale) + shift`` (Qwen-Image modulates inline). ``output_index``: the
     element taken when the module returns a tuple. ``regions``: what is skipped on a reused step (default: every
-    block list of the adapter, with (encoder_hidden_states, hidden_states) outputs)."""
+    block list of the adapter, with (encoder_hidden_states, hidden_states) outputs). ``published``: polynomials
+    published per checkpoint (``PublishedTeaCache``), preferred over ``coefficients`` when one matches."""
 
     modulated_input: str  # dotted path below the transformer, e.g. "transformer_blocks.0.norm1"
     coefficients: tuple[float, ...] = ()  # published rescale polynomial, highest power first; () = calibrate
@@ -66,6 +89,7 @@ class TeaCacheSpec:
     modulation_arg: str = "temb"
     modulation_chunks: int = 6
     regions: tuple[CacheRegion, ...] = ()
+    published: tuple[PublishedTeaCache, ...] = ()  # per-checkpoint polynomials, chosen by the transformer's config
 
 
 @dataclass(frozen=True)
@@ -166,6 +190,12 @@ class ModelAdapter:
             for index, block in enumerate(getattr(transformer, list_name, None) or ()):
                 blocks.append((f"{list_name}.{index}", block))
         return blocks
+
+    def size_multiple(self, pipe) -> int:
+        """Image sides are multiples of this: the VAE's down-sampling times the transformer's 2x2 patches (every
+        family packs or patchifies 2x2 latents); smaller sides round down to zero latent pixels."""
+        scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+        return int(scale) * 2
 
     def is_edit_pipeline(self, pipe) -> bool:
         return type(pipe).__name__ in self.edit_pipelines

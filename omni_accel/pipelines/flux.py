@@ -85,7 +85,7 @@ ADAPTER = ModelAdapter(
     ),
     # cache-dit: both block lists take (hidden_states, encoder_hidden_states, temb, ...) and return (text, image),
     # so cache-dit caches them as one list (Fn/Bn count over all blocks) -- see omni_accel/cache/cache_dit_backend.py
-    extra={"cfg_threshold": 1.0, "text_seq_arg": "max_sequence_length",
+    extra={"cfg_threshold": 1.0, "cfg_needs_negative": True, "text_seq_arg": "max_sequence_length",
            "cache_dit_unify": ("transformer_blocks", "single_transformer_blocks")},
     # kernels=True: the AdaLN norms of both block kinds and the output norm, and every Q/K RMSNorm (torch.nn.RMSNorm)
     kernels=(

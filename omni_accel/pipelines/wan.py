@@ -1,7 +1,31 @@
 """Wan 2.1 / 2.2 video DiT (WanTransformer3DModel), UMT5 text encoder, causal 3D VAE."""
 
-from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
-                   TeaCacheSpec)
+from .base import (CacheRegion, KernelSites, ModelAdapter, PublishedTeaCache, SequenceInput, SequenceRegion,
+                   ShardArg, TeaCacheSpec)
+
+# TeaCache rescale polynomials published for Wan 2.1 (highest power first). They were fitted on e0 =
+# time_projection(time_embedding(t)), which is diffusers' condition_embedder.time_proj output (the module this
+# adapter measures), in TeaCache4Wan2.1's "use_ret_steps" mode: the first 5 steps always computed, none at the end.
+# Sources, identical numbers: ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py (commit 7c10efc, the
+# use_ret_steps branch; thresholds from its README's "slow" column), and modelscope/DiffSynth-Studio,
+# diffsynth/pipelines/wan_video.py (class TeaCache, coefficients_dict; commit 019258f). Configs: diffusers'
+# scripts/convert_wan_to_diffusers.py. The 480P and 720P I2V checkpoints share one config: the folder name decides.
+_WAN21_T2V = (("in_channels", 16), ("image_dim", None), ("attention_head_dim", 128))
+_WAN21_I2V = (("in_channels", 36), ("image_dim", 1280), ("attention_head_dim", 128), ("num_attention_heads", 40),
+              ("num_layers", 40))
+_TEACACHE4WAN = "ali-vilab/TeaCache TeaCache4Wan2.1 (use_ret_steps) = DiffSynth-Studio wan_video TeaCache"
+WAN21_TEACACHE = (
+    PublishedTeaCache("Wan2.1-T2V-1.3B", (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
+                      _WAN21_T2V + (("num_attention_heads", 12), ("num_layers", 30)),
+                      threshold=0.05, warmup_steps=5, final_steps=0, source=_TEACACHE4WAN),
+    PublishedTeaCache("Wan2.1-T2V-14B", (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
+                      _WAN21_T2V + (("num_attention_heads", 40), ("num_layers", 40)),
+                      threshold=0.10, warmup_steps=5, final_steps=0, source=_TEACACHE4WAN),
+    PublishedTeaCache("Wan2.1-I2V-14B-480P", (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01),
+                      _WAN21_I2V, threshold=0.20, warmup_steps=5, final_steps=0, source=_TEACACHE4WAN, name_hint="480p"),
+    PublishedTeaCache("Wan2.1-I2V-14B-720P", (8.10705460e03, 2.13393892e03, -3.72934672e02, 1.66203073e01, -4.17769401e-02),
+                      _WAN21_I2V, threshold=0.20, warmup_steps=5, final_steps=0, source=_TEACACHE4WAN, name_hint="720p"),
+)
 
 ADAPTER = ModelAdapter(
     family="wan",
@@ -36,6 +60,7 @@ ADAPTER = ModelAdapter(
         coefficients=(),
         modulated_args=(),
         regions=(CacheRegion("blocks", outputs=("hidden_states",)),),
+        published=WAN21_TEACACHE,
     ),
     # sp: blocks are called positionally (hidden_states, encoder_hidden_states, temb, rotary_emb); the
     # cross-attention attn2 reads the unsplit text context, so it runs locally on the query shard. temb is
@@ -60,8 +85,9 @@ ADAPTER = ModelAdapter(
         "[B, S]). "
         "TeaCache: Wan modulates inline inside each block (scale_shift_table + timestep_proj), so no submodule "
         "outputs the modulated input; condition_embedder.time_proj outputs timestep_proj, the 6*dim modulation "
-        "every block adds to its scale_shift_table (the e0 TeaCache4Wan2.1 measures). Coefficients are "
-        "calibrated per model (2.1 / 2.2, T2V / I2V, each expert). "
+        "every block adds to its scale_shift_table (the e0 TeaCache4Wan2.1 measures). The published Wan 2.1 "
+        "polynomials (T2V 1.3B / 14B, I2V 480P / 720P) are chosen by the transformer's config; Wan 2.2 and other "
+        "checkpoints need a calibrated profile. "
         "The 2.1 I2V attention splits the context at 512 text tokens (hardcoded in WanAttnProcessor): text "
         "sequences must stay padded to 512 there."
     ),

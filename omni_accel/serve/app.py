@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+import types
 import uuid
 from typing import Callable, Literal
 
@@ -261,10 +262,20 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
     GenerationRequest = generation_request_model(limits)  # noqa: N806 -- a class with this server's bounds
 
     # -- shared request handling ------------------------------------------------------------------------
+    adapters = model.lora.model_names() if model.lora is not None else []
+
     def check_model(name: str | None) -> None:
-        if name is not None and name != model.id:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model.id!r} "
+        if name is not None and name != model.id and name not in adapters:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model.id!r}"
+                                f"{' and the LoRA adapters ' + ', '.join(adapters) if adapters else ''} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
+
+    async def resolve_lora(name: str | None, lora: dict | None):
+        """The request's adapter (``model: NAME`` or the ``lora`` field), read and checked before it is queued."""
+        from .lora import request_lora
+
+        return await asyncio.to_thread(request_lora, model.lora, name, lora,
+                                       flags="--lora NAME=PATH or --lora-dir ROOT")
 
     def check_size(size: str | None) -> tuple[int, int]:
         try:
@@ -284,7 +295,8 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
         return w, h
 
     def build_request(op: str, *, prompt: str, n: int, size: str | None, seed: int | None, steps: int | None,
-                      guidance: float | None, true_cfg: float | None, negative: str | None) -> ImageRequest:
+                      guidance: float | None, true_cfg: float | None, negative: str | None,
+                      lora=None) -> ImageRequest:
         w, h = check_size(size)
         steps = steps if steps is not None else min(model.default_steps, limits.max_steps)
         cost = request_cost(n, w, h, steps)
@@ -301,7 +313,7 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
             negative = model.defaults.get("negative_prompt")
         return ImageRequest(op=op, prompt=prompt, n=n, width=w, height=h, steps=steps,
                             seed=seed if seed is not None else random_seed(), guidance_scale=guidance,
-                            true_cfg_scale=true_cfg, negative_prompt=negative)
+                            true_cfg_scale=true_cfg, negative_prompt=negative, lora=lora)
 
     def check_references(uploaded: list, fitted: list) -> None:
         """Every reference image, as the pipeline will get it, has the smallest side the pipeline accepts."""
@@ -331,9 +343,10 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
     # -- endpoints --------------------------------------------------------------------------------------
     async def generations(body, request: Request):
         check_model(body.model)
+        lora = await resolve_lora(body.model, body.lora)
         params = build_request("generate", prompt=body.prompt, n=body.n, size=body.size, seed=body.seed,
                                steps=body.num_inference_steps, guidance=body.guidance_scale,
-                               true_cfg=body.true_cfg_scale, negative=body.negative_prompt)
+                               true_cfg=body.true_cfg_scale, negative=body.negative_prompt, lora=lora)
         return await execute(params, "/v1/images/generations", request, body.response_format)
 
     generations.__annotations__["body"] = GenerationRequest  # a class of this server: not resolvable by name
@@ -362,8 +375,14 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
         guidance_scale: float | None = Form(None, ge=0.0, le=MAX_GUIDANCE),
         true_cfg_scale: float | None = Form(None, ge=0.0, le=MAX_GUIDANCE),
         negative_prompt: str | None = Form(None, max_length=HARD_MAX_PROMPT),
+        lora: str | None = Form(None, max_length=4096, description='a LoRA adapter as JSON, e.g. {"name": "x"}'),
     ):
         check_model(model_name)
+        try:
+            lora_body = json.loads(lora) if lora is not None else None
+        except ValueError:
+            raise bad_request(f"lora={lora!r} is not JSON; send e.g. {{\"name\": \"x\", \"scale\": 1.0}}", "lora")
+        lora_choice = await resolve_lora(model_name, lora_body)
         if not model.can_edit:
             raise bad_request(f"the model {model.id!r} ({model.pipeline_class}) cannot edit images; serve an "
                               "edit-capable pipeline (e.g. FLUX.1 Kontext, Qwen-Image-Edit) for /v1/images/edits",
@@ -392,7 +411,8 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
             w, h = max(m, int(w * scale) // m * m), max(m, int(h * scale) // m * m)
             size = f"{min(w, limits.max_size // m * m)}x{min(h, limits.max_size // m * m)}"
         params = build_request("edit", prompt=prompt, n=n, size=size, seed=seed, steps=num_inference_steps,
-                               guidance=guidance_scale, true_cfg=true_cfg_scale, negative=negative_prompt)
+                               guidance=guidance_scale, true_cfg=true_cfg_scale, negative=negative_prompt,
+                               lora=lora_choice)
         params.images = [fit_area(im, params.width, params.height) for im in decoded]
         check_references(decoded, params.images)
         return await execute(params, "/v1/images/edits", request, response_format)
@@ -414,10 +434,15 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
                          limits={"max_n": limits.max_n, "max_steps": limits.max_steps, "max_size": limits.max_size,
                                  "max_request_cost": limits.max_cost})
 
-    api.state.model_cards = [card]  # other routes' models (videos) add theirs
+    def adapter_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=model.created, family=model.family, pipeline=model.pipeline_class,
+                         capabilities=card().capabilities, root=model.lora.named[name], parent=model.id)
+
+    # other routes' models (videos) add theirs; LoRA adapters are listed with parent = the model
+    api.state.model_cards = [card] + [lambda name=name: adapter_card(name) for name in adapters]
 
     @api.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]},
-             summary="The served models")
+             summary="The served models (LoRA adapters with their parent)")
     async def models():
         return ModelList(data=[make() for make in api.state.model_cards])
 
@@ -449,6 +474,9 @@ def create_app(model: LoadedModel, engine: JobQueue, *, limits: Limits | None = 
     app = _Guard(api, metrics=metrics, api_key=api_key, max_body=limits.max_body_bytes, body_timeout_s=body_timeout_s)
     app.fastapi = api  # for app.fastapi.openapi()
     app.limits = limits
+    # what other routes on this model's queue reuse (the chat route's images)
+    app.image_service = types.SimpleNamespace(model=model, engine=engine, limits=limits, check_model=check_model,
+                                              build_request=build_request, resolve_lora=resolve_lora)
     return app
 
 

@@ -93,6 +93,7 @@ class LoadedModel:
     frame_multiple: int = 1  # video pipelines: frames come as frame_multiple * k + 1 (the VAE's time compression)
     fps: int | None = None  # video pipelines: frames per second of the clips it was trained on
     created: int = field(default_factory=lambda: int(time.time()))
+    lora: Any = None  # a serve.lora.LoraManager when the server offers LoRA adapters
     # facts of the pipeline the routes read, kept in a copy without it (``without_pipeline``)
     pipeline_name: str = ""
     scheduler_name: str = ""
@@ -109,9 +110,8 @@ class LoadedModel:
         adapter = adapter_for(pipe)
         defaults = dict(defaults or {})
         params = call_parameters(pipe)
-        # video pipelines (Wan) name the spatial and the temporal factor of their VAE apart
-        vae_scale = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
-        multiple = vae_scale * 2
+        multiple = adapter.size_multiple(pipe)  # video pipelines (Wan) name their VAE's spatial factor apart
+        vae_scale = multiple // 2
         for key in ("num_inference_steps", "guidance_scale", "height", "width", "num_frames"):
             default = params[key].default if key in params else None
             if key not in defaults and default not in (None, inspect.Parameter.empty):
@@ -144,7 +144,7 @@ class LoadedModel:
     def without_pipeline(self) -> "LoadedModel":
         """This model's description without its pipeline: all the routes read, for an ingress whose replicas hold
         the pipeline (serve/ray_app.py)."""
-        return dataclasses.replace(self, pipe=None)
+        return dataclasses.replace(self, pipe=None, lora=self.lora.catalog() if self.lora is not None else None)
 
     @property
     def default_steps(self) -> int:
@@ -196,6 +196,8 @@ def run_spec(model: LoadedModel, spec: dict, should_abort: Callable[[], bool] | 
     when the job queue calls) is asked at every step and hears the steps done."""
     import torch
 
+    if model.lora is not None:  # every rank puts the call's adapter (or the base: scale 0) in place
+        model.lora.activate(spec.get("lora"))
     kwargs = build_call_kwargs(model, spec)
     add_step_callback(model, kwargs, should_abort, spec["steps"])
     with torch.inference_mode():
@@ -249,6 +251,7 @@ class ImageRequest:
     true_cfg_scale: float | None = None
     negative_prompt: str | None = None
     images: list = field(default_factory=list)
+    lora: Any = None  # a serve.lora.LoraChoice, or None for the base model
 
     @property
     def seeds(self) -> list[int]:
@@ -260,11 +263,12 @@ class ImageRequest:
 
     @property
     def key(self) -> tuple | None:
-        """Requests with equal keys can share one pipeline call; edits never batch (None)."""
+        """Requests with equal keys can share one pipeline call; edits never batch (None); requests with
+        different LoRA adapters (or scales) never share one."""
         if self.op != "generate":
             return None
         return (self.width, self.height, self.steps, self.guidance_scale, self.true_cfg_scale,
-                self.negative_prompt is not None)
+                self.negative_prompt is not None, self.lora.key if self.lora is not None else None)
 
 
 class ImageKind(JobKind):
@@ -310,6 +314,7 @@ def batch_spec(batch: list[ImageRequest]) -> dict:
         "width": first.width, "height": first.height, "steps": first.steps,
         "guidance_scale": first.guidance_scale, "true_cfg_scale": first.true_cfg_scale,
         "images": first.images,
+        "lora": first.lora.as_dict() if first.lora is not None else None,
     }
 
 

@@ -71,6 +71,10 @@ def generation_request_model(limits) -> type[BaseModel]:
                                                                "the negative prompt only acts when this is > 1")
         negative_prompt: StrictStr | None = Field(None, max_length=HARD_MAX_PROMPT,
                                                   description="extra: negative prompt")
+        lora: dict | None = Field(None, description='extra: a LoRA adapter for this request, {"name": NAME, "scale": '
+                                                    '1.0} (an adapter of --lora) or {"path": "sub/dir"} (under '
+                                                    '--lora-dir); omitted = the base model (or the adapter named by '
+                                                    'model)')
         quality: str | None = Field(None, max_length=64, description="OpenAI field, ignored")
         style: str | None = Field(None, max_length=64, description="OpenAI field, ignored")
         user: str | None = Field(None, max_length=256, description="OpenAI field, ignored")
@@ -127,6 +131,8 @@ class ModelCard(BaseModel):
     size_multiple: int | None = None
     limits: dict | None = Field(None, description="this server's per-request limits: max_n, max_steps, max_size, "
                                                   "max_request_cost (megapixel-steps)")
+    root: str | None = Field(None, description="a LoRA adapter's folder")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (vLLM's convention)")
 
 
 class ModelList(BaseModel):

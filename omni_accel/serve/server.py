@@ -89,6 +89,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="frames per second of the clips (default: the model's: 16 for Wan, 8 for the built-in)")
     v.add_argument("--max-frames", type=int, default=None,
                    help="frames of one video at most (default: about twice the model's native clip: 161 for Wan)")
+    lo = p.add_argument_group("LoRA adapters (docs/serving.md)")
+    lo.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a LoRA adapter (a folder written by save_lora_weights, or its .safetensors file) served "
+                         "as model NAME; repeat for more. Loaded at start-up and never evicted")
+    lo.add_argument("--lora-dir", default=None, metavar="ROOT",
+                    help="let requests name an adapter folder under ROOT ({\"lora\": {\"path\": \"sub/dir\"}}); "
+                         "paths resolving outside ROOT are refused")
+    lo.add_argument("--video-lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a LoRA adapter of the --video-model, served as model NAME on /v1/videos (repeatable)")
+    lo.add_argument("--video-lora-dir", default=None, metavar="ROOT",
+                    help="as --lora-dir, for the video model's adapters")
+    lo.add_argument("--max-loras", type=int, default=4,
+                    help="adapters held in memory at most (least recently used out first; --lora ones stay)")
+    lo.add_argument("--max-lora-rank", type=int, default=64,
+                    help="the highest adapter rank served: ranks are padded to it so that a compiled pipeline "
+                         "switches adapters without recompiling (default 64)")
+    sl = p.add_argument_group("sleep mode (docs/serving.md)")
+    sl.add_argument("--enable-sleep-mode", action="store_true",
+                    help="allow POST /sleep and POST /wake_up (weights to host memory, or to a file on a CPU)")
+    sl.add_argument("--no-auto-wake", action="store_true",
+                    help="answer requests that arrive while asleep with 503 + Retry-After instead of waking up")
     from .ray_flags import add_arguments as add_ray_arguments
 
     add_ray_arguments(p)
@@ -167,8 +188,16 @@ def load_model(args):
     device, dtype, config = device_dtype_config(args)
     native = _default_size(args)
     pipe, defaults, source = _load_pipeline_quietly(args, device, dtype)
+    lora = None
+    if args.lora or args.lora_dir:  # before accelerate(): the adapter slot's layers are part of the passes' work
+        from .lora import LoraManager, parse_lora_flags
+
+        lora = LoraManager(pipe, parse_lora_flags(args.lora), max_loras=args.max_loras, lora_dir=args.lora_dir,
+                           max_rank=args.max_lora_rank)
+        lora.prepare()
     omni_accel.accelerate(pipe, config=config)
     model = LoadedModel.from_pipeline(pipe, _model_id(args), defaults, native)
+    model.lora = lora
     w, h = model.native_size
     if w % model.size_multiple or h % model.size_multiple:
         raise CliError(f"--default-size {w}x{h}: both sides must be multiples of {model.size_multiple}.")
@@ -213,13 +242,17 @@ class ServedModels:
     def runners(self) -> dict:
         """The pipeline call of each job kind on this rank (rank 0's executors under a Leader, a follower's
         runners)."""
+        from .sleep import run_sleep
+
         out = {}
         if self.image is not None:
             out["image"] = image_runner(self.image)
+            out["sleep"] = lambda spec, control=None: run_sleep(self.image.pipe, spec)
         if self.video is not None:
             from .videos import video_runner
 
             out["video"] = video_runner(self.video)
+            out["sleep_video"] = lambda spec, control=None: run_sleep(self.video.pipe, spec)
         return out
 
 
@@ -306,35 +339,56 @@ def speech_id(args) -> str:
 
 
 def build_app(args, models: ServedModels, queues: dict, metrics, *, store=None, world_size: int = 1,
-              replicas=None):
+              replicas=None, sleepers=()):
     """The ASGI app of every route over ``queues`` (local job queues, or an ingress's RemoteQueues): the image
-    routes, /v1/videos with ``store``, the speech routes. ``replicas`` (a callable: replica states) makes /health and
-    /metrics report the replicas behind an ingress."""
+    routes, /v1/videos with ``store``, the speech routes, /v1/chat/completions, and the sleep routes over
+    ``sleepers``. ``replicas`` (a callable: replica states) makes /health and /metrics report the replicas behind an
+    ingress."""
+    from . import chat
     from .app import create_app
+    from .sleep import add_sleep_mode
     from .speech import SpeechSettings
 
     limits = limits_of(args)
-    if models.image is None:  # a speech-only server
+    settings = SpeechSettings.from_args(args, speech_id(args)) if models.speech is not None else None
+    if models.image is None:  # a speech-only server (its app has the chat route)
         from .speech import create_speech_app
 
-        return create_speech_app(models.speech, SpeechSettings.from_args(args, speech_id(args)),
-                                 api_key=args.api_key, max_body=int(args.max_body_mb * MB), queue=queues["speech"],
-                                 metrics=metrics)
-    app = create_app(models.image, queues["images"], limits=limits, api_key=args.api_key, metrics=metrics,
-                     url_cache=args.url_cache, world_size=world_size, body_timeout_s=args.idle_timeout,
-                     replicas=replicas)
-    if models.video is not None:  # /v1/videos beside the image routes, with the video model's queue
-        from . import videos
+        app = create_speech_app(models.speech, settings, api_key=args.api_key, max_body=int(args.max_body_mb * MB),
+                                queue=queues["speech"], metrics=metrics)
+    else:
+        app = create_app(models.image, queues["images"], limits=limits, api_key=args.api_key, metrics=metrics,
+                         url_cache=args.url_cache, world_size=world_size, body_timeout_s=args.idle_timeout,
+                         replicas=replicas)
+        if models.video is not None:  # /v1/videos beside the image routes, with the video model's queue
+            from . import videos
 
-        video_limits = dataclasses.replace(limits, max_frames=args.max_frames).resolved(models.video)
-        videos.install(app.fastapi, models.video, queues["videos"], store, video_limits, models.video.fps)
-    if models.speech is not None:  # speech routes beside the image ones, with a queue of their own
-        from .speech import install
+            video_limits = dataclasses.replace(limits, max_frames=args.max_frames).resolved(models.video)
+            videos.install(app.fastapi, models.video, queues["videos"], store, video_limits, models.video.fps)
+        speech = None
+        if models.speech is not None:  # speech routes beside the image ones, with a queue of their own
+            from .speech import install
 
-        install(app.fastapi, models.speech, SpeechSettings.from_args(args, speech_id(args)), metrics,
-                queue=queues["speech"])
+            install(app.fastapi, models.speech, settings, metrics, queue=queues["speech"])
+            speech = (models.speech, queues["speech"], settings)
+        chat.install(app.fastapi, image=app.image_service, speech=speech)
+    add_sleep_mode(app, app.fastapi, list(sleepers), enabled=args.enable_sleep_mode, auto_wake=not args.no_auto_wake)
     app.queues = list(queues.values())
     return app
+
+
+def sleepers_of(models: ServedModels, queues: dict, leader=None) -> list:
+    """The sleep mode of each model's queue (under torchrun the sleep runs on every rank, as a call does)."""
+    from .sleep import Sleeper
+
+    out = []
+    if "images" in queues:
+        out.append(Sleeper(queues["images"], models.image.pipe, leader.executor("sleep") if leader else None))
+    if "videos" in queues:
+        out.append(Sleeper(queues["videos"], models.video.pipe, leader.executor("sleep_video") if leader else None))
+    if "speech" in queues:
+        out.append(Sleeper(queues["speech"], models.speech))
+    return out
 
 
 def video_store(args, models: ServedModels):
@@ -356,7 +410,8 @@ def build_server(args, model, *, video_model=None, leader=None, world_size: int 
     metrics = ServeMetrics()
     store = video_store(args, models)
     queues = make_queues(args, models, metrics, leader=leader, store=store)
-    app = build_app(args, models, queues, metrics, store=store, world_size=world_size)
+    app = build_app(args, models, queues, metrics, store=store, world_size=world_size,
+                    sleepers=sleepers_of(models, queues, leader))
     for queue in queues.values():
         queue.start()
     server = uvicorn_server(app, args, drains=list(queues.values()))

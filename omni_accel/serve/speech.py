@@ -143,6 +143,10 @@ def speech_executor(pipeline: Any) -> Callable[[dict, Any], Any]:
     from ..ar_bridge.speech import SpeechCancelled
 
     def execute(spec: dict, control) -> Any:
+        if spec.get("kind") == "chat":  # /v1/chat/completions on the omni model (serve/chat.py)
+            from .chat import run_chat
+
+            return run_chat(pipeline, spec, control)
         options = {k: spec[k] for k in ("seed", "speed", "sampling", "max_codes")}
         try:
             if spec["streamed"]:
@@ -160,6 +164,9 @@ def speech_queue(pipeline: Any, settings: "SpeechSettings", metrics: Any, start:
     queue = JobQueue("speech", speech_executor(pipeline), max_queue=settings.max_queue, max_batch=1, metrics=metrics,
                      gauges=(metrics.speech_queue_depth, metrics.speech_running))
     queue.kinds["speech"] = SpeechKind()
+    from .chat import ChatKind
+
+    queue.kinds["chat"] = ChatKind()
     if start:
         queue.start()
     return queue
@@ -316,6 +323,9 @@ def create_speech_app(pipeline: Any, settings: SpeechSettings, *, api_key: str |
     app = _Guard(api, metrics=metrics, api_key=api_key, max_body=max_body)
     app.fastapi = api
     app.queues = [queue]
+    from . import chat
+
+    chat.install(api, speech=(pipeline, queue, settings))
     return app
 
 
@@ -345,6 +355,10 @@ def build_speech_server(args, pipeline):
 
     settings = SpeechSettings.from_args(args, args.served_model_name or folder_name(args.speech_model))
     app = create_speech_app(pipeline, settings, api_key=args.api_key, max_body=int(args.max_body_mb * 2**20))
+    from .sleep import Sleeper, add_sleep_mode
+
+    add_sleep_mode(app, app.fastapi, [Sleeper(app.queues[0], pipeline)], enabled=args.enable_sleep_mode,
+                   auto_wake=not args.no_auto_wake)
     return uvicorn_server(app, args, drains=app.queues), settings
 
 

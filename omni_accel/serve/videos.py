@@ -21,6 +21,7 @@ import argparse
 import base64
 import binascii
 import collections
+import json
 import logging
 import os
 import re
@@ -101,6 +102,7 @@ class VideoRequest:
     flow_shift: float | None = None
     image: Any = None
     frames_note: str | None = None
+    lora: Any = None  # a serve.lora.LoraChoice, or None for the base model
 
     @property
     def cost(self) -> float:
@@ -112,6 +114,8 @@ def run_video_spec(model: LoadedModel, spec: dict, control: Callable[[], bool] |
     ``flow_shift`` of the request hold for this call only (the pipeline's config and scheduler are put back)."""
     import torch
 
+    if model.lora is not None:  # every rank puts the job's adapter (or the base: scale 0) in place
+        model.lora.activate(spec.get("lora"))
     wanted = {
         "prompt": spec["prompt"], "negative_prompt": spec.get("negative_prompt"), "height": spec["height"],
         "width": spec["width"], "num_frames": spec["num_frames"], "num_inference_steps": spec["steps"],
@@ -259,7 +263,8 @@ class VideoKind(JobKind):
         return {"kind": self.name, "prompt": r.prompt, "negative_prompt": r.negative_prompt, "width": r.width,
                 "height": r.height, "num_frames": r.num_frames, "steps": r.steps, "seed": r.seed,
                 "guidance_scale": r.guidance_scale, "guidance_scale_2": r.guidance_scale_2,
-                "boundary_ratio": r.boundary_ratio, "flow_shift": r.flow_shift, "image": r.image}
+                "boundary_ratio": r.boundary_ratio, "flow_shift": r.flow_shift, "image": r.image,
+                "lora": r.lora.as_dict() if r.lora is not None else None}
 
     def finish(self, batch: list[Job], frames: Any, seconds: float) -> list:
         """[(MP4 bytes, thumbnail PNG bytes)] of the clip (None for a job cancelled meanwhile)."""
@@ -321,6 +326,9 @@ def install(api: FastAPI, model: LoadedModel, queue: JobQueue, store: VideoStore
     models = getattr(api.state, "model_cards", None)
     if models is not None:
         models.append(lambda: _card(model, limits))
+        for name in (model.lora.model_names() if model.lora is not None else []):  # adapters, parent = the model
+            models.append(lambda name=name: _card(model, limits).model_copy(
+                update={"id": name, "root": model.lora.named[name], "parent": model.id}))
     scheduler_shift = model.flow_shift_key
     two_experts = model.experts > 1
 
@@ -331,13 +339,14 @@ def install(api: FastAPI, model: LoadedModel, queue: JobQueue, store: VideoStore
                                 f"newest {store.max_count}, or never made)", param="video_id", code="not_found")
         return job
 
+    adapters = model.lora.model_names() if model.lora is not None else []
+
     def build(form: dict, image) -> VideoRequest:
-        if form["model"] is not None and form["model"] != model.id:
+        if form["model"] is not None and form["model"] != model.id and form["model"] not in adapters:
             raise ApiError(404, f"the model {form['model']!r} does not exist; this server makes videos with "
-                                f"{model.id!r} (see GET /v1/models)", param="model", code="model_not_found")
-        if form["lora"] is not None:
-            raise bad_request("lora is not supported by this server yet; send the request without it", "lora",
-                              "unsupported_parameter")
+                                f"{model.id!r}{' and the LoRA adapters ' + ', '.join(adapters) if adapters else ''} "
+                                "(see GET /v1/models)", param="model", code="model_not_found")
+        lora = video_lora(form["model"], form["lora"])
         takes_image = "image" in model.accepted
         if image is not None and not takes_image:
             raise bad_request(f"input_reference: {model.pipeline_class} makes videos from text only; serve an "
@@ -374,7 +383,20 @@ def install(api: FastAPI, model: LoadedModel, queue: JobQueue, store: VideoStore
                             seed=form["seed"] if form["seed"] is not None else random_seed(),
                             negative_prompt=form["negative_prompt"], guidance_scale=form["guidance_scale"],
                             guidance_scale_2=form["guidance_scale_2"], boundary_ratio=form["boundary_ratio"],
-                            flow_shift=form["flow_shift"], image=image, frames_note=note)
+                            flow_shift=form["flow_shift"], image=image, frames_note=note, lora=lora)
+
+    def video_lora(name: str | None, lora: str | None):
+        """The job's adapter from ``model: NAME`` or the ``lora`` form field (JSON), read and checked now."""
+        if lora is not None:
+            try:
+                lora = json.loads(lora)
+            except ValueError:
+                raise bad_request(f"lora={lora!r} is not JSON; send e.g. {{\"name\": \"x\", \"scale\": 1.0}}",
+                                  "lora")
+        from .lora import request_lora
+
+        return request_lora(model.lora, name, lora, flags="--video-lora NAME=PATH or --video-lora-dir ROOT",
+                            what=" for its video model")
 
     def size_of(form: dict) -> tuple[int, int]:
         try:
@@ -441,7 +463,8 @@ def install(api: FastAPI, model: LoadedModel, queue: JobQueue, store: VideoStore
         flow_shift: float | None = Form(None, gt=0.0, le=100.0, description="the scheduler's flow shift"),
         seed: int | None = Form(None, ge=0, le=MAX_SEED),
         n: int = Form(1, ge=1, le=1, description="one video per job"),
-        lora: str | None = Form(None, description="not supported yet"),
+        lora: str | None = Form(None, max_length=4096, description='a LoRA adapter as JSON, e.g. {"name": "x", '
+                                                                   '"scale": 1.0} (--video-lora / --video-lora-dir)'),
     ):
         form = dict(prompt=prompt, model=model_name, seconds=seconds, size=size, negative_prompt=negative_prompt,
                     width=width, height=height, num_frames=num_frames, fps=fps,
@@ -564,8 +587,16 @@ def load_video_model(args) -> LoadedModel:
                                                    device, dtype)
         model_id = os.path.basename(os.path.normpath(os.path.expanduser(args.video_model))) or "video-model"
         fps = None
+    lora = None
+    if args.video_lora or args.video_lora_dir:  # before accelerate(), as for the image model
+        from .lora import LoraManager, parse_lora_flags
+
+        lora = LoraManager(pipe, parse_lora_flags(args.video_lora, "--video-lora"), max_loras=args.max_loras,
+                           lora_dir=args.video_lora_dir, max_rank=args.max_lora_rank)
+        lora.prepare()
     omni_accel.accelerate(pipe, config=config)
     model = LoadedModel.from_pipeline(pipe, args.served_video_model_name or model_id, defaults)
+    model.lora = lora
     if model.native_frames is None:
         from ..cli import CliError
 
