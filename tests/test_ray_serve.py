@@ -40,9 +40,16 @@ def cluster():
     ray.shutdown()
 
 
+def lora_flags() -> list[str]:
+    from omni_accel.builtin import builtin_lora_path
+
+    return ["--lora", f"swap={builtin_lora_path()}", "--max-lora-rank", "8"]
+
+
 @pytest.fixture(scope="module")
 def two_replicas(cluster):
-    url = deploy(["--replicas", "2", "--max-queue", "2", "--max-concurrency", "2", "--api-key", KEY,
+    """The built-in model (with the built-in LoRA adapter as model 'swap') in two replicas."""
+    url = deploy(["--replicas", "2", "--max-queue", "2", "--max-concurrency", "2", "--api-key", KEY, *lora_flags(),
                   *REPLICA_FLAGS], cluster)
     assert wait_running(url, 2, 60) is not None
     return url
@@ -77,10 +84,36 @@ def test_openai_client_gets_the_single_server_image_through_the_ray_endpoint(two
     result = client.images.generate(prompt=prompt(7), size="64x64", extra_body={"seed": 7, "num_inference_steps": 4})
     got = pixels(result.data[0].b64_json)
     assert got.shape == (64, 64, 3) and result.data[0].seed == 7
-    assert abs(got - single_process_pixels(7)).max() <= 1  # the replica ran what a single server runs
-    assert [m.id for m in client.models.list().data] == ["omni-accel-builtin"]
+    assert abs(got - single_process_pixels(7, argv=lora_flags())).max() <= 1  # what a single server runs
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"omni-accel-builtin", "swap"} and cards["swap"].parent == "omni-accel-builtin"
     with pytest.raises(AuthenticationError):  # the ingress keeps the API key
         OpenAI(base_url=two_replicas + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_per_request_lora_and_images_through_chat_completions_on_the_replicas(two_replicas):
+    """The chat route and per-request LoRA of the single server, through the ingress: the adapter (by model name)
+    changes the image as trained -- the background takes the shape's colour -- in chat and image answers alike;
+    sleep mode is off under Ray (400)."""
+    from openai import OpenAI
+
+    from omni_accel.builtin.metric import analyze
+    from PIL import Image
+
+    client = OpenAI(base_url=two_replicas + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    text = "a large red circle in the center on a blue background"
+    extra = {"height": 128, "width": 128, "num_inference_steps": 8, "seed": 3}
+    chat = client.chat.completions.create(model="swap", messages=[{"role": "user", "content": text}],
+                                          extra_body=extra)
+    (part,) = chat.choices[0].message.content
+    swapped = part["image_url"]["url"].split(",", 1)[1]
+    image = lambda **body: client.images.generate(prompt=text, size="128x128", extra_body={  # noqa: E731
+        "seed": 3, "num_inference_steps": 8, **body}).data[0].b64_json
+    assert swapped == image(lora={"name": "swap"})
+    background = lambda b64: analyze(Image.open(io.BytesIO(base64.b64decode(b64))))["bg"]  # noqa: E731
+    assert background(swapped) == "red" and background(image()) == "blue"
+    r = httpx.post(two_replicas + "/sleep", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "sleep_mode_disabled"
 
 
 def test_health_and_metrics_report_the_replicas(two_replicas):

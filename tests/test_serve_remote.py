@@ -326,6 +326,8 @@ def serve_cli(capsys, *argv: str) -> tuple[int, str]:
                                            "product is 2 (e.g. --sp 2)."),
     (["--ray", "--target-ongoing-requests", "2"], "error: --target-ongoing-requests / --upscale-delay / "
                                                    "--downscale-delay apply to --autoscale MIN:MAX"),
+    (["--ray", "--enable-sleep-mode"], "error: --enable-sleep-mode is not offered with --ray: use --autoscale 0:N "
+                                       "instead"),
 ])
 def test_bad_ray_flags_are_refused_before_anything_starts(capsys, argv, message):
     code, err = serve_cli(capsys, *argv)
