@@ -14,11 +14,10 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-httpx = pytest.importorskip("httpx")
+import ray
+from ray import serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

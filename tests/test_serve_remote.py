@@ -300,7 +300,6 @@ def device_plan_cases():
 
 @pytest.mark.parametrize("places, plan", device_plan_cases())
 def test_device_plan_shows_each_node_its_group_gpus_and_picks_by_local_rank(places, plan):
-    pytest.importorskip("ray")
     from omni_accel.serve.ray_group import device_plan, rank_env
 
     assert device_plan(places) == plan
@@ -345,7 +344,6 @@ def test_serve_ray_without_ray_names_the_extra(capsys, monkeypatch):
 def test_ray_serve_application_arguments_are_the_serve_flags():
     """``serve run omni_accel.serve.ray_app:build key=value ...`` and a config file's ``args:`` give the same flags
     as the command line (switches as true/false, lists repeat a flag)."""
-    pytest.importorskip("ray")
     from omni_accel.serve.ray_app import parse_arguments, replica_options
 
     args = parse_arguments({"replicas": "2", "max_queue": "3", "no-warmup": "true", "compile": "off",

@@ -49,7 +49,7 @@ logger = logging.getLogger("omni_accel.serve")
 APP_NAME = "omni-accel"
 INGRESS = "OmniAccelIngress"
 REPLICA = "OmniAccelReplica"
-HEALTH_CHECK_S = 5.0  # how often Ray Serve asks a replica whether it is healthy (a dead rank is seen within this)
+HEALTH_CHECK_S = 3.0  # how often Ray Serve asks a replica whether it is healthy (3 failures in a row: replaced)
 STATES_POLL_S = 1.0  # how often the ingress reads the replicas' states (capacity, /health, /metrics)
 
 
