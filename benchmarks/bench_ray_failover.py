@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--kill-at", type=float, default=0.3, help="share of the requests answered before the kill")
-    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--size", type=int, default=128, help="image side (the built-in model is trained at 128)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--model", default=None, help="a diffusers pipeline folder (default: the built-in model)")
     p.add_argument("--device", default="cpu")

@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--size", type=int, default=128, help="image side (the built-in model is trained at 128)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--model", default=None, help="a diffusers pipeline folder (default: the built-in model)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per replica)")
