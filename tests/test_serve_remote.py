@@ -16,6 +16,7 @@ from omni_accel.serve.jobs import (CANCELLED, COMPLETED, FAILED, Aborted, Job, J
 from omni_accel.serve.metrics import ServeMetrics
 from omni_accel.serve.remote import RemoteQueue, replica_events
 from test_serve_jobs import Echo, Steps, metric
+from test_speech import omni_path  # noqa: F401 -- the tiny Qwen2.5-Omni folder (a module fixture)
 
 
 class Died(Exception):
@@ -423,3 +424,60 @@ def test_the_ingress_app_over_remote_queues_serves_images_and_videos(tmp_path):
         for queue in replica.values():
             queue.stop(5)
         store.close()
+
+
+def test_the_ingress_app_over_remote_queues_speaks_wav_streamed_pcm_and_chats(omni_path):
+    """Speech through a speech-only ingress app over a RemoteQueue (the tiny Qwen2.5-Omni on the transformers
+    engines in an in-process replica queue): a wav, a PCM stream arriving in several pieces that join into the wav's
+    samples (the streaming tolerance of docs/speech.md), and an omni chat answer in text."""
+    import io
+    import pickle
+    import threading
+    import wave
+
+    import openai
+    import torch
+
+    from omni_accel.ar_bridge.speech import SpeechPipeline
+    from omni_accel.cli import build_parser
+    from omni_accel.serve.server import ServedModels, build_app, make_queues, uvicorn_server
+    from test_serve import free_port, wait_healthy
+
+    args = build_parser().parse_args(["serve", "--speech-model", str(omni_path), "--speech-engine", "transformers",
+                                      "--speech-greedy", "--speech-max-codes", "48", "--port", str(free_port())])
+    with SpeechPipeline(str(omni_path), engine="transformers") as pipeline:
+        models = ServedModels(speech=pipeline)
+        replica = make_queues(args, models, ServeMetrics(), headroom=4)
+        for queue in replica.values():
+            queue.accepts_results = False
+            queue.start()
+        described = pickle.loads(pickle.dumps(models.without_pipelines()))
+        assert described.speech.voices == pipeline.voices
+        metrics = ServeMetrics()
+        remote = {name: RemoteQueue(template, Link(replica[name]), capacity=lambda: 4)
+                  for name, template in make_queues(args, described, metrics).items()}
+        server = uvicorn_server(build_app(args, described, remote, metrics), args, drains=list(remote.values()))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{args.port}"
+        try:
+            wait_healthy(url, timeout=30)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+            text = "hello there"
+            audio = client.audio.speech.create(model="tiny", input=text, voice="Ethan", response_format="wav")
+            with wave.open(io.BytesIO(audio.content)) as w:
+                whole = torch.frombuffer(bytearray(w.readframes(w.getnframes())), dtype=torch.int16).to(torch.int32)
+            with client.audio.speech.with_streaming_response.create(model="tiny", input=text, voice="Ethan",
+                                                                    response_format="pcm") as response:
+                pieces = list(response.iter_bytes())
+            joined = torch.frombuffer(bytearray(b"".join(pieces)), dtype=torch.int16).to(torch.int32)
+            peak = whole.abs().max().item()
+            assert len(pieces) > 1 and joined.shape == whole.shape and peak > 1000
+            assert (joined - whole).abs().max().item() <= 1e-3 * peak + 1
+            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}])
+            assert isinstance(reply.choices[0].message.content, str) and reply.usage.completion_tokens > 0
+        finally:
+            server.should_exit = True
+            thread.join(10)
+            for queue in replica.values():
+                queue.stop(5)

@@ -340,10 +340,11 @@ def application(args: Any, replica: dict | None = None) -> serve.Application:
 def run(args) -> int:
     """``omni-accel serve --ray``: deploy on the cluster (a new local one by default), serve until SIGTERM /
     SIGINT, then delete the application (replicas drain) and stop what this command started."""
-    app = build(args)
+    check_arguments(args)  # before a cluster starts (server.run checked the other flags)
     own_cluster = not ray.is_initialized() and args.ray_address is None and not os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         ray.init(address=args.ray_address, logging_level=logging.WARNING)
+    app = build(args)  # with the cluster known: replicas reserve GPUs when it has them (and --device says none)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
         signal.signal(sig, lambda *_: stop.set())
