@@ -199,7 +199,7 @@ class ModelReplica:
             queue.accepts_results = False  # the ingress owns the jobs (a video goes to its store)
             queue.start()
         self.load_s = time.monotonic() - t0
-        logger.warning("omni_accel.serve: replica ready in %.1f s (pid %d)", self.load_s, os.getpid())
+        logger.info("omni_accel.serve: replica ready in %.1f s (pid %d)", self.load_s, os.getpid())
 
     def describe(self) -> dict:
         """What the ingress builds its routes from: the models without their pipelines."""
@@ -228,11 +228,12 @@ class ModelReplica:
             queue.abandon_running()
 
     def __del__(self):
-        broken = self.group is not None and self.group.broken is not None
+        group = getattr(self, "group", None)
+        broken = group is not None and group.broken is not None
         for queue in getattr(self, "queues", {}).values():
-            queue.stop(timeout=0 if broken else 30)
-        if self.group is not None:
-            self.group.stop()
+            queue.stop(timeout=0 if broken else 30)  # a broken group's call may never return
+        if group is not None:
+            group.stop()
         speech = getattr(getattr(self, "models", None), "speech", None)
         if speech is not None:
             speech.close()

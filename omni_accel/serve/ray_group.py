@@ -149,8 +149,9 @@ class RankGroup:
         self.stopping = True
         if self.broken is None:
             self.leader.stop()
-            ray.get(self.loops, timeout=30)
-            odist.shutdown()
+            ready, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=30)
+            if len(ready) == len(self.loops):
+                odist.shutdown()
         for follower in self.followers:
             ray.kill(follower)
 
