@@ -64,7 +64,7 @@ from benchmarks.bench_transformer import (  # noqa: E402
     time_forwards,
     wan_spec,
 )
-from benchmarks.timing import sample_ms, write_result  # noqa: E402
+from benchmarks.timing import write_result  # noqa: E402
 
 
 def wan81_spec(tiny: bool) -> dict:

@@ -16,15 +16,15 @@ from typing import Any
 
 from .config import AccelConfig
 from .errors import AccelError, NotAvailableYet
-from .sleep import is_sleeping, sleep, wake_up
+from .sleep import is_sleeping, sleep, wake_up  # torch is imported inside them
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {"accelerate": ".api", "restore": ".api"}
 _SUBMODULES = ("api", "ar_bridge", "bench", "builtin", "cache", "cli", "compiler", "config", "cuda_graphs", "demo",
-               "distributed", "errors", "hooks", "kernels", "offload", "parallel", "pipelines", "serve", "state",
-               "stats", "testing", "vae")
+               "distributed", "errors", "hooks", "kernels", "lora", "offload", "parallel", "pipelines", "serve", "state",
+               "stats", "testing", "vae", "video_io")
 
 
 def __getattr__(name: str) -> Any:

@@ -25,9 +25,10 @@ import os
 import tempfile
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .errors import AccelError
 
@@ -60,6 +61,8 @@ class WeightStore:
 
     def release(self) -> str:
         """Move the tensors out; returns where they went ("pinned_cpu" or "disk")."""
+        import torch  # imported here: `import omni_accel` (which exports sleep) stays without torch
+
         if self.on_accelerator:
             pin = torch.cuda.is_available()
             for t, device in zip(self.tensors, self.devices):
@@ -81,6 +84,8 @@ class WeightStore:
         return "disk"
 
     def restore(self) -> None:
+        import torch  # imported here: `import omni_accel` (which exports sleep) stays without torch
+
         if self.spill_path is not None:
             saved = torch.load(self.spill_path, weights_only=True)
             for t, data in zip(self.tensors, saved):
@@ -119,6 +124,8 @@ _ASLEEP: "weakref.WeakKeyDictionary[Any, _Asleep]" = weakref.WeakKeyDictionary()
 def sleep_parts(target: Any) -> tuple[list[torch.nn.Module], list]:
     """(torch modules, vLLM engines) of ``target``: a diffusers pipeline (its components, and the engine of the
     text-encoder pass), an object with its own ``sleep_parts()`` (the speech pipeline), or a module."""
+    import torch  # imported here: `import omni_accel` (which exports sleep) stays without torch
+
     if hasattr(target, "sleep_parts"):
         return target.sleep_parts()
     if isinstance(target, torch.nn.Module):
