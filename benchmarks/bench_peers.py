@@ -191,21 +191,21 @@ ROWS: dict[str, Row] = {r.name: r for r in (
                                     compile=True), False, calibrates=True, inductor=_MK,
         note="ours_fp8_static with inductor multi-kernel"),
     Row("ours_fp8_fp8attn", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                                  compile=True), False, calibrates=True,
+                                  compile=True), False, calibrates=True, cuda_only=True,
         note="static FP8 linears + FP8 attention (cuDNN FP8 SDPA on Hopper), compile"),
     Row("ours_fp8_full", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                               compile="max"), False, calibrates=True,
+                               compile="max"), False, calibrates=True, cuda_only=True,
         note="ours_fp8_fp8attn + CUDA graph of the whole forward (compile='max')"),
     Row("ours_fp8_fp8attn_mk", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                                     compile=True), False, calibrates=True, inductor=_MK,
+                                     compile=True), False, calibrates=True, inductor=_MK, cuda_only=True,
         note="ours_fp8_fp8attn with inductor multi-kernel"),
     Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                                        compile=True), False, calibrates=True, inductor=_MK_CD,
+                                        compile=True), False, calibrates=True, inductor=_MK_CD, cuda_only=True,
         note="ours_fp8_fp8attn with inductor multi-kernel and coordinate-descent tuning of its kernels"),
     Row("ours_bf16_mk_cd", _ours(attention="auto", compile=True), True, inductor=_MK_CD,
         note="accelerate(compile=True), inductor multi-kernel and coordinate-descent tuning"),
     Row("ours_fp8_dynamic_fp8attn", _ours(attention="fp8", quant="fp8", fuse_if_supported=True, compile=True), False,
-        note="per-token FP8 linears + FP8 attention, compile"),
+        cuda_only=True, note="per-token FP8 linears + FP8 attention, compile"),
     Row("torch_compile", _torch_compile, True, note="torch.compile(transformer), whole model, default mode"),
     Row("torchao_fp8_rowwise", _torchao_fp8, False, destructive=True, needs=("torchao",), cuda_only=True,
         note="torchao Float8DynamicActivationFloat8WeightConfig(PerRow) + cuDNN + compile_repeated_blocks"),
@@ -215,15 +215,12 @@ DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_s
                    "torchao_fp8_rowwise", "torch_compile"]
 
 
-def skip_reason(row: Row, device: torch.device, model: str) -> str | None:
+def skip_reason(row: Row, device: torch.device) -> str | None:
     missing = [p for p in row.needs if importlib.util.find_spec(p) is None]
     if missing:
         return f"needs {', '.join(missing)}"
     if row.cuda_only and device.type != "cuda":
         return "needs CUDA"
-    if "fp8attn" in row.name or row.name == "ours_fp8_full":
-        if device.type != "cuda":
-            return "FP8 attention needs CUDA"
     return None
 
 
@@ -527,7 +524,7 @@ def main(argv=None) -> int:
         sync(device)
         for name in ordered(configs):
             row = ROWS[name]
-            reason = skip_reason(row, device, model)
+            reason = skip_reason(row, device)
             if reason is None and time.perf_counter() - t_start > args.time_budget:
                 reason = f"time budget of {args.time_budget:.0f} s spent"
             if reason is not None:

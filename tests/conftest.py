@@ -9,6 +9,16 @@ import sys
 import time
 
 
+def saved_tiny_pipeline(tmp_path_factory, family: str) -> str:
+    """A folder holding ``tiny_pipeline(family)`` saved with save_pretrained (for commands that take --model)."""
+    from omni_accel.testing import tiny_pipeline
+
+    pipe, _ = tiny_pipeline(family)
+    path = tmp_path_factory.mktemp(f"tiny_{family}")
+    pipe.save_pretrained(path)
+    return str(path)
+
+
 def stop_process_group(proc: subprocess.Popen, wait_s: float) -> None:
     """SIGTERM the process group started with ``start_new_session=True``; SIGKILL it if it outlives ``wait_s``."""
     os.killpg(proc.pid, signal.SIGTERM)

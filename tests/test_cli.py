@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import saved_tiny_pipeline
 from PIL import Image
 
 from omni_accel.cli import main, save_output
@@ -16,10 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny_flux_dir(tmp_path_factory):
-    pipe, _ = tiny_pipeline("flux")
-    path = tmp_path_factory.mktemp("tiny_flux")
-    pipe.save_pretrained(path)
-    return str(path)
+    return saved_tiny_pipeline(tmp_path_factory, "flux")
 
 
 def _generate(tiny_flux_dir, out, *extra):

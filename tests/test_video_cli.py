@@ -4,6 +4,7 @@ trained one once it ships) or any Wan folder, with the acceleration flags genera
 import json
 
 import pytest
+from conftest import saved_tiny_pipeline
 
 from omni_accel.cli import main
 from omni_accel.testing import tiny_pipeline
@@ -14,10 +15,7 @@ PROMPT = "a red circle moving from left to right on a blue background"
 
 @pytest.fixture(scope="module")
 def tiny_wan_dir(tmp_path_factory):
-    pipe, _ = tiny_pipeline("wan")
-    path = tmp_path_factory.mktemp("tiny_wan")
-    pipe.save_pretrained(path)
-    return str(path)
+    return saved_tiny_pipeline(tmp_path_factory, "wan")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from ..errors import AccelError
 from ..hooks import add_hook
 from ..lora import quant_target_name
 from ..pass_base import AccelPass, PassContext
-from .fp8 import Fp8Linear, fp8_alignment_problem, fp8_matmul_support
+from .fp8 import FP8_MAX, STATIC_MARGIN, Fp8Linear, fp8_alignment_problem, fp8_matmul_support
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +239,12 @@ class _EagerWhileObserving(ModelHook):
     def __init__(self, layers: list[Fp8Linear]):
         super().__init__()
         self.layers = layers
+        self.observing = True  # layers never go back to observing once frozen: stop looking after that
 
     def new_forward(self, module, *args, **kwargs):
-        if any(layer.activations == "observing" for layer in self.layers):
+        if self.observing:
+            self.observing = any(layer.activations == "observing" for layer in self.layers)
+        if self.observing:
             with torch.compiler.set_stance("force_eager"):
                 return self.fn_ref.original_forward(*args, **kwargs)
         return self.fn_ref.original_forward(*args, **kwargs)
@@ -287,11 +290,9 @@ def save_activation_scales(pipe, path: str) -> dict[str, float]:
         raise AccelError("save_activation_scales(): no layer has a static scale yet; accelerate with "
                          "quant_config={'activations': 'static'} and run the pipeline once first.")
     with open(path, "w") as f:
-        json.dump({"scales": scales, "margin": STATIC_MARGIN_NOTE}, f, indent=1)
+        json.dump({"scales": scales, "margin": f"scale = {STATIC_MARGIN:g} x calibrated max |x| / {FP8_MAX:g} (e4m3)"},
+                  f, indent=1)
     return scales
-
-
-STATIC_MARGIN_NOTE = "scale = 2 x calibrated max |x| / 448 (e4m3)"
 
 
 def _nbytes(module: torch.nn.Module) -> int:
