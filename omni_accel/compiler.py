@@ -10,9 +10,11 @@ Triton GEMMs lost to cuBLAS (136.6 vs 133.2 ms/step), so "max" now compiles like
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
+import threading
 
 import torch
 
@@ -45,7 +47,36 @@ def compile_options(mode: bool | str, device: torch.device) -> dict:
     options = {"dynamic": False}
     if extra:
         options["options"] = dict(extra)
+        if extra.get("triton.multi_kernel"):
+            repair_multi_kernel_locks()
     return options
+
+
+@functools.cache
+def repair_multi_kernel_locks() -> bool:
+    """Give back the lock that inductor's pickling strips from a Triton kernel before multi-kernel reads its key.
+
+    Why: inductor drops ``JITFunction._hash_lock`` to pickle a kernel compiled in a worker, and torch 2.11 restores it
+    only when it kept the old values; a multi-kernel whose candidates came back that way then fails in
+    ``MultiKernelCall.load_cache`` ("'NoneType' object does not support the context manager protocol") -- seen on an
+    H200 compiling the built-in model. Newer torch versions restore the lock themselves, which makes this a no-op.
+    Returns whether the guard is installed."""
+    try:
+        from torch._inductor.codegen.multi_kernel import MultiKernelCall
+    except ImportError:  # an inductor without multi-kernel: nothing to guard
+        return False
+    original = MultiKernelCall.load_cache
+
+    @functools.wraps(original)
+    def load_cache(self):
+        for kernel in self.kernels:
+            fn = getattr(kernel, "fn", None)
+            if fn is not None and hasattr(fn, "_hash_lock") and fn._hash_lock is None:
+                fn._hash_lock = threading.RLock()
+        return original(self)
+
+    MultiKernelCall.load_cache = load_cache
+    return True
 
 
 class CompilePass(AccelPass):

@@ -184,3 +184,33 @@ def test_shipped_video_model_default_clip_within_twenty_seconds(shipped):
         shipped(caption, generator=torch.Generator().manual_seed(seed), **BUILTIN_VIDEO_DEFAULTS)
         seconds.append(time.perf_counter() - start)
     assert min(seconds) <= 20.0, f"{seconds} s on {torch.get_num_threads()} threads"
+
+
+def test_train_step_eager_path_matches_a_plain_optimizer_step():
+    """TrainStep (the graphed training step, here on its eager path) makes the same update as zero/backward/clip/
+    step written out, also for a batch of another shape (the path long-text steps take), gradients kept in place."""
+    from omni_accel.builtin import train_video as TV
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+        return net, TV.make_adamw(list(net.parameters()), 1e-2, graph=False)
+
+    batches = [{"x": torch.randn(5, 4), "y": torch.randn(5, 1)}, {"x": torch.randn(7, 4), "y": torch.randn(7, 1)}]
+    net, opt = model_and_opt()
+    step = TV.TrainStep(lambda b: ((net(b["x"]) - b["y"]) ** 2).mean(), list(net.parameters()), opt, graph=False)
+    grads = []
+    for i, b in enumerate(batches):
+        step(b, eager=i == 1)
+        grads.append([p.grad for p in net.parameters()])
+    ref, ref_opt = model_and_opt()
+    for b in batches:
+        ref_opt.zero_grad()
+        ((ref(b["x"]) - b["y"]) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+        ref_opt.step()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert all(a is b for a, b in zip(*grads))  # the same gradient buffers: a captured backward writes into them
+    TV.set_lr(opt, 0.5)
+    assert opt.param_groups[0]["lr"] == 0.5

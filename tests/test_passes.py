@@ -99,3 +99,26 @@ def test_compile_never_asks_inductor_for_cuda_graphs_or_autotuning(monkeypatch):
                                                                         "options": {"triton.multi_kernel": 1}}
     monkeypatch.setattr(compiler, "INDUCTOR_OPTIONS", {})  # a benchmark's A/B row without the defaults
     assert compiler.compile_options(True, torch.device("cuda")) == {"dynamic": False}
+
+
+def test_multi_kernel_gets_back_the_kernel_lock_pickling_stripped():
+    """torch 2.11's inductor strips JITFunction._hash_lock to pickle a worker-compiled kernel and may not restore
+    it; multi-kernel's cache lookup then crashed on a GPU. Asking for multi-kernel installs a guard that restores it
+    before the lookup and leaves a kernel with a lock alone."""
+    import pathlib
+    import threading
+    from types import SimpleNamespace
+
+    from torch._inductor.codegen.multi_kernel import MultiKernelCall
+
+    from omni_accel import compiler
+
+    compiler.compile_options(True, torch.device("cuda"))
+    assert compiler.repair_multi_kernel_locks() is True
+    stripped, kept = SimpleNamespace(_hash_lock=None), SimpleNamespace(_hash_lock=threading.RLock())
+    lock_of_kept = kept._hash_lock
+    call = object.__new__(MultiKernelCall)
+    call._kernels, call.picked_kernel = [SimpleNamespace(fn=stripped), SimpleNamespace(fn=kept)], None
+    call.cache_file_path = lambda: pathlib.Path("/nonexistent/picked_kernel")
+    MultiKernelCall.load_cache(call)
+    assert isinstance(stripped._hash_lock, type(threading.RLock())) and kept._hash_lock is lock_of_kept

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import subprocess
 import sys
@@ -146,8 +145,109 @@ def shape_weight_3d(alpha: torch.Tensor, weight: float) -> torch.Tensor:
     return T.shape_weight(flat, weight).view(n, f, 1, h, w).transpose(1, 2)
 
 
+def recon_batch(args, frames: int, g: torch.Generator, device) -> dict:
+    """A reconstruction step's batch: ``args.vae_batch`` clips and their per-pixel weights (mean 1)."""
+    x, _, alpha = clips(args.vae_batch, frames, args.size, g, device, exclude_heldout=False)
+    weight = shape_weight_3d(alpha, args.vae_shape_weight)
+    return {"x": x, "weight": weight / weight.mean()}
+
+
+def recon_losses(rec: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted L1 and MSE of a reconstruction against ``batch["x"]``."""
+    diff = rec.float() - batch["x"]
+    return (diff.abs() * batch["weight"]).mean(), (diff ** 2 * batch["weight"]).mean()
+
+
 def autocast(device: torch.device, amp: str):
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and amp == "bf16")
+    # no weight-cast cache: a CUDA graph capture must not keep casts made outside it (PyTorch's CUDA-graph rules)
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and amp == "bf16",
+                          cache_enabled=False)
+
+
+# ----------------------------------------------------------------------------- one training step, graphed
+class TrainStep:
+    """One optimizer step of ``loss_fn(inputs)``, replayed as a CUDA graph once captured.
+
+    Why: these models are tiny and launch-bound. A VAE step of the causal 3-D Wan VAE is ~12k kernel launches
+    (its encoder and decoder walk the clip in chunks with a feature cache) for a few GFLOP, so eager training ran
+    4 steps/s on an H200 and the VAE stage got 449 steps in its time. Captured once, a step is one graph launch.
+
+    ``loss_fn`` must read the batch only from ``inputs`` (static buffers that each step copies into) and make no
+    CPU synchronisation. The optimizer must be built with ``capturable=True`` and a tensor learning rate (see
+    :func:`make_adamw`) so that a replay reads the current rate. Steps whose batch differs in shape from the
+    captured one (``eager=True``) run eagerly on the same parameters, optimizer state and gradient buffers. If the
+    capture fails, training goes on eagerly and the reason is kept in ``self.graph_error``.
+    """
+
+    def __init__(self, loss_fn, params: list, opt, graph: bool, max_norm: float = 1.0, warmup: int = 3):
+        self.loss_fn, self.params, self.opt, self.max_norm = loss_fn, params, opt, max_norm
+        self.use_graph, self.warmup_left = graph, warmup
+        self.graph = self.inputs = self.loss = None
+        self.graph_error: str | None = None
+
+    def _step(self, batch: dict) -> torch.Tensor:
+        for p in self.params:  # zero in place: a captured backward writes into these very buffers
+            if p.grad is not None:
+                p.grad.zero_()
+        loss = self.loss_fn(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.opt.step()
+        return loss.detach()
+
+    def __call__(self, batch: dict, eager: bool = False) -> torch.Tensor:
+        if eager or not self.use_graph:
+            return self._step(batch)
+        if self.graph is None and self.warmup_left:  # warm-up on a side stream (cuDNN autotune, optimizer state)
+            self.warmup_left -= 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self._step(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if self.graph is None:
+            return self._capture(batch)
+        for key, value in batch.items():
+            self.inputs[key].copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.loss.clone()
+
+    def _capture(self, batch: dict) -> torch.Tensor:
+        self.inputs = {key: value.clone() for key, value in batch.items()}
+        graph = torch.cuda.CUDAGraph()
+        self.opt.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's pool
+        try:
+            with torch.cuda.graph(graph):
+                self.loss = self._step(self.inputs)
+        except Exception as exc:  # noqa: BLE001 -- recorded; eager training still works
+            self.use_graph, self.graph_error = False, f"{type(exc).__name__}: {exc}"[:500]
+            torch.cuda.synchronize()
+            self.opt.zero_grad(set_to_none=True)
+            print(f"[graph] capture failed, training eagerly: {self.graph_error}", flush=True)
+            return self._step(batch)
+        self.graph = graph
+        graph.replay()  # the capture itself ran nothing: this is the step's real work
+        return self.loss.clone()
+
+
+def make_adamw(params: list, lr: float, graph: bool, **kw):
+    """AdamW whose state and learning rate live on the device when the step is graphed (``capturable``)."""
+    if graph:
+        return torch.optim.AdamW(params, lr=torch.tensor(lr, device=params[0].device), capturable=True, **kw)
+    return torch.optim.AdamW(params, lr=lr, **kw)
+
+
+def set_lr(opt, value: float) -> None:
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
+
+
+def use_graphs(args, device: torch.device) -> bool:
+    return device.type == "cuda" and args.graphs == "on"
 
 
 def recon_scores(vae, x: torch.Tensor, caps: list[str]) -> dict:
@@ -165,27 +265,30 @@ def train_vae(args, device, log: dict, arch: dict):
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     vae = build_vae(arch).to(device)
-    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0, betas=(0.9, 0.99))
+    params = list(vae.parameters())
+    graph = use_graphs(args, device)
+    opt = make_adamw(params, args.vae_lr, graph, weight_decay=0.0, betas=(0.9, 0.99))
     # fixed validation clips (every frame count the model generates) for the reconstruction metric
     xv, capv, _ = clips(args.eval_clips, args.frames, args.size, torch.Generator().manual_seed(998), device,
                         exclude_heldout=False)
+    terms = {}
+
+    def loss_fn(batch: dict) -> torch.Tensor:
+        with autocast(device, args.amp):
+            posterior = vae.encode(batch["x"]).latent_dist
+            rec = vae.decode(posterior.sample()).sample
+        terms["l1"], mse = recon_losses(rec, batch)
+        terms["kl"] = 0.5 * (posterior.mean.float() ** 2 + posterior.var.float() - 1
+                             - posterior.logvar.float()).mean()
+        return terms["l1"] + mse + args.vae_kl * terms["kl"]
+
+    step_fn = TrainStep(loss_fn, params, opt, graph)
     clock, step = T.Clock(args.vae_minutes), 0
     while step < args.vae_steps and clock.frac() < 1:
-        for group in opt.param_groups:
-            group["lr"] = T.lr_at(max(step / args.vae_steps, clock.frac()), args.vae_lr)
-        x, _, alpha = clips(args.vae_batch, args.vae_frames, args.size, g, device, exclude_heldout=False)
-        with autocast(device, args.amp):
-            posterior = vae.encode(x).latent_dist
-            rec = vae.decode(posterior.sample()).sample
-        rec = rec.float()
-        weight = shape_weight_3d(alpha, args.vae_shape_weight)
-        weight = weight / weight.mean()
-        l1 = ((rec - x).abs() * weight).mean()
-        mse = ((rec - x) ** 2 * weight).mean()
-        kl = 0.5 * (posterior.mean.float() ** 2 + posterior.var.float() - 1 - posterior.logvar.float()).mean()
-        loss = l1 + mse + args.vae_kl * kl
-        T.optimizer_step(opt, loss, vae.parameters())
-        T.record(log, "vae", step, clock, args.print_every, loss=loss, l1=l1, kl=kl)
+        set_lr(opt, T.lr_at(max(step / args.vae_steps, clock.frac()), args.vae_lr))
+        loss = step_fn(recon_batch(args, args.vae_frames, g, device))
+        # ``terms`` holds the last step's tensors: a replay rewrites the captured ones in place; record reads them now
+        T.record(log, "vae", step, clock, args.print_every, loss=loss, **terms)
         if args.vae_eval_every and step and step % args.vae_eval_every == 0:
             vae.eval()
             scores = recon_scores(vae, xv, capv)
@@ -193,6 +296,7 @@ def train_vae(args, device, log: dict, arch: dict):
             log["vae_eval"].append({"step": step, **scores, "t": round(time.time() - clock.t0, 1)})
             print(f"[vae] step {step} reconstruction metric {scores}", flush=True)
         step += 1
+    log["vae_graph"] = {"used": step_fn.graph is not None, "error": step_fn.graph_error}
     log["vae_steps_done"], log["vae_seconds"] = step, round(time.time() - clock.t0, 1)
     vae.eval().requires_grad_(False)
     with torch.no_grad(), autocast(device, args.amp):  # per-channel statistics -> what WanPipeline un-normalises with
@@ -205,6 +309,61 @@ def train_vae(args, device, log: dict, arch: dict):
     print(f"[vae] done: {step} steps; latent std {[round(float(v), 2) for v in std]}; reconstruction metric "
           f"{log['vae_final_recon_metric']}", flush=True)
     return vae
+
+
+# ----------------------------------------------------------------------------- stage 5: decoder refinement
+def refine_decoder(args, device, vae, log: dict):
+    """The decoder alone, trained on: the encoder stays frozen, so the latent space (and its statistics) that the
+    transformer learned stays put while the decoder draws the shapes' colours more faithfully. Decodes posterior
+    samples, as the transformer's outputs are samples of that posterior."""
+    if args.decoder_minutes <= 0:
+        return vae
+    vae.requires_grad_(False).train()
+    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    graph = use_graphs(args, device)
+    opt = make_adamw(params, args.decoder_lr, graph, weight_decay=0.0, betas=(0.9, 0.99))
+    g = torch.Generator().manual_seed(args.seed + 3)
+
+    def loss_fn(batch: dict) -> torch.Tensor:
+        with autocast(device, args.amp):
+            with torch.no_grad():
+                z = vae.encode(batch["x"]).latent_dist.sample()
+            rec = vae.decode(z).sample
+        return sum(recon_losses(rec, batch))
+
+    step_fn = TrainStep(loss_fn, params, opt, graph)
+    clock, step = T.Clock(args.decoder_minutes), 0
+    while step < args.decoder_steps and clock.frac() < 1:
+        set_lr(opt, T.lr_at(max(step / args.decoder_steps, clock.frac()), args.decoder_lr))
+        loss = step_fn(recon_batch(args, args.frames, g, device))
+        T.record(log, "decoder", step, clock, args.print_every, loss=loss)
+        step += 1
+    log["decoder_steps_done"], log["decoder_seconds"] = step, round(time.time() - clock.t0, 1)
+    log["decoder_graph"] = {"used": step_fn.graph is not None, "error": step_fn.graph_error}
+    return vae.eval().requires_grad_(False)
+
+
+def refine_saved_model(args, device) -> dict:
+    """``--refine-decoder FOLDER``: stage 5 alone on a trained folder, written to ``--out`` with the new decoder."""
+    import shutil
+
+    from diffusers import AutoencoderKLWan
+
+    log = {"args": vars(args).copy(), "decoder": [], "torch": torch.__version__, "amp": args.amp}
+    vae = AutoencoderKLWan.from_pretrained(os.path.join(args.refine_decoder, "vae"), torch_dtype=torch.float32)
+    vae = refine_decoder(args, device, vae.to(device), log)
+    if os.path.abspath(args.out) != os.path.abspath(args.refine_decoder):
+        shutil.copytree(args.refine_decoder, args.out, dirs_exist_ok=True)
+    copy.deepcopy(vae).to("cpu", torch.float16).save_pretrained(os.path.join(args.out, "vae"),
+                                                                 safe_serialization=True)
+    log["weights"] = weight_digests(args.out)
+    os.makedirs(args.results, exist_ok=True)
+    write_log(log, os.path.join(args.results, "builtin_video_decoder_log.json"))
+    print(f"[decoder] {log['decoder_steps_done']} steps; saved {args.out} (folder sha256 "
+          f"{log['weights']['folder_sha256']})", flush=True)
+    return log
 
 
 # ----------------------------------------------------------------------------- stage 3: latent bank
@@ -245,17 +404,26 @@ def train_transformer(args, device, vae, tokenizer, bank: dict, log: dict, arch:
     params = [p for m in live for p in m.parameters()]
     print(f"[dit] transformer {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M, text encoder "
           f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.2f}M", flush=True)
-    opt = torch.optim.AdamW(params, lr=args.dit_lr, weight_decay=0.01, betas=(0.9, 0.99))
+    graph = use_graphs(args, device)
+    opt = make_adamw(params, args.dit_lr, graph, weight_decay=0.01, betas=(0.9, 0.99))
     ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in live]
     ema_params = [p for m in ema for p in m.parameters()]
     lat_mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
     lat_std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
     empty = tokenizer([""], padding="max_length", max_length=TEXT_LEN, return_tensors="pt").input_ids.to(device)
     n_bank = bank["h"].shape[0]
+
+    def loss_fn(batch: dict) -> torch.Tensor:
+        with autocast(device, args.amp):
+            context = text_states(text_encoder, batch["ids"])
+            pred = transformer(hidden_states=batch["xt"], timestep=batch["timestep"], encoder_hidden_states=context,
+                               return_dict=False)[0]
+        return (((pred.float() - batch["target"]) ** 2) * batch["weight"]).mean()
+
+    step_fn = TrainStep(loss_fn, params, opt, graph)
     clock, step = T.Clock(args.dit_minutes), 0
     while step < args.dit_steps and clock.frac() < 1:
-        for group in opt.param_groups:
-            group["lr"] = T.lr_at(max(step / args.dit_steps, clock.frac()), args.dit_lr)
+        set_lr(opt, T.lr_at(max(step / args.dit_steps, clock.frac()), args.dit_lr))
         idx = torch.randint(n_bank, (args.dit_batch,), device=device, generator=g)
         mean, logvar = bank["h"][idx].float().chunk(2, dim=1)
         z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, device=device, generator=g)
@@ -264,27 +432,23 @@ def train_transformer(args, device, vae, tokenizer, bank: dict, log: dict, arch:
         drop = torch.rand(args.dit_batch, device=device, generator=g) < args.caption_dropout
         ids = torch.where(drop.unsqueeze(1), empty, ids)
         long = bool(torch.rand(1, generator=g, device=device) < args.p_long)
-        if long:  # WanPipeline's default length: the same states followed by more zeros
+        if long:  # WanPipeline's default length: the same states followed by more zeros (an eager step: new shape)
             ids = F.pad(ids, (0, LONG_TEXT_LEN - TEXT_LEN))
         noise = torch.randn(x0.shape, device=device, generator=g)
         u = torch.sigmoid(torch.randn(args.dit_batch, device=device, generator=g))  # logit-normal, then shifted
         sigma = FLOW_SHIFT * u / (1 + (FLOW_SHIFT - 1) * u)
         s = sigma.view(-1, 1, 1, 1, 1)
-        xt = (1 - s) * x0 + s * noise
-        with autocast(device, args.amp):
-            context = text_states(text_encoder, ids)
-            pred = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=context,
-                               return_dict=False)[0]
         # latent cells the shape covers count more: most of a clip is plain background
         weight = 1 + args.dit_shape_weight * bank["cover"][idx].float() / 255
-        weight = weight / weight.mean()
-        loss = (((pred.float() - (noise - x0)) ** 2) * weight).mean()
-        T.optimizer_step(opt, loss, params)
+        loss = step_fn({"xt": (1 - s) * x0 + s * noise, "timestep": sigma * 1000, "ids": ids,
+                        "target": noise - x0, "weight": weight / weight.mean()}, eager=long)
         with torch.no_grad():
             decay = min(args.ema, (1 + step) / (10 + step))
             torch._foreach_lerp_(ema_params, params, 1 - decay)  # one fused call
-        T.record(log, "dit", step, clock, args.print_every, loss=loss, long_text=long, lr=opt.param_groups[0]["lr"])
+        T.record(log, "dit", step, clock, args.print_every, loss=loss, long_text=long, lr=T.lr_at(
+            max(step / args.dit_steps, clock.frac()), args.dit_lr))
         step += 1
+    log["dit_graph"] = {"used": step_fn.graph is not None, "error": step_fn.graph_error}
     log["dit_steps_done"], log["dit_seconds"] = step, round(time.time() - clock.t0, 1)
     return ema
 
@@ -429,6 +593,14 @@ def parse_args(argv=None):
     ap.add_argument("--results", default=os.path.join("benchmarks", "results"),
                     help="folder for the loss / sample PNGs and the JSON log")
     ap.add_argument("--print-every", type=int, default=250)
+    ap.add_argument("--decoder-minutes", type=float, default=1.5,
+                    help="wall-clock cap of the decoder refinement (encoder frozen) after the transformer; 0: none")
+    ap.add_argument("--decoder-steps", type=int, default=100000)
+    ap.add_argument("--decoder-lr", type=float, default=5e-4)
+    ap.add_argument("--refine-decoder", default=None, metavar="FOLDER",
+                    help="only refine the decoder of this trained WanPipeline folder and write it to --out")
+    ap.add_argument("--graphs", choices=["on", "off"], default="on",
+                    help="replay each training step as a CUDA graph (CUDA only; falls back to eager if capture fails)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and a few steps: checks the code path in seconds")
     ap.add_argument("--plot-log", default=None, metavar="LOG",
                     help="only draw the loss curves of a finished run's JSON log into --results")
@@ -440,7 +612,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     arch = SMOKE_ARCH if args.smoke else ARCH
     if args.smoke:
-        args.vae_steps, args.dit_steps, args.vae_batch, args.dit_batch = 2, 2, 2, 4
+        args.vae_steps, args.dit_steps, args.vae_batch, args.dit_batch, args.decoder_steps = 2, 2, 2, 4, 2
         args.bank, args.bank_batch, args.stat_batches, args.eval_clips, args.eval_steps = 8, 4, 1, 2, 2
         args.vae_eval_every, args.print_every, args.size, args.frames, args.vae_frames = 1, 1, 32, 5, 5
     device = torch.device(args.device)
@@ -450,6 +622,10 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.benchmark = True
     if args.probe:
         run_probe(args, device, arch)
+        return {}
+    if args.refine_decoder:
+        args.amp = "bf16" if args.amp == "auto" and device.type == "cuda" else args.amp
+        refine_saved_model(args, device)
         return {}
     if args.plot_log:
         with open(args.plot_log) as fh:
@@ -472,6 +648,8 @@ def main(argv=None) -> dict:
     bank = latent_bank(args, vae, tokenizer, device)
     transformer, text_encoder = train_transformer(args, device, vae, tokenizer, bank, log, arch)
     del bank
+    log["decoder"] = []
+    vae = refine_decoder(args, device, vae, log)
     save_pipeline(args.out, vae, transformer, text_encoder, tokenizer)
     log["weights"] = weight_digests(args.out)
     log["train_seconds"] = round(time.time() - t0, 1)
