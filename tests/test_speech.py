@@ -109,6 +109,67 @@ def test_transformers_pipeline_equals_reference_generate(tf_pipe, reference):
     _close(result.waveform, ref_wave, 1e-3)
 
 
+def _image(seed: int = 0, size=(80, 60)):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+def _tone(seconds: float = 1.0, rate: int = 16000, hz: float = 440.0):
+    import numpy as np
+
+    return (0.3 * np.sin(np.arange(int(seconds * rate)) / rate * 2 * np.pi * hz)).astype("float32")
+
+
+def test_image_and_audio_inputs_equal_reference_generate(tf_pipe, reference):
+    """An image and an audio clip reach the thinker's towers and the talker's positions as transformers' own
+    generate() takes them (thinker ids and waveform equal); the image changes the spoken answer; the prompt holds
+    one placeholder per merged 2x2 patch and per audio-tower frame."""
+    image, tone = _image(), _tone()
+    result = tf_pipe.generate(TEXT, "Ethan", mode="chat", max_codes=24, max_text_tokens=10, sampling=GREEDY, seed=3,
+                              images=[image], audios=[tone])
+    ids, media = tf_pipe.prompt(TEXT, images=[image], audios=[tone])
+    grid = media.thinker_inputs["image_grid_thw"][0].tolist()
+    # 80x60 -> 84x56 pixels -> 6x4 patches -> 6 merged; 1 s -> 100 feature frames -> 25 audio positions
+    assert grid == [1, 4, 6] and media.placeholders == 6 + 25 and result.prompt_tokens == len(ids)
+    assert len(ids) == len(tf_pipe.prompt_ids(TEXT)) + media.placeholders + 4  # + the bos/eos marks
+    inputs = dict(media.thinker_inputs)
+    pixels = inputs.pop("pixel_values")  # thinker_ only: the reference hands unprefixed kwargs to its talker too
+    ids = torch.tensor([ids])
+    torch.manual_seed(3)
+    seq, ref_wave = reference.generate(ids, speaker="Ethan", thinker_max_new_tokens=10, talker_max_new_tokens=24,
+                                       talker_do_sample=False, talker_repetition_penalty=1.0,
+                                       talker_eos_token_id=list(tf_pipe.layout.codec_stops), thinker_do_sample=False,
+                                       attention_mask=torch.ones_like(ids), thinker_pixel_values=pixels, **inputs)
+    assert result.thinker_ids == seq[0, ids.shape[1]:].tolist()
+    assert result.waveform.shape == ref_wave.shape
+    _close(result.waveform, ref_wave, 1e-3)
+    plain = tf_pipe.generate(TEXT, "Ethan", mode="chat", max_codes=24, max_text_tokens=10, sampling=GREEDY, seed=3)
+    seen = tf_pipe.generate(TEXT, "Ethan", mode="chat", max_codes=24, max_text_tokens=10, sampling=GREEDY, seed=3,
+                            images=[image])
+    assert seen.codes != plain.codes
+    with pytest.raises(AccelError, match=r"audio clip 0 has shape \(480016,\) \(30.00 s\); give mono samples at "
+                                         r"16000 Hz, at most 30 s per clip"):
+        tf_pipe.reply(TEXT, audios=[_tone(30.001)])
+    with pytest.raises(AccelError, match="remove <|IMAGE|> from the text"):
+        tf_pipe.reply("<|IMAGE|>" + TEXT, images=[image])
+    with pytest.raises(AccelError, match="image and audio inputs are for mode='chat'"):
+        tf_pipe.generate(TEXT, images=[image])
+
+
+def test_reply_text_streams_in_pieces_that_join_into_the_whole(tf_pipe):
+    pieces: list[str] = []
+    text, tokens = tf_pipe.reply(TEXT, max_text_tokens=12, audios=[_tone()], on_text=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == text and tokens == 12
+    cancel = threading.Event()
+    cancel.set()
+    from omni_accel.ar_bridge.speech import SpeechCancelled
+
+    with pytest.raises(SpeechCancelled, match="during the thinker's generation"):
+        tf_pipe.reply(TEXT, cancel=cancel)
+
+
 @needs_vllm
 def test_vllm_thinker_and_talker_tokens_equal_transformers(vllm_pipe, tf_pipe):
     assert vllm_pipe.engines == {"thinker": "vllm", "talker": "vllm"}
@@ -332,8 +393,9 @@ def test_openai_client_speech_wav_and_streamed_pcm(engine, request):
 @needs_vllm
 def test_chat_completions_text_audio_and_streamed_with_the_openai_client(vllm_pipe, vllm_server):
     """/v1/chat/completions on the omni model: text + audio (message.audio: wav, transcript = content), text only
-    (the talker skipped), streamed SSE (pcm16 audio chunks, each with the next words, so audio starts before the
-    text ends); sampling_params_list accepted; image / audio input parts refused (this thinker serves text)."""
+    (the talker skipped), streamed SSE: text deltas as the thinker writes them (several, joining into the
+    non-streamed text), then pcm16 audio chunks each with the next words of the transcript; sampling_params_list
+    accepted; image / audio input parts refused on the vLLM thinker, naming the engine that takes them."""
     from openai import OpenAI
 
     client = OpenAI(base_url=vllm_server + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -345,20 +407,26 @@ def test_chat_completions_text_audio_and_streamed_with_the_openai_client(vllm_pi
                                        extra_body={"sampling_params_list": [{"max_tokens": 16}, {}]})
     message = r.choices[0].message
     assert message.content == expected.text and message.audio.transcript == expected.text
+    assert r.usage.prompt_tokens == expected.prompt_tokens > 0 and r.usage.completion_tokens == 16
     wav_bytes = base64.b64decode(message.audio.data)
     with wave.open(io.BytesIO(wav_bytes)) as w:
         assert w.getframerate() == 24000 and w.getnframes() == expected.waveform.numel()
     assert message.audio.id and message.audio.expires_at > time.time()
     text_only = client.chat.completions.create(model="tiny", messages=messages, modalities=["text"], max_tokens=16)
     assert text_only.choices[0].message.content == expected.text and text_only.choices[0].message.audio is None
+    text_deltas = [e.choices[0].delta.content for e in client.chat.completions.create(
+        model="tiny", messages=messages, modalities=["text"], max_tokens=16, stream=True) if e.choices[0].delta.content]
+    assert len(text_deltas) > 1 and "".join(text_deltas) == expected.text
     events = list(client.chat.completions.create(model="tiny", messages=messages, modalities=["text", "audio"],
                                                  audio={"voice": "Chelsie", "format": "pcm16"}, max_tokens=16,
                                                  stream=True))
     deltas = [e.choices[0].delta for e in events]
     audio_at = [i for i, d in enumerate(deltas) if d.audio and d.audio.data]
     text_at = [i for i, d in enumerate(deltas) if d.content]
-    assert len(audio_at) >= 2 and audio_at[0] < text_at[-1], "the text was done before the first audio chunk"
-    assert "".join(d.content or "" for d in deltas) == expected.text
+    assert len(text_at) > 1 and "".join(deltas[i].content for i in text_at) == expected.text
+    assert len(audio_at) >= 2 and text_at[-1] < audio_at[0]  # the talker starts from the whole reply
+    transcript = [d.audio.transcript or "" for d in deltas if d.audio]
+    assert "".join(transcript) == expected.text and transcript[audio_at.index(audio_at[0])] != expected.text
     pcm = b"".join(base64.b64decode(deltas[i].audio.data) for i in audio_at)
     assert len(pcm) == 2 * expected.waveform.numel()
     assert events[-1].choices[0].finish_reason == "stop"
@@ -367,6 +435,81 @@ def test_chat_completions_text_audio_and_streamed_with_the_openai_client(vllm_pi
     bad = httpx.post(vllm_server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_content"
+    assert "image and audio inputs need the transformers thinker" in bad.json()["error"]["message"]
+    assert "--speech-engine transformers" in bad.json()["error"]["message"]
+    with pytest.raises(AccelError, match="image and audio inputs need the transformers thinker"):
+        vllm_pipe.reply(TEXT, audios=[_tone()])
+
+
+def _data_url(data: bytes, media: str) -> str:
+    return f"data:{media};base64," + base64.b64encode(data).decode()
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _wav_file(samples, rate: int) -> bytes:
+    from omni_accel.serve.speech import encode
+
+    return encode(torch.from_numpy(samples), rate, "wav")
+
+
+def test_chat_image_and_audio_parts_with_the_openai_client(speech_server, omni_path):
+    """On the transformers engines an image_url part and an input_audio part (wav at 24 kHz, mp3) reach the thinker:
+    the prompt counts their placeholders (usage.prompt_tokens), the audio changes the answer, a spoken answer to
+    both comes back; streamed text deltas join into the non-streamed text. Bad media are 400s naming the part."""
+    import httpx
+    from openai import OpenAI
+    from transformers import Qwen2VLImageProcessorPil
+
+    from omni_accel.serve.speech import encode
+
+    client = OpenAI(base_url=speech_server + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = {"type": "text", "text": TEXT}
+    png = {"type": "image_url", "image_url": {"url": _data_url(_png(_image()), "image/png")}}
+    wav = {"type": "input_audio", "input_audio": {"data": base64.b64encode(_wav_file(_tone(rate=24000), 24000))
+                                                  .decode(), "format": "wav"}}
+
+    def chat(*parts, **kwargs):
+        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": list(parts)}],
+                                              max_tokens=12, **kwargs)
+
+    plain = chat(ask)
+    grid = Qwen2VLImageProcessorPil.from_pretrained(omni_path)(images=[_image()])["image_grid_thw"][0]
+    seen = chat(png, ask)
+    assert seen.usage.prompt_tokens == plain.usage.prompt_tokens + int(grid.prod()) // 4 + 2
+    heard = chat(wav, ask)
+    assert heard.usage.prompt_tokens == plain.usage.prompt_tokens + 25 + 2  # 1 s -> 25 audio positions + marks
+    assert heard.choices[0].message.content != plain.choices[0].message.content
+    deltas = [e.choices[0].delta.content for e in chat(wav, ask, stream=True) if e.choices[0].delta.content]
+    assert len(deltas) > 1 and "".join(deltas) == heard.choices[0].message.content
+    mp3 = encode(torch.from_numpy(_tone(rate=24000)), 24000, "mp3")
+    by_mp3 = chat({"type": "input_audio", "input_audio": {"data": base64.b64encode(mp3).decode(), "format": "mp3"}},
+                  ask)
+    assert by_mp3.usage.prompt_tokens >= heard.usage.prompt_tokens  # the encoder's padding makes it a bit longer
+    spoken = chat(wav, png, ask, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"})
+    assert spoken.choices[0].message.audio.transcript == spoken.choices[0].message.content
+    with wave.open(io.BytesIO(base64.b64decode(spoken.choices[0].message.audio.data))) as w:
+        assert w.getnframes() > 0
+
+    def bad(messages) -> dict:
+        r = httpx.post(speech_server + "/v1/chat/completions", json={"messages": messages}, timeout=60)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    long_wav = {"type": "input_audio", "input_audio": {"data": base64.b64encode(_wav_file(_tone(31.0), 16000))
+                                                       .decode(), "format": "wav"}}
+    err = bad([{"role": "user", "content": [long_wav, ask]}])
+    assert err["code"] == "audio_too_long" and "longer than 30 s" in err["message"]
+    err = bad([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}},
+                                            ask]}])
+    assert err["code"] == "invalid_audio" and err["param"] == "messages[0].content"
+    err = bad([{"role": "user", "content": [png, ask]}, {"role": "assistant", "content": "ok"},
+               {"role": "user", "content": TEXT}])
+    assert err["code"] == "unsupported_content" and err["param"] == "messages[0].content"
 
 
 def test_flac_and_mp3_decode(speech_server):

@@ -347,23 +347,10 @@ class VLLMEngine(Engine):
         self._check_generate()
         ids = self._token_ids(prompt)
         self._check_length(ids, max_tokens)
-        engine = self._live().llm_engine
-        request_id = f"omni-accel-{next(_REQUEST_IDS)}"
-        engine.add_request(request_id, {"prompt_token_ids": ids}, self._sampling(max_tokens, temperature, seed, True))
-        finished = False
-        try:
-            while not finished and engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id != request_id:
-                        continue
-                    piece = out.outputs[0].text if out.outputs else ""
-                    if piece:
-                        yield piece
-                    finished = out.finished
-        finally:
-            if not finished:  # the consumer stopped early: drop the request so the engine is idle again
-                with contextlib.suppress(Exception):
-                    engine.abort_request([request_id])
+        for out in stream_outputs(self._live().llm_engine, "omni-accel", {"prompt_token_ids": ids},
+                                  self._sampling(max_tokens, temperature, seed, True)):
+            if out.text:
+                yield out.text
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's own sleep: on a GPU engine started with ``enable_sleep_mode=True`` the weights go to host memory
@@ -397,6 +384,26 @@ class VLLMEngine(Engine):
     def __del__(self):  # pragma: no cover - best effort at interpreter exit
         with contextlib.suppress(Exception):
             self.close()
+
+
+def stream_outputs(engine: Any, prefix: str, prompt: dict, params: Any) -> Iterator[Any]:
+    """One request's outputs on ``engine`` (a vLLM LLMEngine; ``params`` with output_kind DELTA), step by step.
+    Closing the iterator before the request finished aborts it, so the engine is idle again."""
+    request_id = f"{prefix}-{next(_REQUEST_IDS)}"
+    engine.add_request(request_id, prompt, params)
+    finished = False
+    try:
+        while not finished and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                finished = out.finished  # before yielding: a consumer that stops at the last output aborts nothing
+                if out.outputs:
+                    yield out.outputs[0]
+    finally:
+        if not finished:  # the consumer stopped early
+            with contextlib.suppress(Exception):
+                engine.abort_request([request_id])
 
 
 def _join_renderer_pools(renderer: Any) -> None:

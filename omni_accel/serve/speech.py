@@ -75,11 +75,15 @@ class SpeechSettings:
     max_codes: int = 2048
     max_queue: int = 32
     request_timeout_s: float = 300.0
+    max_upload_bytes: int = 20 * 2**20  # one image or audio part of a chat message
+    max_input_pixels: int = 4096 * 4096
 
     @classmethod
     def from_args(cls, args, model_id: str) -> "SpeechSettings":
         return cls(model_id=model_id, sampling=sampling_of(args), max_codes=args.speech_max_codes,
-                   max_queue=args.max_queue, request_timeout_s=args.request_timeout)
+                   max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                   max_upload_bytes=int(getattr(args, "max_upload_mb", 20.0) * 2**20),
+                   max_input_pixels=getattr(args, "max_input_pixels", cls.max_input_pixels))
 
 
 # -- encoding -----------------------------------------------------------------------------------------------
@@ -115,6 +119,45 @@ def encode(wave, sample_rate: int, fmt: str) -> bytes:
         enc.set_channels(1)
         return bytes(enc.encode(pcm16(wave)) + enc.flush())
     raise bad_request(f"response_format={fmt!r} is not supported", "response_format", "invalid_value")
+
+
+# -- decoding (chat's input_audio parts) -----------------------------------------------------------------------
+AUDIO_INPUT_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac"}  # input_audio.format -> FFmpeg's demuxer
+
+
+def decode_audio_upload(data: bytes, fmt: str, *, sample_rate: int, max_seconds: float, max_bytes: int,
+                        param: str = "input_audio"):
+    """An uploaded clip -> mono float32 samples at ``sample_rate`` (PyAV: FFmpeg's demuxer for ``fmt`` and its
+    resampler), or ApiError 400/413. Decoding stops as soon as the clip runs past ``max_seconds``."""
+    import av
+    import numpy as np
+
+    if fmt not in AUDIO_INPUT_FORMATS:
+        raise bad_request(f"{param}: format={fmt!r} is not one of {', '.join(AUDIO_INPUT_FORMATS)}", param,
+                          "invalid_value")
+    if len(data) > max_bytes:
+        raise ApiError(413, f"{param}: the upload is {len(data)} bytes, larger than the limit of {max_bytes} bytes "
+                            "(omni-accel serve --max-upload-mb)", param=param, code="upload_too_large")
+    limit = int(max_seconds * sample_rate)
+    pieces, samples = [], 0
+    try:
+        with av.open(io.BytesIO(data), mode="r", format=AUDIO_INPUT_FORMATS[fmt]) as container:
+            if not container.streams.audio:
+                raise bad_request(f"{param}: the {fmt} file holds no audio stream", param, "invalid_audio")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
+            for frame in [*container.decode(audio=0), None]:  # None flushes the resampler
+                for out in resampler.resample(frame):
+                    pieces.append(out.to_ndarray().reshape(-1))
+                    samples += pieces[-1].size
+                if samples > limit:
+                    raise bad_request(f"{param}: the clip is longer than {max_seconds:g} s, the most the model "
+                                      "takes per clip; cut it or send several input_audio parts", param,
+                                      "audio_too_long")
+    except av.error.FFmpegError as exc:
+        raise bad_request(f"{param}: not a readable {fmt} file ({exc.__class__.__name__})", param, "invalid_audio")
+    if not samples:
+        raise bad_request(f"{param}: the clip holds no samples", param, "invalid_audio")
+    return np.concatenate(pieces).astype(np.float32)
 
 
 def sse_event(payload: dict) -> str:
@@ -180,10 +223,14 @@ class SpeechInfo:
     voices: list[str]
     sample_rate: int
     engines: dict
+    input_sample_rate: int = 16000  # audio clips a chat message sends to the thinker
+    max_input_seconds: float = 30.0
 
     @classmethod
     def of(cls, pipeline: Any) -> "SpeechInfo":
-        return cls(list(pipeline.voices), int(pipeline.sample_rate), dict(getattr(pipeline, "engines", {})))
+        return cls(list(pipeline.voices), int(pipeline.sample_rate), dict(getattr(pipeline, "engines", {})),
+                   int(getattr(pipeline, "input_sample_rate", 16000)),
+                   float(getattr(pipeline, "max_input_seconds", 30.0)))
 
     def resolve_voice(self, voice: str | None) -> str:
         from ..ar_bridge.speech import match_voice
