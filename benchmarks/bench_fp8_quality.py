@@ -12,7 +12,16 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
 - ``fp8_static_fp8attn``: the same plus FP8 attention with the arithmetic of cuDNN's FP8 SDPA (e4m3 q / smoothed k /
   v, e4m3 probabilities and output, per-tensor scales), which the op emulates on the CPU. The built-in model's heads
   are 32 wide, so the route's head-dim filter (64 / 128, the GPU kernel's) is widened for this row: it measures
-  what the arithmetic does to a trained model's images, not a GPU speed.
+  what the arithmetic does to a trained model's images, not a GPU speed. Its attention quantizes q / k / v with
+  per-call scales.
+- ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
+  linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
+
+    # only some rows (the bf16 reference always runs); the second calibrates on another training caption
+    python benchmarks/bench_fp8_quality.py --modes fp8_static_fp8attn,fp8_static_fp8attn_static \
+        --out benchmarks/results/fp8_quality_attention_scales.json
+    python benchmarks/bench_fp8_quality.py --modes fp8_static_fp8attn,fp8_static_fp8attn_static \
+        --calibration-seed 8 --out benchmarks/results/fp8_quality_attention_scales_cal8.json
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import omni_accel  # noqa: E402
 from benchmarks.timing import write_result  # noqa: E402
 from omni_accel.builtin import BUILTIN_DEFAULTS, dataset as ds, load_builtin  # noqa: E402
 from omni_accel.cache.metrics import psnr, ssim  # noqa: E402
+from omni_accel.kernels.cudnn_fp8_attention import AttentionScales  # noqa: E402
 
 
 def images(pipe, prompts: list[str], seed: int) -> torch.Tensor:
@@ -42,26 +52,42 @@ def images(pipe, prompts: list[str], seed: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _route_fp8_attention(pipe):
-    """FP8 attention with cuDNN's arithmetic (emulated by the op on the CPU) on every attention call."""
+def _route_fp8_attention(pipe, static_scales: bool):
+    """FP8 attention with cuDNN's arithmetic (emulated by the op on the CPU) on every attention call; with
+    ``static_scales`` each attention module observes the next call and freezes with the linears' scales."""
     from omni_accel.kernels import fp8_attention
 
     widened, fp8_attention._HEAD_DIMS = fp8_attention._HEAD_DIMS, fp8_attention.INTERPRETED_HEAD_DIMS
-    undo = fp8_attention.route_transformer(pipe.transformer, "cudnn")
+    undos = [fp8_attention.route_transformer(pipe.transformer, "cudnn")]
+    if static_scales:
+        scales, undo_scales = fp8_attention.attach_attention_scales(pipe.transformer, "transformer")
+        for module_scales in scales.values():
+            module_scales.observe()
+        undos.append(undo_scales)
 
     def restore() -> None:
-        undo()
+        for undo in reversed(undos):
+            undo()
         fp8_attention._HEAD_DIMS = widened
 
     return restore
+
+
+MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--calibration-seed", type=int, default=7,
+                    help="picks the training caption the static rows calibrate on")
     ap.add_argument("--out", default="benchmarks/results/fp8_quality.json")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        ap.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     torch.manual_seed(0)
     pipe = load_builtin(dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(2027)
@@ -69,14 +95,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     reference = images(pipe, prompts, args.seed)
     rows = {"bf16": {"seconds": round(time.perf_counter() - t0, 2)}}
-    calibration_prompt = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(7)))[0]
-    for mode in ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn"):
+    calibration_prompt = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(args.calibration_seed)))[0]
+    for mode in modes:
         quant_mode = "fp8_weight_only" if mode == "fp8_weight_only" else "fp8"
         quant_config = {"measure_error": True}
         if mode.startswith("fp8_static"):
             quant_config["activations"] = "static"
         omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config)
-        undo_route = _route_fp8_attention(pipe) if mode.endswith("fp8attn") else None
+        undo_route = _route_fp8_attention(pipe, mode.endswith("_static")) if "fp8attn" in mode else None
         if mode.startswith("fp8_static"):
             images(pipe, [calibration_prompt], args.seed + 1000)  # observes; the next call freezes the scales
         t0 = time.perf_counter()
@@ -84,6 +110,7 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - t0
         (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
         layer_out = [v["output_rel_err"] for v in omni_accel.kernels.quant.quant_error_report(pipe).values()]
+        attention_states = [m.activations for m in pipe.transformer.modules() if isinstance(m, AttentionScales)]
         if undo_route is not None:
             undo_route()
         omni_accel.restore(pipe)
@@ -96,6 +123,8 @@ def main(argv=None) -> int:
                       "seconds": round(seconds, 2), "psnr": [round(x, 2) for x in p]}
         if mode.startswith("fp8_static"):
             rows[mode]["calibration_prompt"] = calibration_prompt
+        if attention_states:
+            rows[mode]["attention_scales"] = {state: attention_states.count(state) for state in set(attention_states)}
         print(mode, {k: v for k, v in rows[mode].items() if k != "psnr"}, flush=True)
     import diffusers
 

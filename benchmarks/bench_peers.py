@@ -5,6 +5,10 @@ whole-model torch.compile, the torchao FP8 per-row path, and omni_accel's bf16 a
     python benchmarks/bench_peers.py --models flux --out benchmarks/results/bench_peers_h200_flux.json --profile \
         --log-clocks
     python benchmarks/bench_peers.py --models wan81,qwen_image --out benchmarks/results/bench_peers_h200_wan.json
+    # static q / k / v scales in the FP8 attention against the same stack with per-call ones (~4 min)
+    python benchmarks/bench_peers.py --models flux --profile --log-clocks \
+        --configs diffusers_best,ours_fp8_fp8attn_mk,ours_fp8_fp8attn_static \
+        --out benchmarks/results/bench_peers_h200_flux_fp8attn_static.json
     # the same code on tiny random models on the CPU (seconds; what tests/test_bench_smoke.py runs)
     python benchmarks/bench_peers.py --device cpu --tiny --configs diffusers_eager,ours_bf16 --out /tmp/peers.json
     # the README table from a result file
@@ -171,6 +175,9 @@ def _ours(**knobs):
 
 
 _STATIC = {"activations": "static"}
+# static linears beside FP8 attention with per-call q / k / v scales: what the fp8attn rows measured before static
+# attention scales existed (and the A side of ours_fp8_fp8attn_static)
+_STATIC_LINEARS = {"activations": "static", "attention_scales": "dynamic"}
 _MK = {"triton.multi_kernel": 1}
 _MK_CD = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -190,17 +197,21 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_fp8_static_mk", _ours(attention="cudnn", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
                                     compile=True), False, calibrates=True, inductor=_MK,
         note="ours_fp8_static with inductor multi-kernel"),
-    Row("ours_fp8_fp8attn", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                                  compile=True), False, calibrates=True, cuda_only=True,
+    Row("ours_fp8_fp8attn", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
+                                  fuse_if_supported=True, compile=True), False, calibrates=True, cuda_only=True,
         note="static FP8 linears + FP8 attention (cuDNN FP8 SDPA on Hopper), compile"),
-    Row("ours_fp8_full", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                               compile="max"), False, calibrates=True, cuda_only=True,
+    Row("ours_fp8_full", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
+                               fuse_if_supported=True, compile="max"), False, calibrates=True, cuda_only=True,
         note="ours_fp8_fp8attn + CUDA graph of the whole forward (compile='max')"),
-    Row("ours_fp8_fp8attn_mk", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                                     compile=True), False, calibrates=True, inductor=_MK, cuda_only=True,
-        note="ours_fp8_fp8attn with inductor multi-kernel"),
-    Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
-                                        compile=True), False, calibrates=True, inductor=_MK_CD, cuda_only=True,
+    Row("ours_fp8_fp8attn_mk", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
+                                     fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
+        cuda_only=True, note="ours_fp8_fp8attn with inductor multi-kernel"),
+    Row("ours_fp8_fp8attn_static", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+                                         compile=True), False, calibrates=True, inductor=_MK, cuda_only=True,
+        note="ours_fp8_fp8attn_mk with static (calibrated) q / k / v scales and K mean in the FP8 attention"),
+    Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
+                                        fuse_if_supported=True, compile=True), False, calibrates=True,
+        inductor=_MK_CD, cuda_only=True,
         note="ours_fp8_fp8attn with inductor multi-kernel and coordinate-descent tuning of its kernels"),
     Row("ours_bf16_mk_cd", _ours(attention="auto", compile=True), True, inductor=_MK_CD,
         note="accelerate(compile=True), inductor multi-kernel and coordinate-descent tuning"),
@@ -211,8 +222,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="torchao Float8DynamicActivationFloat8WeightConfig(PerRow) + cuDNN + compile_repeated_blocks"),
 )}
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
-                   "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk", "ours_fp8_static_mk",
-                   "torchao_fp8_rowwise", "torch_compile"]
+                   "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
+                   "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
 
 
 def skip_reason(row: Row, device: torch.device) -> str | None:
@@ -336,8 +347,9 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
             report = pipe.omni_accel.report()
             result["applied"] = [{k: v for k, v in a.items() if k not in ("weight_rel_err", "skipped")}
                                  for a in report["applied"]]
-            if "fp8_activations" in report:
-                result["fp8_activations"] = report["fp8_activations"]
+            for section in ("fp8_activations", "fp8_attention_scales"):
+                if section in report:
+                    result[section] = report[section]
         if args.profile and device.type == "cuda":
             result["profile"] = profile_forward(forward, device)
     except Exception as exc:  # noqa: BLE001 -- one failing config costs its row only

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests that start real server processes."""
+"""Helpers shared by the tests: tiny model folders, server processes, a CPU stand-in for cuDNN FP8 attention."""
 
 import contextlib
 import os
@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 
 def saved_tiny_pipeline(tmp_path_factory, family: str) -> str:
@@ -61,3 +63,15 @@ def running_demo(tmp_path, *args: str, start_timeout_s: float = 120):
             yield url
         finally:
             stop_process_group(proc, 15)
+
+
+@pytest.fixture
+def cudnn_fp8_on_cpu(monkeypatch):
+    """attention='fp8' routed as on a Hopper GPU with cuDNN's FP8 SDPA, on the CPU (where the op emulates cuDNN's
+    arithmetic), for the tiny pipelines' 16-wide heads."""
+    from omni_accel.kernels import attention as attn
+    from omni_accel.kernels import fp8_attention as fa
+
+    monkeypatch.setattr(attn, "_fp8_refusal", lambda device: None)
+    monkeypatch.setattr(fa, "implementation_for", lambda device: "cudnn")
+    monkeypatch.setattr(fa, "_HEAD_DIMS", (16, 32, 64, 128))

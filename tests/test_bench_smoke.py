@@ -136,3 +136,25 @@ def test_peers_bench_tiny_cpu_rows_summary_and_table(tmp_path, capsys, monkeypat
     assert bench.main(["--table-from", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| flux | ours_bf16 |" in table and "| flux | diffusers_eager |" in table
+
+
+def test_peers_bench_static_attention_scales_row_on_the_cpu(tmp_path, monkeypatch, cudnn_fp8_on_cpu):
+    """The three configs of the static-attention-scales GPU run, on a tiny FLUX with cuDNN's FP8 arithmetic emulated:
+    the static row calibrates and freezes every attention module, the per-call row attaches none, both stay lossy
+    within the FP8 stack's bound."""
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", bench)
+    spec.loader.exec_module(bench)
+    for name in ("ours_fp8_fp8attn_mk", "ours_fp8_fp8attn_static"):
+        monkeypatch.setattr(bench.ROWS[name], "cuda_only", False)  # the CPU op emulates cuDNN's FP8 SDPA
+    out = tmp_path / "peers.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
+                       "diffusers_best,ours_fp8_fp8attn_mk,ours_fp8_fp8attn_static", "--out", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"diffusers_best", "ours_fp8_fp8attn_mk", "ours_fp8_fp8attn_static"}
+    assert not any("error" in r for r in rows.values()), rows
+    static, per_call = rows["ours_fp8_fp8attn_static"], rows["ours_fp8_fp8attn_mk"]
+    assert "fp8_attention_scales" not in per_call
+    assert static["fp8_attention_scales"]["static"] > 0 and static["fp8_attention_scales"]["observing"] == 0
+    assert 0 < static["rel_err_vs_eager"] < 0.05 and 0 < per_call["rel_err_vs_eager"] < 0.05

@@ -97,7 +97,7 @@ def _fingerprint(pipe):
     "kwargs, message",
     [
         (dict(quant="fp8", quant_config={"bits": 4}),
-         "quant_config has unknown keys ['bits']; known keys: ['skip', 'measure_error', 'activations', 'scales']."),
+         "quant_config has unknown keys ['bits']; known keys: ['skip', 'measure_error', 'activations', 'scales', 'attention_scales']."),
         (dict(quant="fp8", quant_config={"measure_error": "yes"}),
          "quant_config['measure_error']='yes' must be True or False."),
         (dict(quant_config={"skip": []}),

@@ -247,6 +247,11 @@ class AttentionPass(AccelPass):
                 f"attention='fp8' cannot be combined with sequence parallelism (sp={ctx.config.sp}): the ring and "
                 "Ulysses paths need the dispatcher's own kernels. Use attention='auto' with sp, or sp=1."
             )
+        if ctx.config.quant == "fp8":
+            from .fp8_attention import implementation_for
+            from .quant import check_static_attention
+
+            check_static_attention(ctx, backend.name == "fp8" and implementation_for(ctx.device) == "cudnn")
 
     def apply(self, ctx: PassContext) -> None:
         backend = self._plan(ctx)
@@ -260,6 +265,10 @@ class AttentionPass(AccelPass):
                 undo = route_transformer(transformer, implementation)
                 ctx.state.record("attention", undo, component=name, backend="fp8", implementation=implementation,
                                  requested=ctx.config.attention)
+                if implementation == "cudnn" and ctx.config.quant == "fp8":  # per-tensor scales: static ones apply
+                    from .quant import start_static_attention
+
+                    start_static_attention(ctx, name, transformer)
                 continue
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))

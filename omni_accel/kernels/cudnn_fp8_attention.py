@@ -15,6 +15,17 @@ that produce q / k / v):
 - On Hopper the kernel writes e4m3 (a 16-bit output is Blackwell-only). Every output row is a convex combination of
   V's rows, so |O| <= max|V| and V's own scale is a safe output scale; the output is dequantized by the caller.
 
+Static scales (``AttentionScales``, one per attention module, used with the FP8 linears' static activations): the
+per-tensor amax of q, smoothed k and v and the reduction behind K's smoothing are the only reductions left in the
+quantization, and they cost 8-11 ms of a FLUX step because the cast cannot fuse into the producer of q / k / v
+until the whole tensor has been read. A calibration call records, per module, max |q|, max |v| and per (head,
+channel) the max, min and token mean of K; freezing turns them into fixed descales (``STATIC_MARGIN`` x the
+calibrated max / 448, as the linears do) and a fixed smoothing vector (K's calibrated mean: subtracting *any* fixed
+vector from K adds the same q.c to every score of a query row, so softmax ignores it exactly). The frozen
+quantization is then elementwise -- subtract, scale, clamp, cast -- and fuses into the kernel that writes q / k / v.
+Values beyond the calibrated range saturate at +-448 x descale (as TensorRT's and torchao's static FP8 do) instead
+of rescaling the tensor; the margin keeps that rare.
+
 The cuDNN call is one custom op, ``omni_accel::cudnn_fp8_sdpa``, opaque to inductor like SDPA. Graphs are built
 once per shape and device and cached. A shape cuDNN refuses is computed by SDPA on the dequantized operands inside
 the same op (logged once), so a model never fails at run time for one odd attention call. On the CPU the op
@@ -31,6 +42,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ..errors import AccelError
+from .fp8 import STATIC_MARGIN
 
 logger = logging.getLogger(__name__)
 
@@ -155,15 +169,16 @@ def _emulated_fp8_sdpa(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, sm_
 def cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                    descale_k: torch.Tensor, descale_v: torch.Tensor, scale_o: torch.Tensor,
                    sm_scale: float) -> torch.Tensor:
-    """e4m3 (B, S, H, D) q / k / v and (1, 1, 1, 1) fp32 scales -> e4m3 (B, Sq, H, D) output (scaled by scale_o)."""
+    """e4m3 (B, S, H, D) q / k / v and (1, 1, 1, 1) fp32 scales -> e4m3 (B, Sq, H, D) output (scaled by scale_o),
+    contiguous on every path (compiled callers check the strides the fake implementation promises)."""
     if not q8.is_cuda:
-        return _emulated_fp8_sdpa(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, sm_scale)
+        return _emulated_fp8_sdpa(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, sm_scale).contiguous()
     q8, k8, v8 = (x if x.is_contiguous() else x.contiguous() for x in (q8, k8, v8))
     b, s_q, h, d = q8.shape
     key = (q8.device.index, b, h, s_q, k8.shape[1], d, float(sm_scale))
     built = _graph_for(key)
     if isinstance(built, Exception):
-        return _dequantized_sdpa(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, sm_scale)
+        return _dequantized_sdpa(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, sm_scale).contiguous()
     graph, workspace_bytes = built
     import cudnn
 
@@ -183,7 +198,7 @@ def cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale
 
 @cudnn_fp8_sdpa.register_fake
 def _(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, sm_scale):
-    return torch.empty_like(q8)
+    return q8.new_empty(q8.shape)  # contiguous, whatever q8's strides
 
 
 # ------------------------------------------------------------------------------------------- the torch side
@@ -199,8 +214,106 @@ def _per_tensor_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, (amax / FP8_MAX).reshape(1, 1, 1, 1)
 
 
-def quantize_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    """(B, S, H, D) q / k / v -> e4m3 q / smoothed k / v and their descales."""
+def _static_e4m3(x: torch.Tensor, inverse_descale: torch.Tensor) -> torch.Tensor:
+    """Elementwise only: scale, saturate at e4m3's largest value, cast."""
+    return (x.float() * inverse_descale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+class AttentionScales(torch.nn.Module):
+    """Calibrated q / k / v descales and K smoothing vector of one attention module (see the module docstring).
+
+    ``activations`` follows ``Fp8Linear``'s states: "dynamic" (not calibrated: per-call scales), "observing"
+    (per-call scales while recording the statistics), "static" (the frozen, elementwise quantization)."""
+
+    def __init__(self, name: str, device: torch.device):
+        super().__init__()
+        self.name = name  # the module's name in the pipeline, e.g. "transformer.transformer_blocks.0.attn"
+        self.activations = "dynamic"
+        zero = dict(dtype=torch.float32, device=device)
+        for buffer in ("q_amax", "v_amax"):  # statistics of the calibration call
+            self.register_buffer(buffer, torch.zeros((), **zero), persistent=False)
+        for buffer in ("k_max", "k_min", "k_mean_sum"):  # (H, D) once a call has been observed
+            self.register_buffer(buffer, None, persistent=False)
+        self.k_rows = 0  # how many (batch element, call) token means k_mean_sum adds up
+        # frozen: descales for cuDNN (x ~= x8 * descale), their inverses for the cast, K's mean (1, 1, H, D)
+        for buffer in ("descale_q", "descale_k", "descale_v", "inverse_q", "inverse_k", "inverse_v"):
+            self.register_buffer(buffer, torch.ones(1, 1, 1, 1, **zero), persistent=False)
+        self.register_buffer("k_mean", None, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, activations={self.activations}"
+
+    def observe(self) -> None:
+        self.q_amax.zero_()
+        self.v_amax.zero_()
+        self.k_max = self.k_min = self.k_mean_sum = None
+        self.k_rows = 0
+        self.activations = "observing"
+
+    @torch.no_grad()
+    def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """One call's statistics (eager: calibration runs its blocks uncompiled)."""
+        k = key.float()
+        if self.k_max is not None and self.k_max.shape != k.shape[2:]:
+            raise AccelError(f"static FP8 attention scales of {self.name}: calibration saw keys of (heads, head dim) "
+                             f"{tuple(self.k_max.shape)} and then {tuple(k.shape[2:])}; one module must call attention "
+                             "with one key shape. Use quant_config={'attention_scales': 'dynamic'}.")
+        self.q_amax.copy_(torch.maximum(self.q_amax, query.abs().amax().float()))
+        self.v_amax.copy_(torch.maximum(self.v_amax, value.abs().amax().float()))
+        k_max, k_min, k_mean_sum = k.amax(dim=(0, 1)), k.amin(dim=(0, 1)), k.mean(dim=1).sum(dim=0)
+        if self.k_max is None:
+            self.k_max, self.k_min, self.k_mean_sum = k_max, k_min, k_mean_sum
+        else:
+            self.k_max = torch.maximum(self.k_max, k_max)
+            self.k_min = torch.minimum(self.k_min, k_min)
+            self.k_mean_sum = self.k_mean_sum + k_mean_sum
+        self.k_rows += k.shape[0]
+
+    def freeze(self) -> bool:
+        """Static scales from what was observed; False (and per-call scales kept) if the module never ran."""
+        if self.k_max is None:
+            self.activations = "dynamic"
+            return False
+        mean = self.k_mean_sum / self.k_rows
+        # exact max |k - mean| over every key observed, from the per-channel extremes
+        k_amax = torch.maximum(self.k_max - mean, mean - self.k_min).amax()
+        self.set_static(*(float(a.clamp(min=1e-6)) * STATIC_MARGIN / FP8_MAX
+                          for a in (self.q_amax, k_amax, self.v_amax)), mean)
+        return True
+
+    def set_static(self, descale_q: float, descale_k: float, descale_v: float, k_mean: torch.Tensor) -> None:
+        for which, descale in zip("qkv", (descale_q, descale_k, descale_v)):
+            getattr(self, f"descale_{which}").fill_(descale)
+            getattr(self, f"inverse_{which}").fill_(1.0 / descale)
+        self.k_mean = k_mean.to(device=self.descale_q.device, dtype=torch.float32).reshape(1, 1, *k_mean.shape[-2:])
+        self.activations = "static"
+
+    def state(self) -> dict:
+        """What ``set_static`` takes back (the scales file's entry): descales and K's mean as (heads x dim) lists."""
+        return {"q": float(self.descale_q), "k": float(self.descale_k), "v": float(self.descale_v),
+                "k_mean": self.k_mean[0, 0].tolist()}
+
+    def quantize(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """The frozen quantization: elementwise, no reduction."""
+        if key.shape[2:] != self.k_mean.shape[2:]:
+            raise AccelError(f"static FP8 attention scales of {self.name} hold K's mean for (heads, head dim) "
+                             f"{tuple(self.k_mean.shape[2:])}, but the module's keys are {tuple(key.shape[2:])}: the "
+                             "scales come from another model. Calibrate again, or drop quant_config['scales'].")
+        q8 = _static_e4m3(query, self.inverse_q)
+        k8 = _static_e4m3(key.float() - self.k_mean, self.inverse_k)
+        v8 = _static_e4m3(value, self.inverse_v)
+        return q8, k8, v8, self.descale_q, self.descale_k, self.descale_v
+
+
+def quantize_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scales: AttentionScales | None = None):
+    """(B, S, H, D) q / k / v -> e4m3 q / smoothed k / v and their descales: per call, or with ``scales``' frozen
+    values once they are static."""
+    if scales is not None:
+        if scales.activations == "static":
+            return scales.quantize(query, key, value)
+        if scales.activations == "observing":
+            scales.record(query, key, value)
     key = key.float()
     key = key - key.mean(dim=1, keepdim=True)  # softmax-invariant shift; see the module docstring
     q8, dq = _per_tensor_e4m3(query)
@@ -209,10 +322,11 @@ def quantize_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return q8, k8, v8, dq, dk, dv
 
 
-def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        scale: float | None = None) -> torch.Tensor:
-    """Non-causal, unmasked attention of (B, S, H, D) tensors (diffusers' dispatcher layout), output like query."""
+def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None,
+                        scales: AttentionScales | None = None) -> torch.Tensor:
+    """Non-causal, unmasked attention of (B, S, H, D) tensors (diffusers' dispatcher layout), output like query.
+    ``scales``: the calling module's calibrated scales (observed, or used once frozen); None = per-call scales."""
     sm_scale = scale if scale is not None else query.shape[-1] ** -0.5
-    q8, k8, v8, dq, dk, dv = quantize_operands(query, key, value)
+    q8, k8, v8, dq, dk, dv = quantize_operands(query, key, value, scales)
     out8 = cudnn_fp8_sdpa(q8, k8, v8, dq, dk, dv, 1.0 / dv, float(sm_scale))
     return (out8.float() * dv).to(query.dtype)

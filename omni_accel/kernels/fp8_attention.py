@@ -21,6 +21,10 @@ The Triton implementation, and why it is split as it is:
   takes the FP8 path only while an FP8-routed transformer runs (other pipelines of the same family in the process
   keep their attention) and only for calls it can serve (no mask, not causal, no dropout, head dim 64 or 128, same
   head count for q and k/v); every other call goes to the original dispatcher.
+- Static scales (cuDNN implementation, with the FP8 linears' static activations): ``attach_attention_scales``
+  gives every attention module (a module with a ``processor``) its own ``AttentionScales`` child and a hook that
+  names it as the current module while its forward runs (``_SCOPE``); the dispatcher wrapper hands the innermost
+  one to the kernel. The dispatcher is called without the module, so the hook is what gives a call its identity.
 """
 
 from __future__ import annotations
@@ -156,18 +160,68 @@ class _RouteHook(ModelHook):
     def new_forward(self, module, *args, **kwargs):
         _Route.depth += 1
         outer, _Route.implementation = _Route.implementation, self.implementation
+        scope_depth = len(_SCOPE)
         try:
             return self.fn_ref.original_forward(*args, **kwargs)
         finally:
             _Route.depth -= 1
             _Route.implementation = outer
+            del _SCOPE[scope_depth:]  # an attention forward that raised skipped its scope's exit hook
+
+
+# The AttentionScales of the attention modules whose forwards are running, innermost last. A list, so compiled
+# blocks trace the hooks' append / pop as side effects; the scales are buffers of the block's own modules, so one
+# graph still serves every block of a type (CPU-tested: no recompile per block).
+_SCOPE: list = []
+SCALES_ATTR = "omni_accel_fp8_scales"
+
+
+def _enter_scope(module, args, kwargs):
+    _SCOPE.append(getattr(module, SCALES_ATTR))
+
+
+def _leave_scope(module, args, kwargs, output):
+    _SCOPE.pop()
+
+
+def attention_modules(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose attention calls the route sees: diffusers' attention modules carry a ``processor``."""
+    return [(name, m) for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
+
+
+def attach_attention_scales(transformer: torch.nn.Module, prefix: str) -> tuple[dict, Callable[[], None]]:
+    """Give each attention module of ``transformer`` its own (uncalibrated) ``AttentionScales``, named
+    ``<prefix>.<module name>``; return {name: scales} and the undo."""
+    from .cudnn_fp8_attention import AttentionScales
+
+    fallback = next(transformer.parameters()).device
+    scales, undos = {}, []
+    for name, module in attention_modules(transformer):
+        device = next(module.parameters(), torch.empty(0, device=fallback)).device
+        scales[f"{prefix}.{name}"] = module_scales = AttentionScales(f"{prefix}.{name}", device)
+        module.add_module(SCALES_ATTR, module_scales)
+        # torch's own module hooks, the same two functions on every module: a diffusers hook would make each
+        # module's forward its own functools.partial, which compiled blocks guard on by identity, and
+        # always_call=True makes them guard on each module's hook ids: a recompile per block either way (seen on
+        # CPU). A forward that raises leaves its scope entry behind; the transformer's route hook drops it.
+        handles = (module.register_forward_pre_hook(_enter_scope, with_kwargs=True),
+                   module.register_forward_hook(_leave_scope, with_kwargs=True))
+        undos.append((module, handles))
+
+    def undo() -> None:
+        for module, handles in reversed(undos):
+            for handle in handles:
+                handle.remove()
+            delattr(module, SCALES_ATTR)
+
+    return scales, undo
 
 
 def _routed_attention(query, key, value, scale):
     if _Route.implementation == "cudnn":
         from .cudnn_fp8_attention import cudnn_fp8_attention
 
-        return cudnn_fp8_attention(query, key, value, scale)
+        return cudnn_fp8_attention(query, key, value, scale, _SCOPE[-1] if _SCOPE else None)
     return fp8_attention(query, key, value, scale)
 
 

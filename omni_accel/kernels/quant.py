@@ -14,6 +14,7 @@ import fnmatch
 import json
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -23,13 +24,16 @@ from ..errors import AccelError
 from ..hooks import add_hook
 from ..lora import quant_target_name
 from ..pass_base import AccelPass, PassContext
+from .cudnn_fp8_attention import AttentionScales
 from .fp8 import FP8_MAX, STATIC_MARGIN, Fp8Linear, fp8_alignment_problem, fp8_matmul_support
 
 logger = logging.getLogger(__name__)
 
 MODES = {"fp8": "w8a8", "fp8_weight_only": "weight_only"}
-QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales")
+QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attention_scales")
 ACTIVATION_MODES = ("dynamic", "static")
+# FP8 attention's q / k / v scales beside static linears: calibrated with them (default) or per call
+ATTENTION_SCALE_MODES = ("static", "dynamic")
 
 
 def _skip_patterns(ctx: PassContext) -> tuple[str, ...]:
@@ -88,10 +92,29 @@ def _check_quant_config(config) -> None:
             raise AccelError("quant_config['scales'] was given without quant_config['activations']='static'; add "
                              "it, or drop 'scales'.")
         _load_scales(qc["scales"])  # readable, and a mapping of names to positive numbers
+    attention_scales = qc.get("attention_scales", "static")
+    if attention_scales not in ATTENTION_SCALE_MODES:
+        raise AccelError(
+            f"quant_config['attention_scales']={attention_scales!r} is not known; use 'static' (FP8 attention's q / k "
+            "/ v scales calibrated with the linears') or 'dynamic' (computed per call).")
+    if "attention_scales" in qc and activations != "static":
+        raise AccelError("quant_config['attention_scales'] only applies with quant_config['activations']='static' "
+                         "(dynamic activations keep per-call attention scales); add it, or drop 'attention_scales'.")
 
 
-def _load_scales(source) -> dict[str, float]:
-    """Static activation scales from a dict or the JSON file ``save_activation_scales`` wrote."""
+class SavedScales(NamedTuple):
+    linears: dict[str, float]  # layer name -> activation scale
+    attention: dict[str, dict] | None  # attention module name -> AttentionScales.set_static's arguments; None: the
+    # file has no attention section (saved before static attention scales existed, or without FP8 attention)
+
+
+def _is_scale(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def _load_scales(source) -> SavedScales:
+    """Static activation scales from a dict or the JSON file ``save_activation_scales`` wrote: either its layout
+    ({"scales": {layer: scale}, "attention": {module: entry}}, the attention part optional) or {layer: scale}."""
     if isinstance(source, (str, os.PathLike)):
         try:
             with open(source) as f:
@@ -99,16 +122,112 @@ def _load_scales(source) -> dict[str, float]:
         except (OSError, ValueError) as exc:
             raise AccelError(f"quant_config['scales']={str(source)!r} could not be read ({exc}); pass the JSON file "
                              "that omni_accel.kernels.quant.save_activation_scales wrote.") from None
-        data = data.get("scales", data) if isinstance(data, dict) else data
     else:
         data = source
-    if not isinstance(data, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-        for k, v in data.items()
-    ):
+    linears, attention = data, None
+    if isinstance(data, dict) and isinstance(data.get("scales"), dict):  # the saved file's layout
+        linears, attention = data["scales"], data.get("attention")
+    if not isinstance(linears, dict) or not all(isinstance(k, str) and _is_scale(v) for k, v in linears.items()):
         raise AccelError("quant_config['scales'] must map layer names (e.g. 'transformer.transformer_blocks.0.attn."
                          "to_q') to positive scales, as save_activation_scales writes them.")
-    return {k: float(v) for k, v in data.items()}
+    return SavedScales({k: float(v) for k, v in linears.items()},
+                       None if attention is None else _attention_entries(attention))
+
+
+def _attention_entries(attention) -> dict[str, dict]:
+    def bad(name) -> AccelError:
+        return AccelError(
+            f"quant_config['scales'] has a malformed attention entry {name!r}; each must be {{'q': scale, 'k': scale, "
+            "'v': scale, 'k_mean': [[...head dim values] per head]}, as save_activation_scales writes it. Save the "
+            "scales again, or delete the file's 'attention' section to keep per-call attention scales.")
+
+    if not isinstance(attention, dict):
+        raise bad("attention")
+    entries = {}
+    for name, entry in attention.items():
+        if not (isinstance(entry, dict) and set(entry) == {"q", "k", "v", "k_mean"}
+                and all(_is_scale(entry[x]) for x in "qkv")):
+            raise bad(name)
+        try:
+            k_mean = torch.tensor(entry["k_mean"], dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise bad(name) from None
+        if k_mean.ndim != 2 or not torch.isfinite(k_mean).all():
+            raise bad(name)
+        entries[name] = {"descale_q": float(entry["q"]), "descale_k": float(entry["k"]),
+                         "descale_v": float(entry["v"]), "k_mean": k_mean}
+    return entries
+
+
+def static_attention_source(config) -> str | None:
+    """Where FP8 attention's static scales come from: "calibrate" (the first call, with the linears), "file"
+    (quant_config['scales']), or None: per-call scales (dynamic activations, attention_scales='dynamic', or a
+    scales file without an attention section)."""
+    qc = config.quant_config or {}
+    if qc.get("activations") != "static" or qc.get("attention_scales", "static") != "static":
+        return None
+    if "scales" not in qc:
+        return "calibrate"
+    return "file" if _load_scales(qc["scales"]).attention is not None else None
+
+
+def check_static_attention(ctx: PassContext, cudnn_fp8: bool) -> None:
+    """Refuse, before patching, static attention scales that cannot apply: asked for explicitly where attention is
+    not cuDNN FP8 (the only implementation with per-tensor scales) or from a file without them, or a file whose
+    attention entries name modules this pipeline does not have."""
+    from .fp8_attention import attention_modules
+
+    qc = ctx.config.quant_config or {}
+    explicit = qc.get("attention_scales") == "static"
+    if explicit and not cudnn_fp8:
+        raise AccelError(
+            "quant_config['attention_scales']='static' needs cuDNN's FP8 attention (attention='fp8', or 'auto' with "
+            "quant='fp8' and compile, on a Hopper-or-newer GPU with nvidia-cudnn-frontend installed), which this "
+            "pipeline does not run; drop 'attention_scales'.")
+    source = static_attention_source(ctx.config)
+    if explicit and source is None:
+        raise AccelError(
+            f"quant_config['attention_scales']='static' but quant_config['scales']={str(qc['scales'])!r} has no "
+            "attention section (saved before static attention scales, or without FP8 attention). Calibrate again "
+            "(quant_config={'activations': 'static'} without 'scales') and save, or drop 'attention_scales'.")
+    if cudnn_fp8 and source == "file":
+        names = {f"{tname}.{name}" for tname, t in ctx.adapter.transformers_of(ctx.pipe)
+                 for name, _ in attention_modules(t)}
+        unknown = sorted(set(_load_scales(qc["scales"]).attention) - names)
+        if unknown:
+            raise AccelError(
+                f"quant_config['scales'] has attention scales for {len(unknown)} modules this pipeline does not have "
+                f"(first: {unknown[0]!r}); it was saved from another model. Calibrate again "
+                "(quant_config={'activations': 'static'} without 'scales'), or drop 'scales'.")
+
+
+def start_static_attention(ctx: PassContext, tname: str, transformer: torch.nn.Module) -> None:
+    """Give the cuDNN-FP8-routed ``transformer`` its static attention scales when the linears' are static: loaded
+    from the scales file (a module it does not name never ran during its calibration and keeps per-call scales), or
+    observing the first call beside the linears and frozen with them (``freeze_activation_scales_of``)."""
+    from .fp8_attention import attach_attention_scales
+
+    qc = ctx.config.quant_config or {}
+    source = static_attention_source(ctx.config)
+    if source is None:
+        if qc.get("activations") == "static" and "attention_scales" not in qc:  # a file from before
+            ctx.state.warn_once(
+                "quant_config['scales'] has no attention section, so FP8 attention keeps per-call q / k / v scales; "
+                "run a calibration call (quant_config={'activations': 'static'} without 'scales') and "
+                "save_activation_scales() again to make them static too.")
+        return
+    scales, undo = attach_attention_scales(transformer, tname)
+    ctx.state.record("attention", undo, hidden=True)
+    if source == "file":
+        saved = _load_scales(qc["scales"]).attention
+        for name, module_scales in scales.items():
+            if name in saved:
+                module_scales.set_static(**saved[name])
+    else:
+        for module_scales in scales.values():
+            module_scales.observe()
+    state = ctx.state
+    state.report_sections["fp8_attention_scales"] = lambda: _activation_report(_attention_scales(state.quantized))
 
 
 class QuantPass(AccelPass):
@@ -153,7 +272,7 @@ class QuantPass(AccelPass):
         if scales is not None:
             wanted = {f"{tname}.{name}" for tname, t in ctx.adapter.transformers_of(ctx.pipe)
                       for name, _ in _plan(ctx, t)[0]}
-            missing = sorted(wanted - set(_load_scales(scales)))
+            missing = sorted(wanted - set(_load_scales(scales).linears))
             if missing:
                 raise AccelError(
                     f"quant_config['scales'] has no scale for {len(missing)} of the {len(wanted)} layers to quantize "
@@ -213,7 +332,7 @@ def _start_static_activations(ctx: PassContext) -> None:
     layers = _fp8_layers(state.quantized)
     given = (ctx.config.quant_config or {}).get("scales")
     if given is not None:
-        scales = _load_scales(given)
+        scales = _load_scales(given).linears
         for name, layer in layers.items():
             layer.set_static_scale(scales[name])
     else:
@@ -250,20 +369,31 @@ class _EagerWhileObserving(ModelHook):
         return self.fn_ref.original_forward(*args, **kwargs)
 
 
-def _activation_report(layers: dict[str, Fp8Linear]) -> dict:
+def _activation_report(layers: dict) -> dict:
     modes = [m.activations for m in layers.values()]
     return {"static": modes.count("static"), "observing": modes.count("observing"),
             "dynamic": modes.count("dynamic")}
 
 
+def _attention_scales(quantized: dict) -> dict[str, AttentionScales]:
+    return {m.name: m for t in quantized.values() for m in t.modules() if isinstance(m, AttentionScales)}
+
+
 def freeze_activation_scales_of(state) -> dict[str, float]:
+    """Freeze the observing linears and attention modules; {layer name: scale} of the static linears."""
     frozen = {}
     for name, layer in _fp8_layers(state.quantized).items():
         if layer.activations == "observing":
             layer.freeze()
         if layer.activations == "static":
             frozen[name] = float(layer.input_scale)
-    logger.info("omni_accel: FP8 activation scales frozen for %d layers", len(frozen))
+    attention = _attention_scales(state.quantized)
+    for module_scales in attention.values():
+        if module_scales.activations == "observing":
+            module_scales.freeze()
+    static_attention = sum(m.activations == "static" for m in attention.values())
+    logger.info("omni_accel: FP8 activation scales frozen for %d layers and %d attention modules", len(frozen),
+                static_attention)
     return frozen
 
 
@@ -276,23 +406,43 @@ def _state_of(pipe, what: str):
 
 def freeze_activation_scales(pipe) -> dict[str, float]:
     """Freeze the static FP8 activation scales now (``quant_config={"activations": "static"}`` otherwise freezes
-    them when the second pipeline call starts). Returns {layer name: scale}. For loops that call the transformer
-    directly rather than through the pipeline."""
+    them when the second pipeline call starts), FP8 attention's with them. Returns {layer name: scale} of the
+    linears. For loops that call the transformer directly rather than through the pipeline."""
     return freeze_activation_scales_of(_state_of(pipe, "freeze_activation_scales()"))
 
 
 def save_activation_scales(pipe, path: str) -> dict[str, float]:
     """Write the frozen static scales to ``path`` (JSON) for ``quant_config={"activations": "static",
-    "scales": path}``; freezes them first if they are still being observed."""
+    "scales": path}``; freezes them first if they are still being observed. The file holds the linears' scales
+    under "scales" and, with FP8 attention, each attention module's q / k / v descales and K mean under
+    "attention". Returns the linears' scales."""
     state = _state_of(pipe, "save_activation_scales()")
     scales = freeze_activation_scales_of(state)
     if not scales:
         raise AccelError("save_activation_scales(): no layer has a static scale yet; accelerate with "
                          "quant_config={'activations': 'static'} and run the pipeline once first.")
+    payload = {"scales": scales,
+               "margin": f"scale = {STATIC_MARGIN:g} x calibrated max |x| / {FP8_MAX:g} (e4m3)"}
+    attention = {name: m.state() for name, m in _attention_scales(state.quantized).items()
+                 if m.activations == "static"}
+    if attention:
+        payload["attention"] = attention
     with open(path, "w") as f:
-        json.dump({"scales": scales, "margin": f"scale = {STATIC_MARGIN:g} x calibrated max |x| / {FP8_MAX:g} (e4m3)"},
-                  f, indent=1)
+        f.write(_one_line_per_entry(payload))
     return scales
+
+
+def _one_line_per_entry(payload: dict) -> str:
+    """JSON with one line per layer and per attention module: readable, and an attention module's K mean (heads x
+    head dim numbers) stays on its line instead of one line per number."""
+    lines = []
+    for key, value in payload.items():
+        if isinstance(value, dict):
+            entries = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in value.items())
+            lines.append(f" {json.dumps(key)}: {{\n{entries}\n }}")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def _nbytes(module: torch.nn.Module) -> int:
