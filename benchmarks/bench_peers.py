@@ -175,6 +175,7 @@ def _ours(**knobs):
 
 
 _STATIC = {"activations": "static"}
+_STATIC_ATTENTION = {"activations": "static", "attention_scales": "static"}
 # static linears beside FP8 attention with per-call q / k / v scales: what the fp8attn rows measured before static
 # attention scales existed (and the A side of ours_fp8_fp8attn_static)
 _STATIC_LINEARS = {"activations": "static", "attention_scales": "dynamic"}
@@ -206,7 +207,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_fp8_fp8attn_mk", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
                                      fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
         cuda_only=True, note="ours_fp8_fp8attn with inductor multi-kernel"),
-    Row("ours_fp8_fp8attn_static", _ours(attention="fp8", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
+    Row("ours_fp8_fp8attn_static", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_ATTENTION,
+                                         fuse_if_supported=True,
                                          compile=True), False, calibrates=True, inductor=_MK, cuda_only=True,
         note="ours_fp8_fp8attn_mk with static (calibrated) q / k / v scales and K mean in the FP8 attention"),
     Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,

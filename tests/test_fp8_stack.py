@@ -194,7 +194,8 @@ def test_cudnn_route_sends_every_eligible_call_through_the_op_and_undoes(monkeyp
 
 
 # ------------------------------------------------------------------------ static (calibrated) attention scales
-STATIC = {"activations": "static"}
+STATIC = {"activations": "static"}  # static linears; attention keeps per-call scales (the default)
+STATIC_ATT = {"activations": "static", "attention_scales": "static"}  # and calibrated attention scales
 LATENT = {"output_type": "latent"}  # the transformer's output itself: no VAE between it and the error
 
 
@@ -213,7 +214,7 @@ def test_attention_scales_calibrate_with_the_linears_and_stay_within_the_dynamic
     dynamic = {seed: run(pipe, kwargs, seed=seed) for seed in (0, 1)}
     omni_accel.restore(pipe)
 
-    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=STATIC)
+    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=STATIC_ATT)
     modules = _attention_scales(pipe)
     assert len(modules) == len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
     assert torch.equal(run(pipe, kwargs), dynamic_first)  # observing = per-call arithmetic, recording only
@@ -294,10 +295,10 @@ def test_a_fixed_key_shift_keeps_attention_exact_and_calibration_tracks_the_smoo
     assert _rel(static, exact) < 0.08 and _rel(static, exact) < 1.1 * _rel(dynamic, exact)
 
 
-def test_scales_file_round_trip_and_files_without_attention_scales(cudnn_fp8_on_cpu, tmp_path, caplog):
+def test_scales_file_round_trip_and_files_without_attention_scales(cudnn_fp8_on_cpu, tmp_path):
     pipe, kwargs = tiny_pipeline("flux")
     kwargs = dict(kwargs, **LATENT)
-    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=STATIC)
+    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=STATIC_ATT)
     run(pipe, kwargs)
     path = tmp_path / "scales.json"
     quant.save_activation_scales(pipe, str(path))
@@ -309,21 +310,20 @@ def test_scales_file_round_trip_and_files_without_attention_scales(cudnn_fp8_on_
     entry = saved["attention"]["transformer.transformer_blocks.0.attn"]
     assert set(entry) == {"q", "k", "v", "k_mean"} and len(entry["k_mean"]) == 2 and len(entry["k_mean"][0]) == 16
 
-    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=dict(STATIC, scales=str(path)))
+    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=dict(STATIC_ATT, scales=str(path)))
     assert pipe.omni_accel.report()["fp8_attention_scales"] == {"static": 2, "observing": 0, "dynamic": 0}
     assert torch.equal(run(pipe, kwargs), static)
     omni_accel.restore(pipe)
 
-    # a file from before attention scales (linears only) loads as it did: attention keeps per-call scales
+    # without attention_scales='static' (the default), a file's attention section is not used, and a file from
+    # before attention scales (linears only) loads as it did: attention keeps per-call scales either way
     old = tmp_path / "linears_only.json"
     old.write_text(json.dumps({"scales": saved["scales"], "margin": saved["margin"]}))
-    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=dict(STATIC, scales=str(path),
-                                                                               attention_scales="dynamic"))
+    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=dict(STATIC, scales=str(path)))
     per_call = run(pipe, kwargs)
+    assert not _attention_scales(pipe)
     omni_accel.restore(pipe)
-    with caplog.at_level("WARNING", logger="omni_accel"):
-        omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=dict(STATIC, scales=str(old)))
-    assert "quant_config['scales'] has no attention section, so FP8 attention keeps per-call" in caplog.text
+    omni_accel.accelerate(pipe, quant="fp8", attention="fp8", quant_config=dict(STATIC, scales=str(old)))
     assert not _attention_scales(pipe)
     assert torch.equal(run(pipe, kwargs), per_call)
     omni_accel.restore(pipe)
@@ -370,12 +370,12 @@ def test_bad_attention_scales_are_refused_before_patching(cudnn_fp8_on_cpu, tmp_
         ({"attention_scales": "static"},
          "quant_config['attention_scales'] only applies with quant_config['activations']='static' (dynamic "
          "activations keep per-call attention scales); add it, or drop 'attention_scales'."),
-        (dict(STATIC, scales=_bad_file(tmp_path, "ragged.json", {"scales": linears, "attention": ragged})),
+        (dict(STATIC_ATT, scales=_bad_file(tmp_path, "ragged.json", {"scales": linears, "attention": ragged})),
          "quant_config['scales'] has a malformed attention entry 'transformer.transformer_blocks.0.attn'; each must "
          "be {'q': scale, 'k': scale, 'v': scale, 'k_mean': [[...head dim values] per head]}, as "
          "save_activation_scales writes it. Save the scales again, or delete the file's 'attention' section to keep "
          "per-call attention scales."),
-        (dict(STATIC, scales=_bad_file(tmp_path, "other.json", {"scales": linears,
+        (dict(STATIC_ATT, scales=_bad_file(tmp_path, "other.json", {"scales": linears,
                                                                "attention": {"transformer.blocks.9.attn": entry}})),
          "quant_config['scales'] has attention scales for 1 modules this pipeline does not have (first: "
          f"'transformer.blocks.9.attn'); it was saved from another model. {fix}"),
