@@ -377,3 +377,29 @@ def test_torchrun_two_ranks_serve_videos(dirs, tmp_path):
     spec = {"prompt": "a cat walks on grass", "width": 32, "height": 32, "num_frames": 5, "steps": 2, "seed": 5}
     reference = mp4_frames(encode_mp4(run_video_spec(single, spec), 16))
     assert served.shape == (5, 32, 32, 3) and same_clip(served, reference), np.abs(served - reference).mean()
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(__file__), "..", "omni_accel", "builtin",
+                                                    "video_model", "model_index.json")),
+                    reason="the trained video weights are not in this tree")
+def test_openai_client_against_the_builtin_video_model(dirs):
+    """`serve --video-model builtin`: /v1/models lists it, create_and_poll with the defaults gives a 17-frame 64x64
+    MP4 in which the shape moves the captioned way over the captioned background."""
+    from omni_accel.builtin import video_metric as VM
+    from omni_accel.cli import build_parser
+    from omni_accel.serve.server import load_model
+    from omni_accel.serve.videos import BUILTIN_VIDEO_ID, load_video_model
+
+    argv = ["--model", dirs["flux"], "--video-model", "builtin", "--device", "cpu", "--api-key", API_KEY]
+    args = build_parser().parse_args(["serve", *argv])
+    caption = "a red circle moving from left to right on a blue background"
+    with ThreadServer(load_model(args), argv, video_model=load_video_model(args)) as server:
+        c = client(server.url)
+        assert BUILTIN_VIDEO_ID in [m.id for m in c.models.list()]
+        video = c.videos.create_and_poll(model=BUILTIN_VIDEO_ID, prompt=caption, poll_interval_ms=100,
+                                         extra_body={"seed": 0})
+        assert video.status == "completed"
+        frames = mp4_frames(c.videos.download_content(video.id).content)
+    assert frames.shape == (17, 64, 64, 3)
+    score = VM.score(frames.clip(0, 255).astype(np.uint8), caption)
+    assert score["bg_color"] and score["direction"], score

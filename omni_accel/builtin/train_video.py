@@ -1,14 +1,16 @@
 """Train the built-in text-to-video model (a stock diffusers WanPipeline) from scratch, in one seeded command.
 
-    python -m omni_accel.builtin.train_video --out omni_accel/builtin/video_model --seed 0   # ~6 min on one H200
+    python -m omni_accel.builtin.train_video --out omni_accel/builtin/video_model --seed 0   # ~10 min on one H200
     python omni_accel/builtin/train_video.py --out /tmp/v --smoke --device cpu              # seconds: code path only
+    python -m omni_accel.builtin.train_video --refine-decoder FOLDER --out FOLDER2          # stage 5 alone
 
 Stages (all seeded):
   0. precision probe (CUDA, ``--amp auto``): a few real-size steps of both stages in bf16 autocast, in a child
      process; if they fail (an earlier bf16 run of the image model hit CUBLAS_STATUS_EXECUTION_FAILED on an H200)
      the run uses fp32/TF32 instead, without a broken CUDA context in this process;
   1. VAE: a small AutoencoderKLWan (causal 3D convs, 8x spatial / 4x temporal down-sampling, 16 channels) on
-     9-frame clips (the encoder works in chunks of 4 frames after the first, so 9 frames exercise every path),
+     17-frame clips, the length the model generates: the causal convolutions' cache carries context from chunk to
+     chunk, and a VAE trained on 9-frame clips reconstructed frames 0-8 well and broke down from frame 9 on. Loss:
      L1 + MSE with the shape's pixels weighted up (as the image model's VAE) + a small KL;
   2. per-channel latent statistics -> the VAE config's latents_mean / latents_std (what WanPipeline un-normalises
      with);
@@ -19,14 +21,18 @@ Stages (all seeded):
      s noise, target noise - x0, timestep = 1000 s, the text states zeroed after the caption as WanPipeline pads
      them, 10 % empty captions (so classifier-free guidance works), the latent cells the shape covers weighted up;
      EMA weights are saved;
-  5. writes the WanPipeline folder (fp16 safetensors) with save_pretrained, the loss curves and a sample strip
+  5. decoder refinement: the decoder alone, the encoder frozen, so the latent space the transformer learned stays
+     put while the decoder's colours sharpen (``--decoder-minutes``; ``--refine-decoder FOLDER`` runs it alone);
+  6. writes the WanPipeline folder (fp16 safetensors) with save_pretrained, the loss curves and a sample strip
      (PNG), the training log (JSON, with each weight file's sha256 and the folder's digest), and an end-of-run
      adherence read on the held-out captions (batched on the training device; the CPU benchmark is
      benchmarks/bench_builtin_video_adherence.py).
 
-Both training stages stop at a step cap or a wall-clock cap, whichever comes first; the learning-rate schedule
-follows whichever is further along, so a time-capped run still anneals. Runs as ``python -m`` or as a plain script
-(then it imports only its sibling modules, not the omni_accel package).
+On CUDA every training step is captured once as a CUDA graph and replayed (``TrainStep``, ``--graphs``): these
+models are launch-bound, and the replay doubled the VAE's steps per second and the transformer's. Every stage stops
+at a step cap or a wall-clock cap, whichever comes first; the learning-rate schedule follows whichever is further
+along, so a time-capped run still anneals. Runs as ``python -m`` or as a plain script (then it imports only its
+sibling modules, not the omni_accel package).
 """
 from __future__ import annotations
 
@@ -54,7 +60,7 @@ else:
 
 FRAMES = 17  # 4k + 1 (the Wan VAE's causal chunks): 5 latent frames (--frames)
 SIZE = 64  # --size
-VAE_FRAMES = 9  # --vae-frames
+VAE_FRAMES = 17  # --vae-frames: the clip length generated (a VAE trained on 9 broke down after frame 9)
 TEXT_LEN = 16  # the default max_sequence_length (a caption is <= 13 tokens with </s>)
 LONG_TEXT_LEN = 226  # WanPipeline's own default max_sequence_length: trained on too, so both are in distribution
 FLOW_SHIFT = 2.0  # FlowMatchEulerDiscreteScheduler shift; training draws timesteps with the same shift
@@ -571,17 +577,17 @@ def parse_args(argv=None):
     ap.add_argument("--frames", type=int, default=FRAMES, help="frames per clip (4k + 1)")
     ap.add_argument("--vae-frames", type=int, default=VAE_FRAMES, help="frames per clip in the VAE stage (4k + 1)")
     ap.add_argument("--vae-steps", type=int, default=20000)
-    ap.add_argument("--vae-minutes", type=float, default=1.8, help="wall-clock cap of the VAE stage")
-    ap.add_argument("--vae-batch", type=int, default=32, help="clips of 9 frames per VAE step")
+    ap.add_argument("--vae-minutes", type=float, default=4.0, help="wall-clock cap of the VAE stage")
+    ap.add_argument("--vae-batch", type=int, default=48, help="clips per VAE step")
     ap.add_argument("--vae-lr", type=float, default=1.5e-3)
     ap.add_argument("--vae-kl", type=float, default=1e-4)
     ap.add_argument("--vae-shape-weight", type=float, default=20.0)
-    ap.add_argument("--vae-eval-every", type=int, default=500, help="reconstruction metric every N VAE steps (0: off)")
+    ap.add_argument("--vae-eval-every", type=int, default=0, help="reconstruction metric every N VAE steps (0: off)")
     ap.add_argument("--stat-batches", type=int, default=16, help="batches of 64 clips for the latent statistics")
     ap.add_argument("--bank", type=int, default=32768, help="clips in the transformer stage's latent bank")
     ap.add_argument("--bank-batch", type=int, default=256)
     ap.add_argument("--dit-steps", type=int, default=100000)
-    ap.add_argument("--dit-minutes", type=float, default=2.7, help="wall-clock cap of the transformer stage")
+    ap.add_argument("--dit-minutes", type=float, default=2.8, help="wall-clock cap of the transformer stage")
     ap.add_argument("--dit-batch", type=int, default=256)
     ap.add_argument("--dit-lr", type=float, default=1e-3)
     ap.add_argument("--dit-shape-weight", type=float, default=3.0)
