@@ -170,6 +170,47 @@ def test_reply_text_streams_in_pieces_that_join_into_the_whole(tf_pipe):
         tf_pipe.reply(TEXT, cancel=cancel)
 
 
+def test_streamed_chat_speaks_before_the_thinker_ends_and_equals_the_whole(tf_pipe):
+    """Streamed chat on the transformers engines: the talker runs behind the thinker (its step j once the thinker
+    has read reply token j + 1), so an audio chunk comes while the thinker still writes -- held here at its 30th
+    pass until a chunk arrives (a talker waiting for the whole reply would never release it). Text, codes and
+    waveform equal the non-streamed chat; a cancel mid-stream stops both stages."""
+    from omni_accel.ar_bridge.speech import SpeechCancelled
+
+    text = "there dog about how red story when why"  # the tiny thinker's text grows to its 40th token with it
+    options = dict(mode="chat", max_codes=48, max_text_tokens=40, sampling=GREEDY, seed=3)
+    whole = tf_pipe.generate(text, "Ethan", **options)
+    assert len(whole.thinker_ids) == 40 and len(whole.codes) == 48  # a long reply, all codes used
+    audio_seen = threading.Event()
+    released, passes, events, texts, chunks, stats = [], [0], [], [], [], {}
+
+    def hold(module, args, kwargs):
+        passes[0] += 1
+        if passes[0] == 30:  # the first chunk needs 24 codes: the thinker's passes up to ~25
+            released.append(audio_seen.wait(120))
+
+    handle = tf_pipe.thinker.model.register_forward_pre_hook(hold, with_kwargs=True)
+    try:
+        for chunk in tf_pipe.stream(text, "Ethan", stats=stats, on_text=lambda p: (texts.append(p),
+                                                                                     events.append("text")), **options):
+            events.append("audio")
+            chunks.append(chunk)
+            audio_seen.set()
+    finally:
+        handle.remove()
+    assert released == [True] and passes[0] == 40
+    last_text = len(events) - 1 - events[::-1].index("text")
+    assert events.index("audio") < last_text and len(texts) > 1
+    assert "".join(texts) == stats["text"] == whole.text and stats["codes"] == whole.codes
+    wave = torch.cat(chunks)
+    assert wave.shape == whole.waveform.shape and (wave - whole.waveform).abs().max().item() <= 1e-3
+    cancel = threading.Event()
+    with pytest.raises(SpeechCancelled):
+        for _ in tf_pipe.stream(text, "Ethan", cancel=cancel, **options):
+            cancel.set()
+    assert tf_pipe.reply(TEXT, max_text_tokens=4)[1] == 4  # both stages stopped, the pipeline free
+
+
 @needs_vllm
 def test_vllm_thinker_and_talker_tokens_equal_transformers(vllm_pipe, tf_pipe):
     assert vllm_pipe.engines == {"thinker": "vllm", "talker": "vllm"}
@@ -460,7 +501,8 @@ def _wav_file(samples, rate: int) -> bytes:
 def test_chat_image_and_audio_parts_with_the_openai_client(speech_server, omni_path):
     """On the transformers engines an image_url part and an input_audio part (wav at 24 kHz, mp3) reach the thinker:
     the prompt counts their placeholders (usage.prompt_tokens), the audio changes the answer, a spoken answer to
-    both comes back; streamed text deltas join into the non-streamed text. Bad media are 400s naming the part."""
+    both comes back, and streamed gives the same text, transcript and pcm; streamed text deltas join into the
+    non-streamed text. Bad media are 400s naming the part."""
     import httpx
     from openai import OpenAI
     from transformers import Qwen2VLImageProcessorPil
@@ -494,6 +536,15 @@ def test_chat_image_and_audio_parts_with_the_openai_client(speech_server, omni_p
     assert spoken.choices[0].message.audio.transcript == spoken.choices[0].message.content
     with wave.open(io.BytesIO(base64.b64decode(spoken.choices[0].message.audio.data))) as w:
         assert w.getnframes() > 0
+        samples = torch.frombuffer(bytearray(w.readframes(w.getnframes())), dtype=torch.int16).float()
+    # streamed, the talker runs behind the thinker (the transformers engines): the same text, transcript and audio
+    deltas = [e.choices[0].delta for e in chat(wav, png, ask, modalities=["text", "audio"], stream=True,
+                                               audio={"voice": "Ethan", "format": "pcm16"})]
+    content = spoken.choices[0].message.content
+    assert "".join(d.content or "" for d in deltas) == content
+    assert "".join(d.audio.transcript or "" for d in deltas if d.audio) == content
+    pcm = _pcm(b"".join(base64.b64decode(d.audio.data) for d in deltas if d.audio and d.audio.data)).float()
+    assert pcm.shape == samples.shape and (pcm - samples).abs().max().item() <= 1 + 1e-3 * samples.abs().max()
 
     def bad(messages) -> dict:
         r = httpx.post(speech_server + "/v1/chat/completions", json={"messages": messages}, timeout=60)

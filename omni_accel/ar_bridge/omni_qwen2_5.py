@@ -8,7 +8,8 @@ functions so that speech.py stays generic:
 * talker prompt: ``[states of the prompt] + [embed(speaker bos)] + [state of reply token 0]``; the last two rows
   also get the codec embeddings of ``pad`` and ``bos`` added. Decode step ``j`` feeds ``codec_embed(code_j) +
   reply[j]`` where ``reply = states of reply tokens 1.. + embed(tts_eos) + embed(tts_pad)`` and sticks at its last
-  row (``tts_pad``) once used up. Every input row goes through ``thinker_to_talker_proj`` first. Codec ``bos`` is
+  row (``tts_pad``) once used up -- so the talker can run behind the thinker: its prompt needs reply token 0's
+  state, its step ``j`` token ``j + 1``'s. Every input row goes through ``thinker_to_talker_proj`` first. Codec ``bos`` is
   never sampled; ``pad`` and ``eos`` end the codes.
 * media inputs (transformers thinker): the user turn holds ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per audio clip and
   ``<|vision_bos|><|IMAGE|><|vision_eos|>`` per image, each ``<|AUDIO|>`` / ``<|IMAGE|>`` repeated once per feature
@@ -130,7 +131,17 @@ def talker_prompt(states: torch.Tensor, embeds: torch.Tensor, n_prompt: int, spe
     ``states`` / ``embeds``: last hidden state and input embedding of the prompt tokens then the reply tokens (all
     but the thinker's last output token, as the reference feeds them).
     """
-    joined = states + embeds
+    return talker_rows(states + embeds, n_prompt, speaker_bos_embed, eos_embed, pad_embed)
+
+
+def thinker_language_model(thinker: torch.nn.Module) -> torch.nn.Module:
+    """transformers' thinker's language model (its output's last_hidden_state is the state the talker reads)."""
+    return thinker.model
+
+
+def talker_rows(joined: torch.Tensor, n_prompt: int, speaker_bos_embed: torch.Tensor, eos_embed: torch.Tensor,
+                pad_embed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``talker_prompt`` from the rows ``state + embedding`` already summed."""
     if joined.shape[0] <= n_prompt:
         raise AccelError("the thinker gave no reply token for the talker to speak; give non-empty text.")
     prompt = torch.cat([joined[:n_prompt], speaker_bos_embed[None], joined[n_prompt:n_prompt + 1]])

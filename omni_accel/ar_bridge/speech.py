@@ -8,7 +8,8 @@
 
 Text-to-speech drives the talker from the text directly: the text is put in the thinker's reply (teacher forcing),
 so one thinker prefill gives the states the talker reads and the speech says exactly the text. Chat mode lets the
-thinker write the reply first. Engines: ``engine="vllm"`` runs the thinker (text-only Qwen2 export; a generate engine
+thinker write the reply first; streamed on the transformers engines, the talker runs behind the thinker a step at a
+time (``_codes_behind``). Engines: ``engine="vllm"`` runs the thinker (text-only Qwen2 export; a generate engine
 for chat, a pooling engine for hidden states) and the talker (out-of-tree model, omni_qwen2_5.py) on vLLM in this
 process; ``engine="transformers"`` runs transformers' own thinker and talker modules. Token2wav always runs the
 transformers DiT and BigVGAN modules (``compile=True`` compiles the DiT blocks regionally, as omni_accel's compile
@@ -90,12 +91,39 @@ class _TransformersThinker:
         self.model = thinker
 
     def stream(self, ids: list[int], max_new_tokens: int, eos: Sequence[int],
-               media: family.ThinkerMedia | None = None) -> Iterator[int]:
-        """The reply's token ids as generate() makes them (greedy; the stop token included)."""
-        return _generate_tokens(self.model, dict(
-            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos),
-            **(media.thinker_inputs if media is not None else {})))
+               media: family.ThinkerMedia | None = None,
+               on_states: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> Iterator[int]:
+        """The reply's token ids as generate() makes them (greedy; the stop token included). ``on_states(ids,
+        states)`` is called (on generate's thread, before the token that step makes is handed out) with every
+        forward pass's input ids and last hidden states: the prompt's, then each reply token's as it is read back."""
+        kwargs = dict(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos),
+                      **(media.thinker_inputs if media is not None else {}))
+        if on_states is None:
+            return _generate_tokens(self.model, kwargs)
+        return self._stream_with_states(kwargs, on_states)
+
+    def _stream_with_states(self, kwargs: dict, on_states: Callable) -> Iterator[int]:
+        # the states generate() computes anyway (what transformers' own Qwen2.5-Omni generate() hands the talker),
+        # read by hooks -- each pass's input ids, then its language model's last hidden state (after the final
+        # norm): no second pass over the reply, and the talker can start before the reply ends
+        passes: list[torch.Tensor] = []
+
+        def read_ids(module: Any, args: tuple, inputs: dict) -> None:
+            passes.append(inputs["input_ids"][0])
+
+        def read_states(module: Any, args: tuple, output: Any) -> None:
+            on_states(passes.pop(), output.last_hidden_state[0].float())
+
+        handles = [self.model.register_forward_pre_hook(read_ids, with_kwargs=True),
+                   family.thinker_language_model(self.model).register_forward_hook(read_states)]
+        tokens = _generate_tokens(self.model, kwargs)
+        try:
+            yield from tokens
+        finally:
+            tokens.close()
+            for handle in handles:
+                handle.remove()
 
     @torch.no_grad()
     def states(self, ids: list[int], media: family.ThinkerMedia | None = None) -> torch.Tensor:
@@ -222,12 +250,18 @@ class _TransformersTalker:
         self.model = talker
         self.lay = lay
 
-    def stream(self, prompt: torch.Tensor, reply: torch.Tensor, text_ids: list[int], max_new_tokens: int,
-               sampling: dict, seed: int | None, min_new_tokens: int = 0,
+    def stream(self, prompt: torch.Tensor, reply: torch.Tensor | Callable[[int], torch.Tensor],
+               text_ids: list[int], max_new_tokens: int, sampling: dict, seed: int | None, min_new_tokens: int = 0,
                media: family.ThinkerMedia | None = None) -> Iterator[int]:
+        """The codes; ``reply`` is the reply rows, or ``row(step)``: the row decode step ``step`` reads, which may
+        wait for the thinker (the talker then runs behind the thinker, a step at a time)."""
         lay = self.lay
         n = prompt.shape[0]
         input_ids = torch.tensor([[lay.codec_mask] * (n - 2) + [lay.codec_pad, lay.codec_bos]])
+        handle = None
+        if callable(reply):
+            handle = self.model.register_forward_pre_hook(_reply_rows_by_step(reply), with_kwargs=True)
+            reply = torch.zeros(1, prompt.shape[1])  # a stand-in: every decode step's row comes from the hook
         tokens = _generate_tokens(self.model, dict(
             input_ids=input_ids, input_text_ids=torch.tensor([text_ids]), thinker_reply_part=reply[None].clone(),
             inputs_embeds=prompt[None].clone(), suppress_tokens=[lay.codec_bos], eos_token_id=list(lay.codec_stops),
@@ -240,9 +274,82 @@ class _TransformersTalker:
                 yield token
         finally:
             tokens.close()
+            if handle is not None:
+                handle.remove()
 
     def close(self) -> None:
         self.model = None
+
+
+def _reply_rows_by_step(row: Callable[[int], torch.Tensor]) -> Callable:
+    """A forward pre-hook for transformers' talker that hands decode step ``j`` the reply row ``row(j)`` as its
+    ``thinker_reply_part`` -- the row the talker would take from a whole reply at that step (it reads the first row
+    and drops it each step, keeping the last) -- so the rows can arrive while the talker runs."""
+    step = 0
+
+    def feed(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        nonlocal step
+        if kwargs.get("inputs_embeds") is not None:  # the prompt pass reads no reply row
+            return None
+        kwargs["thinker_reply_part"] = row(step)[None, None]
+        step += 1
+        return args, kwargs
+
+    return feed
+
+
+class _ReplyFeed:
+    """The thinker's rows for the talker (last hidden state + input embedding of every token the thinker read) as
+    generate() makes them, for a talker that runs behind the thinker. Written on the thinker's thread, read on the
+    talker's: ``row(j)`` waits until the thinker has read reply token ``j + 1`` (or has ended)."""
+
+    def __init__(self, n_prompt: int, embed: Callable[[torch.Tensor], torch.Tensor]):
+        self.n_prompt = n_prompt
+        self.embed = embed
+        self.ids: list[int] = []
+        self.rows: list[torch.Tensor] = []     # per token read: state + embedding
+        self.tail: list[torch.Tensor] = []     # after the reply: the text eos and pad rows
+        self.done = False
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def add(self, ids: torch.Tensor, states: torch.Tensor) -> None:
+        rows = states + self.embed(ids)
+        with self._cond:
+            self.ids.extend(ids.tolist())
+            self.rows.extend(rows.unbind(0))
+            self._cond.notify_all()
+
+    def finish(self, tail: Sequence[torch.Tensor]) -> None:
+        with self._cond:
+            self.tail, self.done = list(tail), True
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if not self.done:
+                self.error, self.done = error, True
+            self._cond.notify_all()
+
+    def _wait(self, rows: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.done or len(self.rows) >= rows)
+            if self.error is not None:
+                raise self.error
+
+    def wait_prompt(self) -> bool:
+        """Wait until the talker's prompt rows are in (the prompt's, then reply token 0's); False if the thinker
+        ended without them."""
+        self._wait(self.n_prompt + 1)
+        return len(self.rows) > self.n_prompt
+
+    def row(self, step: int) -> torch.Tensor:
+        """Reply row ``step``: reply token ``step + 1``'s, then the tail's (its last row repeats)."""
+        self._wait(self.n_prompt + step + 2)
+        index = self.n_prompt + 1 + step
+        if index < len(self.rows):
+            return self.rows[index]
+        return self.tail[min(index - len(self.rows), len(self.tail) - 1)]
 
 
 class _VLLMTalker:
@@ -433,6 +540,55 @@ class Token2Wav:
         return wave[a:] if last else wave[a:b]
 
 
+class _Either:
+    """Set when either event is (a cancel check for _stop_when_set)."""
+
+    def __init__(self, *events: threading.Event | None):
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+
+class _ThinkerRun:
+    """The thinker's reply written on a thread of its own while the talker runs behind it: ``reply(halt)`` gives
+    the reply ids (stopping once ``halt`` is set), its states going into ``feed``; ``tail`` (the text eos and pad
+    rows) follows them when it ends. Errors reach the talker through the feed, and the caller through result()."""
+
+    def __init__(self, reply: Callable[[threading.Event], list[int]], feed: _ReplyFeed,
+                 tail: Sequence[torch.Tensor]):
+        self.feed = feed
+        self.halt = threading.Event()
+        self.ids: list[int] = []
+        self.error: BaseException | None = None
+        threads = torch.get_num_threads()
+
+        def work() -> None:
+            torch.set_num_threads(threads)  # a new thread starts with the OpenMP default
+            try:
+                self.ids = reply(self.halt)
+                feed.finish(tail)
+            except BaseException as exc:  # handed to the talker (feed) and the caller (result)
+                self.error = exc
+                feed.fail(exc)
+
+        self.thread = threading.Thread(target=work, name="omni_accel-thinker", daemon=True)
+        self.thread.start()
+
+    def result(self) -> list[int]:
+        """The reply ids once the thinker has ended (its error raised here)."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.ids
+
+    def stop(self) -> None:
+        """Stop the thinker at its next token and release a talker waiting for a row."""
+        self.halt.set()
+        self.feed.fail(SpeechCancelled("the request stopped during the thinker's generation"))
+        self.thread.join()
+
+
 # -- the pipeline -------------------------------------------------------------------------------------------
 def match_voice(voices: list[str], voice: str | None) -> str:
     """The voice of ``voices`` that ``voice`` names (case-insensitive; None: the first), or AccelError."""
@@ -590,28 +746,55 @@ class SpeechPipeline:
         if problem:
             raise AccelError(problem)
 
-    def _talker_inputs(self, prompt_ids: list[int], reply_ids: list[int], voice: str, media: Any = None):
-        """The talker's prompt and reply rows from the thinker's states over prompt + reply[:-1]."""
+    def _speaker_rows(self, voice: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The voice's text bos id, and the embeddings of it, of the text eos and of the text pad."""
         lay = self.layout
+        spk_bos = int(self.token2wav.speakers[voice]["bos_token"])
+        bos_e, eos_e, pad_e = self.embed(torch.tensor([spk_bos, lay.tts_eos, lay.tts_pad]))
+        return spk_bos, bos_e, eos_e, pad_e
+
+    def _feed(self, prompt_ids: list[int], media: Any) -> _ReplyFeed | None:
+        """A feed of the thinker's own states during its generate() (the transformers thinker; None on vLLM, whose
+        pooling engine gives the states after the reply)."""
+        if self.engines["thinker"] != "transformers":
+            return None
+
+        def embed(ids: torch.Tensor) -> torch.Tensor:
+            rows = self.embed(ids)
+            return family.zero_media_rows(rows, ids.tolist(), self.layout) if media is not None else rows
+
+        return _ReplyFeed(len(prompt_ids), embed)
+
+    def _talker_inputs(self, prompt_ids: list[int], reply_ids: list[int], voice: str, media: Any = None,
+                       feed: _ReplyFeed | None = None):
+        """The talker's prompt and reply rows from the thinker's states over prompt + reply[:-1]: those the thinker
+        computed while writing the reply (``feed``; what the reference does), else one pass over them."""
         seen = prompt_ids + reply_ids[:-1]
-        states = self.thinker.states(seen, media)
-        embeds = self.embed(torch.tensor(seen))
-        if media is not None:
-            embeds = family.zero_media_rows(embeds, seen, lay)
-        spk_bos = self.token2wav.speakers[voice]["bos_token"]
-        bos_e, eos_e, pad_e = self.embed(torch.tensor([int(spk_bos), lay.tts_eos, lay.tts_pad]))
-        prompt, reply = family.talker_prompt(states, embeds, len(prompt_ids), bos_e, eos_e, pad_e)
-        text_ids = prompt_ids + [int(spk_bos), reply_ids[0]]
+        if feed is not None:
+            if feed.ids != seen:  # generate() reads back every reply token but the last, once
+                raise RuntimeError(f"the thinker read {len(feed.ids)} tokens, not the {len(seen)} of its prompt and "
+                                   "reply but the last")
+            joined = torch.stack(feed.rows)
+        else:
+            embeds = self.embed(torch.tensor(seen))
+            if media is not None:
+                embeds = family.zero_media_rows(embeds, seen, self.layout)
+            joined = self.thinker.states(seen, media) + embeds
+        spk_bos, bos_e, eos_e, pad_e = self._speaker_rows(voice)
+        prompt, reply = family.talker_rows(joined, len(prompt_ids), bos_e, eos_e, pad_e)
+        text_ids = prompt_ids + [spk_bos, reply_ids[0]]
         return prompt, reply, text_ids
 
     def _thinker_reply(self, prompt_ids: list[int], max_text_tokens: int, media: Any = None,
                        on_text: Callable[[str], None] | None = None,
-                       cancel: threading.Event | None = None) -> list[int]:
+                       cancel: threading.Event | None = None, feed: _ReplyFeed | None = None) -> list[int]:
         """The thinker's reply ids (the stop token included); ``on_text`` gets the reply's text in pieces as the
-        tokens come (pieces that join into ``_reply_text(ids)``; a piece never ends inside a UTF-8 character)."""
+        tokens come (pieces that join into ``_reply_text(ids)``; a piece never ends inside a UTF-8 character);
+        ``feed`` gets the thinker's states as it computes them."""
         ids: list[int] = []
         shown = ""
-        tokens = self.thinker.stream(prompt_ids, max_text_tokens, self.layout.text_eos, media)
+        tokens = self.thinker.stream(prompt_ids, max_text_tokens, self.layout.text_eos, media,
+                                     **({"on_states": feed.add} if feed is not None else {}))
         for token in _stop_when_set(cancel, tokens, "thinker"):
             ids.append(token)
             if on_text is not None:
@@ -624,7 +807,8 @@ class SpeechPipeline:
         return ids
 
     def _reply_ids(self, text: str, mode: str, prompt_ids: list[int], max_text_tokens: int, media: Any = None,
-                   on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None) -> list[int]:
+                   on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+                   feed: _ReplyFeed | None = None) -> list[int]:
         eos = self.layout.text_eos
         if mode == "tts":
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -632,7 +816,7 @@ class SpeechPipeline:
                 raise AccelError("input text is empty; give the text to speak.")
             return ids + [eos[0]]
         if mode == "chat":
-            ids = self._thinker_reply(prompt_ids, max_text_tokens, media, on_text, cancel)
+            ids = self._thinker_reply(prompt_ids, max_text_tokens, media, on_text, cancel, feed)
             if not ids or (len(ids) == 1 and ids[0] in eos):
                 raise AccelError("the thinker answered with no text to speak; try another prompt or more "
                                  "max_text_tokens.")
@@ -655,13 +839,47 @@ class SpeechPipeline:
         else:
             prompt_ids = self.prompt_ids("Repeat after me: " + text)
         timings["prompt_tokens"] = len(prompt_ids)
-        reply_ids = self._reply_ids(text, mode, prompt_ids, max_text_tokens, media, on_text, cancel)
-        prompt, reply, text_ids = self._talker_inputs(prompt_ids, reply_ids, voice, media)
+        feed = self._feed(prompt_ids, media) if mode == "chat" else None
+        reply_ids = self._reply_ids(text, mode, prompt_ids, max_text_tokens, media, on_text, cancel, feed)
+        prompt, reply, text_ids = self._talker_inputs(prompt_ids, reply_ids, voice, media, feed)
         timings["thinker_s"] = round(time.perf_counter() - t0, 4)
         sampling = dict(family.TALKER_SAMPLING if sampling is None else sampling)
         codes = self.talker.stream(prompt, reply, text_ids, max_codes, sampling, seed, min(min_codes, max_codes),
                                    media)
         return voice, reply_ids, _stop_when_set(cancel, codes)
+
+    def _talker_behind(self, mode: str) -> bool:
+        """Whether a streamed request runs the talker behind the thinker (both on transformers, chat mode)."""
+        return mode == "chat" and self.engines == {"thinker": "transformers", "talker": "transformers"}
+
+    def _codes_behind(self, text: str, voice: str | None, max_codes: int, max_text_tokens: int,
+                      sampling: dict | None, seed: int | None, timings: dict, min_codes: int,
+                      cancel: threading.Event | None, context: dict, on_text: Callable[[str], None] | None):
+        """As ``_codes`` in chat mode, with the thinker writing on a thread of its own and the talker taking each
+        step once the thinker has read the reply token that step needs (the talker's prompt needs reply token 0,
+        its step j token j + 1). Returns (voice, the thinker's run, the codes)."""
+        voice = self.resolve_voice(voice)
+        if max_codes < 1:
+            raise AccelError(f"max_codes={max_codes} must be >= 1.")
+        self._check_media(context, speak=True)
+        t0 = time.perf_counter()
+        prompt_ids, media = self.prompt(text, **context)
+        timings["prompt_tokens"] = n = len(prompt_ids)
+        feed = self._feed(prompt_ids, media)
+        spk_bos, bos_e, eos_e, pad_e = self._speaker_rows(voice)
+        run = _ThinkerRun(lambda halt: self._reply_ids(text, "chat", prompt_ids, max_text_tokens, media, on_text,
+                                                       _Either(cancel, halt), feed), feed, (eos_e, pad_e))
+        try:
+            feed.wait_prompt()
+            prompt, _ = family.talker_rows(torch.stack(feed.rows[:n + 1]), n, bos_e, eos_e, pad_e)
+            timings["thinker_s"] = round(time.perf_counter() - t0, 4)  # until the talker could start
+            sampling = dict(family.TALKER_SAMPLING if sampling is None else sampling)
+            codes = self.talker.stream(prompt, feed.row, prompt_ids + [spk_bos, feed.ids[n]], max_codes, sampling,
+                                       seed, min(min_codes, max_codes), media)
+        except BaseException:
+            run.stop()
+            raise
+        return voice, run, _stop_when_set(cancel, codes)
 
     def _reply_text(self, reply_ids: list[int]) -> str:
         # no clean-up of spaces: the text of a prefix of the ids is then a prefix of the whole text (streaming)
@@ -733,9 +951,11 @@ class SpeechPipeline:
                conversation: dict | None = None, images: Sequence[Any] = (), audios: Sequence[Any] = (),
                on_text: Callable[[str], None] | None = None, **chunking: Any) -> Iterator[torch.Tensor]:
         """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets prompt_tokens and the reply ``text``
-        before the first chunk, then first_chunk_s, codes, chunks. In chat mode ``on_text`` gets the reply's text in
-        pieces while the thinker writes it -- all of it before the first chunk: the talker starts from the thinker's
-        whole reply.
+        (before the first chunk; at the end when the talker runs behind the thinker), then first_chunk_s, codes,
+        chunks. In chat mode ``on_text`` gets the reply's text in pieces while the thinker writes it. On the
+        transformers engines the talker runs behind the thinker (its step j once the thinker has read reply token
+        j + 1; ``on_text`` is then called from the thinker's thread), so chunks can come before the text ends; on
+        vLLM the talker starts from the whole reply, after all the text.
         ``cancel``: set it to stop before the next thinker or talker step or chunk (SpeechCancelled); closing the
         generator early stops the talker too. ``images`` / ``audios``: as in ``generate``."""
         check_speed(speed)
@@ -743,11 +963,17 @@ class SpeechPipeline:
         context = dict(conversation or {}, images=images, audios=audios)
         with self._lock:
             t0 = time.perf_counter()
-            voice, reply_ids, codes = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
-                                                  stats, min_codes, cancel, context, on_text)
-            stats["text"] = self._reply_text(reply_ids)  # known before the talker speaks: a chat streams it along
+            thinker = None
+            if self._talker_behind(mode):
+                voice, thinker, codes = self._codes_behind(text, voice, max_codes, max_text_tokens, sampling, seed,
+                                                           stats, min_codes, cancel, context, on_text)
+            else:
+                voice, reply_ids, codes = self._codes(text, voice, mode, max_codes, max_text_tokens, sampling, seed,
+                                                      stats, min_codes, cancel, context, on_text)
+                stats["text"] = self._reply_text(reply_ids)  # known before the talker speaks
             got: list[int] = []
             n = 0
+            finished = False
             try:
                 for chunk in self.token2wav.stream(codes, voice, seed, max_codes=max_codes, collected=got,
                                                    cancel=cancel, **chunking):
@@ -755,8 +981,13 @@ class SpeechPipeline:
                         stats["first_chunk_s"] = round(time.perf_counter() - t0, 4)
                     n += 1
                     yield change_speed(chunk, speed)
-            finally:  # the talker must be stopped before the lock is released, whatever ended the loop
+                finished = True
+            finally:  # the thinker and talker must be stopped before the lock is released, whatever ended the loop
+                if thinker is not None and not finished:
+                    thinker.stop()  # first: it releases a talker waiting for the thinker's next row
                 codes.close()
+            if thinker is not None:  # the talker may end before the text does: the thinker writes on
+                stats["text"] = self._reply_text(thinker.result())
             if n == 0:  # as generate() does: a request that speaks nothing is refused, not answered with silence
                 raise AccelError("the talker produced no speech codes; try another text or voice.")
             stats.update(codes=got, chunks=n, total_s=round(time.perf_counter() - t0, 4))

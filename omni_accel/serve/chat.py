@@ -213,7 +213,8 @@ class ChatKind(JobKind):
 
 def run_chat(pipeline: Any, spec: dict, control: Any) -> Any:
     """One chat spec on the speech pipeline (the speech queue's worker). A streamed job emits ``{"text": piece}``
-    as the thinker writes, then (with audio) ``{"audio": chunk}`` as the talker and token2wav make them."""
+    as the thinker writes and (with audio) ``{"audio": chunk}`` as the talker and token2wav make them (from the
+    thinker's thread and this one: Stream.put takes any thread)."""
     from ..ar_bridge.speech import SpeechCancelled
     from .jobs import Aborted
 
@@ -323,10 +324,10 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
                           usage=_usage(first.prompt_tokens, len(first.thinker_ids)))
 
     async def _events(queue, job, first, cid, model_id, deadline, timeout_s):
-        """The answer's text deltas as the thinker writes them, then (with audio) the pcm16 chunks as the talker and
-        token2wav make them, each carrying the next words of the audio's transcript (the talker starts from the
-        thinker's whole reply, so the text deltas come first); the rest of the transcript comes with the last
-        event."""
+        """The answer's text deltas as the thinker writes them and (with audio) the pcm16 chunks as the talker and
+        token2wav make them, in the order they are made (on the transformers engines the talker runs behind the
+        thinker, so audio can come before the text ends; on vLLM all the text comes first). Each audio chunk
+        carries the next whole words of the text so far as its transcript; the rest comes with the last event."""
         from .errors import pipeline_failure, timeout_error
         from .jobs import WAITING
         from .speech import pcm16
@@ -343,11 +344,13 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
                     text += item["text"]
                     yield _sse(chunk(cid, model_id, {"content": item["text"]}, created=created))
                 else:
-                    if words is None:  # the first audio chunk: the whole text is known
-                        words = _word_pieces(text)
-                        per_chunk = max(WORDS_PER_AUDIO_CHUNK_MIN, math.ceil(len(words) / 8))
-                    piece = "".join(words[sent:sent + per_chunk])
-                    sent += per_chunk
+                    if words is None:  # the first audio chunk: the text so far sets the pace
+                        per_chunk = max(WORDS_PER_AUDIO_CHUNK_MIN, math.ceil(len(_word_pieces(text)) / 8))
+                    # the text may still be coming: its last piece can be a word cut short, so it waits
+                    words = _word_pieces(text)
+                    upto = min(sent + per_chunk, len(words) - 1)
+                    piece = "".join(words[sent:upto])
+                    sent = max(sent, upto)
                     yield _sse(chunk(cid, model_id, {"audio": {
                         "id": aid, "data": base64.b64encode(pcm16(item["audio"])).decode(), "transcript": piece}},
                         created=created))
@@ -357,7 +360,7 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
                     raise timeout_error(timeout_s)
             final: dict = {}
             if words is not None:
-                rest = "".join(words[sent:])
+                rest = "".join(_word_pieces(text)[sent:])  # the text may have grown since the last chunk
                 final["audio"] = {"id": aid, "expires_at": int(time.time()) + AUDIO_EXPIRY_S,
                                   **({"transcript": rest} if rest else {})}
             yield _sse(chunk(cid, model_id, final, "stop", created))
