@@ -1,5 +1,8 @@
 """FP8 linears (quant="fp8" / "fp8_weight_only"): arithmetic, error bounds, savings, refusals, restore."""
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -133,3 +136,19 @@ def test_fp8_needs_shapes_the_fp8_gemm_takes():
         omni_accel.accelerate(pipe, quant="fp8")
     omni_accel.accelerate(pipe, quant="fp8_weight_only")  # dequantize-on-the-fly has no alignment rule
     omni_accel.restore(pipe)
+
+
+def test_scales_file_is_read_again_once_rewritten(tmp_path):
+    """A scales file is parsed once per version (accelerate() consults it from several checks); rewriting it in
+    place gives the new scales, and a broken rewrite is refused with the path as the user gave it."""
+    from omni_accel.kernels import quant
+
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"scales": {"a": 0.5}}))
+    assert quant._load_scales(str(path)).linears == {"a": 0.5}
+    assert quant._load_scales(str(path)) is quant._load_scales(str(path))
+    path.write_text(json.dumps({"scales": {"a": 0.25, "b": 1.0}}))
+    assert quant._load_scales(str(path)).linears == {"a": 0.25, "b": 1.0}
+    path.write_text("{not json")
+    with pytest.raises(AccelError, match=re.escape(f"quant_config['scales']={str(path)!r} could not be read")):
+        quant._load_scales(str(path))

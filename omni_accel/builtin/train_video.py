@@ -429,7 +429,8 @@ def train_transformer(args, device, vae, tokenizer, bank: dict, log: dict, arch:
     step_fn = TrainStep(loss_fn, params, opt, graph)
     clock, step = T.Clock(args.dit_minutes), 0
     while step < args.dit_steps and clock.frac() < 1:
-        set_lr(opt, T.lr_at(max(step / args.dit_steps, clock.frac()), args.dit_lr))
+        lr = T.lr_at(max(step / args.dit_steps, clock.frac()), args.dit_lr)
+        set_lr(opt, lr)
         idx = torch.randint(n_bank, (args.dit_batch,), device=device, generator=g)
         mean, logvar = bank["h"][idx].float().chunk(2, dim=1)
         z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, device=device, generator=g)
@@ -451,8 +452,7 @@ def train_transformer(args, device, vae, tokenizer, bank: dict, log: dict, arch:
         with torch.no_grad():
             decay = min(args.ema, (1 + step) / (10 + step))
             torch._foreach_lerp_(ema_params, params, 1 - decay)  # one fused call
-        T.record(log, "dit", step, clock, args.print_every, loss=loss, long_text=long, lr=T.lr_at(
-            max(step / args.dit_steps, clock.frac()), args.dit_lr))
+        T.record(log, "dit", step, clock, args.print_every, loss=loss, long_text=long, lr=lr)
         step += 1
     log["dit_graph"] = {"used": step_fn.graph is not None, "error": step_fn.graph_error}
     log["dit_steps_done"], log["dit_seconds"] = step, round(time.time() - clock.t0, 1)

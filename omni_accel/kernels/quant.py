@@ -11,6 +11,7 @@ restore() puts the original modules back; on a GPU their weights wait in host me
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -117,16 +118,35 @@ def _is_scale(v) -> bool:
 
 def _load_scales(source) -> SavedScales:
     """Static activation scales from a dict or the JSON file ``save_activation_scales`` wrote: either its layout
-    ({"scales": {layer: scale}, "attention": {module: entry}}, the attention part optional) or {layer: scale}."""
+    ({"scales": {layer: scale}, "attention": {module: entry}}, the attention part optional) or {layer: scale}.
+    A file is parsed once per version (path, size, modification time): accelerate() asks for it from several checks,
+    and a FLUX file with attention scales is megabytes of JSON."""
     if isinstance(source, (str, os.PathLike)):
         try:
-            with open(source) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise AccelError(f"quant_config['scales']={str(source)!r} could not be read ({exc}); pass the JSON file "
-                             "that omni_accel.kernels.quant.save_activation_scales wrote.") from None
-    else:
-        data = source
+            stat = os.stat(source)
+        except OSError as exc:
+            raise _unreadable(source, exc) from None
+        return _load_scales_file(str(source), os.path.abspath(source), stat.st_size, stat.st_mtime_ns)
+    return _parse_scales(source)
+
+
+def _unreadable(source, exc: Exception) -> AccelError:
+    return AccelError(f"quant_config['scales']={str(source)!r} could not be read ({exc}); pass the JSON file "
+                      "that omni_accel.kernels.quant.save_activation_scales wrote.")
+
+
+@functools.lru_cache(maxsize=4)
+def _load_scales_file(given: str, path: str, size: int, mtime_ns: int) -> SavedScales:
+    """``given``: the path as the user wrote it, for the error message."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise _unreadable(given, exc) from None
+    return _parse_scales(data)
+
+
+def _parse_scales(data) -> SavedScales:
     linears, attention = data, None
     if isinstance(data, dict) and isinstance(data.get("scales"), dict):  # the saved file's layout
         linears, attention = data["scales"], data.get("attention")
