@@ -174,8 +174,8 @@ def autocast(device: torch.device, amp: str):
 class TrainStep:
     """One optimizer step of ``loss_fn(inputs)``, replayed as a CUDA graph once captured.
 
-    Why: these models are tiny and launch-bound. A VAE step of the causal 3-D Wan VAE is ~12k kernel launches
-    (its encoder and decoder walk the clip in chunks with a feature cache) for a few GFLOP, so eager training ran
+    Why: these models are tiny and launch-bound. A VAE step of the causal 3-D Wan VAE is ~12k operator calls
+    on 5-frame clips (torch.profiler; its encoder and decoder walk the clip in chunks with a feature cache) for a few GFLOP, so eager training ran
     4 steps/s on an H200 and the VAE stage got 449 steps in its time. Captured once, a step is one graph launch.
 
     ``loss_fn`` must read the batch only from ``inputs`` (static buffers that each step copies into) and make no
