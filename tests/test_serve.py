@@ -408,9 +408,11 @@ def test_overload_429_timeout_504_and_disconnect_cancels_pending(kontext_model):
         body = {"prompt": "p", "size": "32x32"}
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             first = pool.submit(httpx.post, s.url + GEN, json={**body, "prompt": "first"}, timeout=30)
-            time.sleep(0.4)  # first is running
+            assert wait_until(lambda: slow.prompts == ["first"])  # first is running
             second = pool.submit(httpx.post, s.url + GEN, json={**body, "prompt": "second"}, timeout=30)
-            time.sleep(0.3)  # second is queued: the queue (1) is full
+            # second is queued: the queue (1) is full (waited for, not slept on: a loaded machine delays requests)
+            assert wait_until(lambda: re.search(r"^omni_accel_queue_depth 1\.0$", httpx.get(s.url + "/metrics").text,
+                                                re.M))
             third = httpx.post(s.url + GEN, json={**body, "prompt": "third"}, timeout=30)
             err = assert_error(third, 429, code="queue_full")
             assert int(third.headers["Retry-After"]) >= 1 and err["type"] == "rate_limit_error"
