@@ -877,12 +877,16 @@ class SpeechPipeline:
         states come from its pooling engine)."""
         if self.engines["thinker"] != "transformers":
             return None
+        return _ReplyFeed(len(prompt_ids), self._input_rows(media))
+
+    def _input_rows(self, media: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The thinker's input embeddings of token ids as the talker reads them (media positions zeroed)."""
 
         def embed(ids: torch.Tensor) -> torch.Tensor:
             rows = self.embed(ids)
             return family.zero_media_rows(rows, ids.tolist(), self.layout) if media is not None else rows
 
-        return _ReplyFeed(len(prompt_ids), embed)
+        return embed
 
     def _talker_inputs(self, prompt_ids: list[int], reply_ids: list[int], voice: str, media: Any = None,
                        feed: _ReplyFeed | None = None):
@@ -1007,8 +1011,8 @@ class SpeechPipeline:
             reply: Callable = feed.row
         else:
             run = _PooledFeed(self._reply_tokens(prompt_ids, max_text_tokens, media, on_text, cancel),
-                              self.thinker.states, self.embed, prompt_ids, self.states_every, (eos_e, pad_e),
-                              self._check_reply)
+                              lambda ids: self.thinker.states(ids, media), self._input_rows(media), prompt_ids,
+                              self.states_every, (eos_e, pad_e), self._check_reply)
             reply = run.reply_rows
         try:
             if isinstance(run, _PooledFeed):
