@@ -310,12 +310,15 @@ class TalkerReply:
 
     vLLM's model forward sees only token embeddings and positions, not per-request data; the engine runs in this
     process, so the pipeline parks the rows here for the one request it runs at a time (speech.py holds a lock).
-    Position ``p >= start`` gets row ``min(p - start, len - 1)``; prompt rows (``p < start``) get nothing.
+    Position ``p >= start`` gets row ``min(p - start, len - 1)``; prompt rows (``p < start``) get nothing. While the
+    rows still grow (``complete`` false: the talker runs behind the thinker) a read past them is an error, not the
+    last row repeated.
     """
 
     lock = threading.Lock()  # held by the request that fills the slot
     rows: torch.Tensor | None = None
     start: int = 0
+    complete: bool = True
 
     @classmethod
     def add(cls, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -325,7 +328,11 @@ class TalkerReply:
         decode = positions >= cls.start
         if not bool(decode.any()):
             return embeds
-        index = (positions[decode] - cls.start).clamp(max=rows.shape[0] - 1)
+        index = positions[decode] - cls.start
+        if not cls.complete and int(index.max()) >= rows.shape[0]:
+            raise RuntimeError(f"the talker read reply row {int(index.max())} before the thinker wrote it (rows "
+                               f"0..{rows.shape[0] - 1} are in)")
+        index = index.clamp(max=rows.shape[0] - 1)
         embeds = embeds.clone()
         embeds[decode] += rows.to(embeds.device, embeds.dtype)[index]
         return embeds
