@@ -14,6 +14,9 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
   are 32 wide, so the route's head-dim filter (64 / 128, the GPU kernel's) is widened for this row: it measures
   what the arithmetic does to a trained model's images, not a GPU speed. Its attention quantizes q / k / v with
   per-call scales.
+- ``fp8_static_promoted``: ``fp8_static`` with ``quant_config["fast_accum"]=False`` (FP8 GEMMs that promote their
+  partial sums to fp32, against the default fast accumulation). Only a GPU's GEMMs differ: run it and ``fp8_static``
+  with ``--device cuda``.
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
   linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
 
@@ -48,7 +51,7 @@ def images(pipe, prompts: list[str], seed: int) -> torch.Tensor:
     for i, prompt in enumerate(prompts):
         g = torch.Generator("cpu").manual_seed(seed + i)
         img = pipe(prompt, generator=g, output_type="pt", **BUILTIN_DEFAULTS).images
-        out.append(img.float())
+        out.append(img.float().cpu())
     return torch.cat(out)
 
 
@@ -73,7 +76,8 @@ def _route_fp8_attention(pipe, static_scales: bool):
     return restore
 
 
-MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static")
+MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
+         "fp8_static_promoted")
 
 
 def main(argv=None) -> int:
@@ -83,13 +87,15 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--calibration-seed", type=int, default=7,
                     help="picks the training caption the static rows calibrate on")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU's own FP8 GEMMs (fast_accum differs "
+                                                    "there only; the fp8attn rows need head dims 64 / 128 on a GPU)")
     ap.add_argument("--out", default="benchmarks/results/fp8_quality.json")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     torch.manual_seed(0)
-    pipe = load_builtin(dtype=torch.bfloat16)
+    pipe = load_builtin(dtype=torch.bfloat16).to(args.device)
     g = torch.Generator().manual_seed(2027)
     prompts = ds.captions_of(ds.sample_params(args.prompts, g, only_heldout=True))
     t0 = time.perf_counter()
@@ -101,6 +107,8 @@ def main(argv=None) -> int:
         quant_config = {"measure_error": True}
         if mode.startswith("fp8_static"):
             quant_config["activations"] = "static"
+        if mode.endswith("_promoted"):
+            quant_config["fast_accum"] = False
         omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config)
         undo_route = _route_fp8_attention(pipe, mode.endswith("_static")) if "fp8attn" in mode else None
         if mode.startswith("fp8_static"):
@@ -131,7 +139,8 @@ def main(argv=None) -> int:
     result = {"model": "built-in (omni_accel/builtin/model)", "dtype": "bfloat16", "settings": BUILTIN_DEFAULTS,
               "prompts": prompts, "seed": args.seed, "rows": rows,
               "env": {"torch": torch.__version__, "diffusers": diffusers.__version__,
-                      "python": platform.python_version(), "machine": platform.machine(),
+                      "python": platform.python_version(), "machine": platform.machine(), "device": args.device,
+                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                       "cpu_count": os.cpu_count()}}
     write_result(args.out, result)
     return 0

@@ -174,11 +174,14 @@ def _ours(**knobs):
     return setup
 
 
-_STATIC = {"activations": "static"}
-_STATIC_ATTENTION = {"activations": "static", "attention_scales": "static"}
+# Rows named without "_fa" keep the fp32 promotion of FP8 GEMM partial sums (what they measured before fast
+# accumulation became the default); "_fa" rows use the default fast accumulation.
+_PROMOTED = {"fast_accum": False}
+_STATIC = {"activations": "static", **_PROMOTED}
+_STATIC_ATTENTION = {"activations": "static", "attention_scales": "static", **_PROMOTED}
 # static linears beside FP8 attention with per-call q / k / v scales: what the fp8attn rows measured before static
 # attention scales existed (and the A side of ours_fp8_fp8attn_static)
-_STATIC_LINEARS = {"activations": "static", "attention_scales": "dynamic"}
+_STATIC_LINEARS = {"activations": "static", "attention_scales": "dynamic", **_PROMOTED}
 _MK = {"triton.multi_kernel": 1}
 _MK_CD = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -190,7 +193,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="accelerate(compile=True), inductor multi-kernel (persistent row reductions up to 16k)"),
     Row("ours_bf16_graphs", _ours(attention="auto", compile="max"), True,
         note="accelerate(compile='max'): regional compile + CUDA graph of the whole forward"),
-    Row("ours_fp8_dynamic", _ours(attention="cudnn", quant="fp8", fuse_if_supported=True, compile=True), False,
+    Row("ours_fp8_dynamic", _ours(attention="cudnn", quant="fp8", quant_config=_PROMOTED, fuse_if_supported=True,
+                                  compile=True), False,
         note="quant='fp8' (per-token activation scales), fuse_qkv, bf16 cuDNN attention, compile"),
     Row("ours_fp8_static", _ours(attention="cudnn", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
                                  compile=True), False, calibrates=True,
@@ -211,13 +215,21 @@ ROWS: dict[str, Row] = {r.name: r for r in (
                                          fuse_if_supported=True,
                                          compile=True), False, calibrates=True, inductor=_MK, cuda_only=True,
         note="ours_fp8_fp8attn_mk with static (calibrated) q / k / v scales and K mean in the FP8 attention"),
+    Row("ours_fp8_fp8attn_fa", _ours(attention="fp8", quant="fp8", quant_config={**_STATIC_LINEARS, "fast_accum": True},
+                                     fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
+        cuda_only=True, note="ours_fp8_fp8attn_mk with fast FP8 accumulation (the default)"),
+    Row("ours_fp8_fp8attn_static_fa", _ours(attention="fp8", quant="fp8",
+                                            quant_config={**_STATIC_ATTENTION, "fast_accum": True},
+                                            fuse_if_supported=True, compile=True), False, calibrates=True,
+        inductor=_MK, cuda_only=True, note="ours_fp8_fp8attn_static with fast FP8 accumulation"),
     Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
                                         fuse_if_supported=True, compile=True), False, calibrates=True,
         inductor=_MK_CD, cuda_only=True,
         note="ours_fp8_fp8attn with inductor multi-kernel and coordinate-descent tuning of its kernels"),
     Row("ours_bf16_mk_cd", _ours(attention="auto", compile=True), True, inductor=_MK_CD,
         note="accelerate(compile=True), inductor multi-kernel and coordinate-descent tuning"),
-    Row("ours_fp8_dynamic_fp8attn", _ours(attention="fp8", quant="fp8", fuse_if_supported=True, compile=True), False,
+    Row("ours_fp8_dynamic_fp8attn", _ours(attention="fp8", quant="fp8", quant_config=_PROMOTED,
+                                          fuse_if_supported=True, compile=True), False,
         cuda_only=True, note="per-token FP8 linears + FP8 attention, compile"),
     Row("torch_compile", _torch_compile, True, note="torch.compile(transformer), whole model, default mode"),
     Row("torchao_fp8_rowwise", _torchao_fp8, False, destructive=True, needs=("torchao",), cuda_only=True,

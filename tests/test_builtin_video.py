@@ -124,7 +124,9 @@ def test_training_command_writes_log_plots_and_digests(smoke_run):
     out, results, log = smoke_run
     with open(os.path.join(results, "builtin_video_training_log.json")) as fh:
         saved = json.load(fh)
-    assert saved["vae_steps_done"] == 2 and saved["dit_steps_done"] == 2 and saved["amp"] == "fp32"
+    assert saved["vae_steps_done"] == 4 and saved["dit_steps_done"] == 2 and saved["amp"] == "fp32"
+    # the VAE's clip curriculum: short clips first, then the generated length, each with its own step function
+    assert [(p["frames"], p["step"]) for p in saved["vae_phases"]] == [(1, 0), (5, 3)]
     for name in ("builtin_video_training_loss.png", "builtin_video_samples.png"):
         assert os.path.getsize(os.path.join(results, name)) > 1000
     for rel, digest in saved["weights"]["files"].items():
@@ -214,3 +216,25 @@ def test_train_step_eager_path_matches_a_plain_optimizer_step():
     assert all(a is b for a, b in zip(*grads))  # the same gradient buffers: a captured backward writes into them
     TV.set_lr(opt, 0.5)
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+@needs_weights
+def test_tea_cache_on_the_shipped_video_model_uses_its_calibrated_profile(shipped):
+    """cache="tea_cache" on the built-in video model loads profiles/builtin_video.json (fitted to these weights,
+    threshold for a worst-prompt PSNR of 30 dB on training captions) instead of the identity rescale: fewer block
+    forwards, and a held-out clip stays close to the uncached one."""
+    import omni_accel
+    from omni_accel.cache.metrics import psnr
+
+    caption = "a red circle moving from left to right on a blue background"
+    call = dict(generator=torch.Generator().manual_seed(0), output_type="pt", **BUILTIN_VIDEO_DEFAULTS)
+    plain = shipped(caption, **call).frames[0]
+    omni_accel.accelerate(shipped, cache="tea_cache")
+    try:
+        call["generator"] = torch.Generator().manual_seed(0)
+        cached = shipped(caption, **call).frames[0]
+        (cache,) = [a for a in shipped.omni_accel.report()["applied"] if a["pass"] == "cache"]
+    finally:
+        omni_accel.restore(shipped)
+    assert cache["profile"] == "builtin_video" and cache["coefficients_source"] == "profile", cache
+    assert min(psnr(cached, plain)) >= 25.0

@@ -100,7 +100,13 @@ def _fingerprint(pipe):
     "kwargs, message",
     [
         (dict(quant="fp8", quant_config={"bits": 4}),
-         "quant_config has unknown keys ['bits']; known keys: ['skip', 'measure_error', 'activations', 'scales', 'attention_scales']."),
+         "quant_config has unknown keys ['bits']; known keys: ['skip', 'measure_error', 'activations', 'scales', "
+         "'attention_scales', 'fast_accum']."),
+        (dict(quant="fp8", quant_config={"fast_accum": 1}),
+         "quant_config['fast_accum']=1 must be True or False."),
+        (dict(quant="fp8_weight_only", quant_config={"fast_accum": True}),
+         "quant_config['fast_accum']=True needs quant='fp8': quant='fp8_weight_only' runs bf16 GEMMs, which have no "
+         "FP8 accumulation to speed up. Use quant='fp8', or drop 'fast_accum'."),
         (dict(quant="fp8", quant_config={"measure_error": "yes"}),
          "quant_config['measure_error']='yes' must be True or False."),
         (dict(quant_config={"skip": []}),
@@ -116,6 +122,29 @@ def test_bad_quant_settings_are_refused_before_patching(kwargs, message):
         omni_accel.accelerate(pipe, compile=True, **kwargs)
     assert message in str(info.value)
     assert _fingerprint(pipe) == before and not hasattr(pipe, "omni_accel")
+
+
+def test_fast_accum_is_the_default_of_every_fp8_gemm_and_can_be_turned_off(monkeypatch):
+    pipe, kwargs = tiny_pipeline("flux")
+    seen, scaled_mm = [], torch._scaled_mm
+
+    def spy(*args, **kw):
+        seen.append(kw.get("use_fast_accum"))
+        return scaled_mm(*args, **kw)
+
+    omni_accel.accelerate(pipe, quant="fp8")  # the default
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    run(pipe, kwargs)
+    (quant,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
+    assert quant["fast_accum"] is True
+    assert len(seen) >= quant["layers"] and set(seen) == {True}
+    assert "fast_accum=True" in repr(pipe.transformer.transformer_blocks[0].attn.to_q)
+    omni_accel.restore(pipe)
+    omni_accel.accelerate(pipe, quant="fp8", quant_config={"fast_accum": False})  # fp32 promotion kept
+    seen.clear()
+    run(pipe, kwargs)
+    assert seen and set(seen) == {False}
+    omni_accel.restore(pipe)
 
 
 def test_fp8_without_fp8_matmul_suggests_weight_only(monkeypatch):

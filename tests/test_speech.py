@@ -177,6 +177,23 @@ def test_reply_text_streams_in_pieces_that_join_into_the_whole(tf_pipe):
         tf_pipe.reply(TEXT, cancel=cancel)
 
 
+def _streamed_chat_speaks_first_and_equals(pipe, text, options, whole, on_chunk=lambda: None) -> dict:
+    """Stream the chat, text pieces and audio chunks in the order they come: an audio chunk must come before the
+    last text delta, and the text, codes and waveform must equal ``whole`` (the non-streamed chat). The stats."""
+    events, texts, chunks, stats = [], [], [], {}
+    for chunk in pipe.stream(text, "Ethan", stats=stats, on_text=lambda p: (texts.append(p), events.append("text")),
+                             **options):
+        events.append("audio")
+        chunks.append(chunk)
+        on_chunk()
+    last_text = len(events) - 1 - events[::-1].index("text")
+    assert events.index("audio") < last_text and len(texts) > 1
+    assert "".join(texts) == stats["text"] == whole.text and stats["codes"] == whole.codes
+    wave = torch.cat(chunks)
+    assert wave.shape == whole.waveform.shape and (wave - whole.waveform).abs().max().item() <= 1e-3
+    return stats
+
+
 def test_streamed_chat_speaks_before_the_thinker_ends_and_equals_the_whole(tf_pipe):
     """Streamed chat on the transformers engines: the talker runs behind the thinker (its step j once the thinker
     has read reply token j + 1), so an audio chunk comes while the thinker still writes -- held here at its 30th
@@ -189,7 +206,7 @@ def test_streamed_chat_speaks_before_the_thinker_ends_and_equals_the_whole(tf_pi
     whole = tf_pipe.generate(text, "Ethan", **options)
     assert len(whole.thinker_ids) == 40 and len(whole.codes) == 48  # a long reply, all codes used
     audio_seen = threading.Event()
-    released, passes, events, texts, chunks, stats = [], [0], [], [], [], {}
+    released, passes = [], [0]
 
     def hold(module, args, kwargs):
         passes[0] += 1
@@ -198,19 +215,10 @@ def test_streamed_chat_speaks_before_the_thinker_ends_and_equals_the_whole(tf_pi
 
     handle = tf_pipe.thinker.model.register_forward_pre_hook(hold, with_kwargs=True)
     try:
-        for chunk in tf_pipe.stream(text, "Ethan", stats=stats, on_text=lambda p: (texts.append(p),
-                                                                                     events.append("text")), **options):
-            events.append("audio")
-            chunks.append(chunk)
-            audio_seen.set()
+        _streamed_chat_speaks_first_and_equals(tf_pipe, text, options, whole, on_chunk=audio_seen.set)
     finally:
         handle.remove()
     assert released == [True] and passes[0] == 40
-    last_text = len(events) - 1 - events[::-1].index("text")
-    assert events.index("audio") < last_text and len(texts) > 1
-    assert "".join(texts) == stats["text"] == whole.text and stats["codes"] == whole.codes
-    wave = torch.cat(chunks)
-    assert wave.shape == whole.waveform.shape and (wave - whole.waveform).abs().max().item() <= 1e-3
     cancel = threading.Event()
     with pytest.raises(SpeechCancelled):
         for _ in tf_pipe.stream(text, "Ethan", cancel=cancel, **options):
@@ -277,6 +285,53 @@ def test_vllm_image_and_audio_inputs_equal_transformers(vllm_pipe, tf_pipe, monk
     assert a.text != vllm_pipe.reply(TEXT, max_text_tokens=10)[0]  # the media change the answer
     seen = vllm_pipe.reply(TEXT, max_text_tokens=10, images=[image])
     assert seen == tf_pipe.reply(TEXT, max_text_tokens=10, images=[image])
+    stats = {}  # streamed: the talker behind the thinker, the pooled states over the media prompt
+    chunks = list(vllm_pipe.stream(TEXT, "Ethan", **kwargs, images=[image], audios=[tone], stats=stats))
+    assert stats["codes"] == a.codes and stats["text"] == a.text
+    _close(torch.cat(chunks), a.waveform, 1e-3)
+
+
+@needs_vllm
+def test_vllm_streamed_chat_speaks_before_the_thinker_ends_and_equals_the_whole(vllm_pipe, monkeypatch):
+    """Streamed chat on the vLLM engines: the thinker, the pooling passes over the reply so far and the talker take
+    turns (one thinker token per talker step), so an audio chunk comes before the last text delta. Text, codes and
+    waveform equal the non-streamed chat (one pooling pass over the whole reply); a cancel mid-stream stops the
+    thinker's and the talker's requests."""
+    from omni_accel.ar_bridge.speech import SpeechCancelled
+
+    text = "there dog about how red story when why"  # the tiny thinker's text grows to its 40th token with it
+    options = dict(mode="chat", max_codes=48, max_text_tokens=40, sampling=GREEDY, seed=3)
+    whole = vllm_pipe.generate(text, "Ethan", **options)
+    assert len(whole.thinker_ids) == 40 and len(whole.codes) == 48  # a long reply, all codes used
+    passes = []
+    states = vllm_pipe.thinker.states
+    monkeypatch.setattr(vllm_pipe.thinker, "states", lambda ids, media=None: passes.append(len(ids)) or states(ids))
+    stats = _streamed_chat_speaks_first_and_equals(vllm_pipe, text, options, whole)
+    n = stats["prompt_tokens"]  # passes over the prompt and a growing part of the reply, every 8 tokens or more
+    assert len(passes) > 2 and passes == sorted(passes) and passes[-1] == n + 39 and passes[0] < n + 8
+    cancel = threading.Event()
+    with pytest.raises(SpeechCancelled):
+        for _ in vllm_pipe.stream(text, "Ethan", cancel=cancel, **options):
+            cancel.set()
+    for engine in (vllm_pipe.thinker.gen, vllm_pipe.talker.engine):
+        assert not engine._live().llm_engine.has_unfinished_requests()
+    assert vllm_pipe.reply(TEXT, max_text_tokens=4)[1] == 4  # the pipeline is free
+
+
+def test_talker_reply_slot_refuses_a_row_not_written_yet():
+    from omni_accel.ar_bridge.omni_qwen2_5 import TalkerReply
+
+    embeds = torch.zeros(2, 3)
+    with TalkerReply.lock:
+        try:
+            TalkerReply.rows, TalkerReply.start, TalkerReply.complete = torch.ones(2, 3), 5, False
+            assert TalkerReply.add(embeds, torch.tensor([5, 6])).sum().item() == 6  # rows 0 and 1 are in
+            with pytest.raises(RuntimeError, match=r"the talker read reply row 2 before the thinker wrote it"):
+                TalkerReply.add(embeds, torch.tensor([6, 7]))
+            TalkerReply.complete = True  # the whole reply: its last row repeats
+            assert TalkerReply.add(embeds, torch.tensor([9, 10])).sum().item() == 6
+        finally:
+            TalkerReply.rows, TalkerReply.start, TalkerReply.complete = None, 0, True
 
 
 @needs_vllm
@@ -338,6 +393,8 @@ def test_bad_model_folder(tmp_path):
         SpeechPipeline(tmp_path, engine="transformers")
     with pytest.raises(AccelError, match=r"engine='tpu' is not known; use 'vllm' or 'transformers'"):
         SpeechPipeline(tmp_path, engine="tpu")
+    with pytest.raises(AccelError, match=r"states_every=0 must be an int >= 1 \(reply tokens between the vLLM"):
+        SpeechPipeline(tmp_path, states_every=0)
 
 
 @needs_vllm

@@ -306,24 +306,34 @@ class MediaTowers:
         self.audio_token, self.image_token = thinker.audio_token_index, thinker.image_token_index
         self.thinker_rule = _rope_rule(thinker, thinker.vision_config.spatial_merge_size)
         self.talker_rule = _rope_rule(talker, talker.spatial_merge_size)
+        self._last: tuple[ThinkerMedia, tuple] | None = None  # the latest request's media and tower outputs
 
-    @torch.no_grad()
     def embeds(self, ids: Sequence[int], media: ThinkerMedia) -> torch.Tensor:
         """The thinker's input rows [len(ids), hidden] for a prompt (+ reply) holding ``media``'s placeholders."""
         ids_t = torch.tensor(list(ids))
         rows = self.embed(ids_t).clone()
-        inputs = media.thinker_inputs
+        for token, features in zip((self.audio_token, self.image_token), self._features(media)):
+            if features is not None:
+                rows[ids_t == token] = features.to(rows.dtype)
+        return rows
+
+    @torch.no_grad()
+    def _features(self, media: ThinkerMedia) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(audio rows, image rows) of ``media``, computed once per request: streamed chat pools its prompt again
+        every few reply tokens."""
+        if self._last is not None and self._last[0] is media:
+            return self._last[1]
+        inputs, audio, image = media.thinker_inputs, None, None
         if "input_features" in inputs:
             mask = inputs["feature_attention_mask"]
             lengths = mask.sum(-1)
             features = inputs["input_features"].permute(0, 2, 1)[mask.bool()].permute(1, 0)
             after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)
             audio = self.audio(features, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
-            rows[ids_t == self.audio_token] = audio.to(rows.dtype)
         if "pixel_values" in inputs:
             image = self.vision(inputs["pixel_values"].float(), grid_thw=inputs["image_grid_thw"]).pooler_output
-            rows[ids_t == self.image_token] = image.to(rows.dtype)
-        return rows
+        self._last = (media, (audio, image))
+        return audio, image
 
     @staticmethod
     def _positions(rule: Any, ids: Sequence[int], inputs: dict) -> tuple[torch.Tensor, int]:
@@ -355,11 +365,14 @@ class MRopePositions:
 
     @contextlib.contextmanager
     def holding(self, positions: torch.Tensor | None, delta: int = 0) -> Iterator[None]:
+        """Park ``positions`` while the block runs (then what was parked before: a pooling pass may run while the
+        thinker's own request is in flight, streamed with the talker behind it)."""
+        before = self.positions, self.delta
         self.positions, self.delta = positions, int(delta)
         try:
             yield
         finally:
-            self.positions, self.delta = None, 0
+            self.positions, self.delta = before
 
     def get(self, n: int) -> tuple[torch.Tensor, int]:
         """Positions [3, n] and delta for a prompt of ``n`` tokens (a request vLLM resumes after preempting it has
@@ -451,14 +464,16 @@ class TalkerReply:
 
     vLLM's model forward sees only token embeddings and positions, not per-request data; the engine runs in this
     process, so the pipeline parks the rows here for the one request it runs at a time (speech.py holds a lock).
-    Position ``p >= start`` gets row ``min(p - start, len - 1)``; prompt rows (``p < start``) get nothing. With
-    M-RoPE positions from a media prompt, ``start`` is the prompt's length plus its M-RoPE delta: the first decode
-    position, above every prompt position on every axis.
+    Position ``p >= start`` gets row ``min(p - start, len - 1)``; prompt rows (``p < start``) get nothing. While the
+    rows still grow (``complete`` false: the talker runs behind the thinker) a read past them is an error, not the
+    last row repeated. With M-RoPE positions from a media prompt, ``start`` is the prompt's length plus its M-RoPE
+    delta: the first decode position, above every prompt position on every axis.
     """
 
     lock = threading.Lock()  # held by the request that fills the slot
     rows: torch.Tensor | None = None
     start: int = 0
+    complete: bool = True
 
     @classmethod
     def add(cls, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -470,7 +485,11 @@ class TalkerReply:
         decode = positions >= cls.start
         if not bool(decode.any()):
             return embeds
-        index = (positions[decode] - cls.start).clamp(max=rows.shape[0] - 1)
+        index = positions[decode] - cls.start
+        if not cls.complete and int(index.max()) >= rows.shape[0]:
+            raise RuntimeError(f"the talker read reply row {int(index.max())} before the thinker wrote it (rows "
+                               f"0..{rows.shape[0] - 1} are in)")
+        index = index.clamp(max=rows.shape[0] - 1)
         embeds = embeds.clone()
         embeds[decode] += rows.to(embeds.device, embeds.dtype)[index]
         return embeds

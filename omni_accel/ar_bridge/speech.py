@@ -8,10 +8,11 @@
 
 Text-to-speech drives the talker from the text directly: the text is put in the thinker's reply (teacher forcing),
 so one thinker prefill gives the states the talker reads and the speech says exactly the text. Chat mode lets the
-thinker write the reply first; streamed on the transformers engines, the talker runs behind the thinker a step at a
-time (``_codes_behind``). Engines: ``engine="vllm"`` runs the thinker (its LM exported as a Qwen2 decoder with
-M-RoPE; a generate engine for chat, a pooling engine for hidden states; image / audio prompts as prompt embeds from
-the checkpoint's towers) and the talker (out-of-tree model, omni_qwen2_5.py) on vLLM in this
+thinker write the reply first; streamed, the talker runs behind the thinker a step at a time (``_codes_behind``: on
+transformers beside the thinker's thread, on vLLM taking turns with it and with pooling passes over the reply so
+far). Engines: ``engine="vllm"`` runs the thinker (its LM exported as a Qwen2 decoder with M-RoPE; a generate
+engine for chat, a pooling engine for hidden states; image / audio prompts as prompt embeds from the checkpoint's
+towers) and the talker (out-of-tree model, omni_qwen2_5.py) on vLLM in this
 process; ``engine="transformers"`` runs transformers' own thinker and talker modules. Token2wav always runs the
 transformers DiT and BigVGAN modules (``compile=True`` compiles the DiT blocks regionally, as omni_accel's compile
 pass does). Requests run one at a time (a lock): the vLLM talker reads its per-step inputs from a process-wide slot.
@@ -370,9 +371,12 @@ class _VLLMTalker:
         self.engine = VLLMEngine(export, runner="generate", tokenizer=_NoTokenizer(), enable_prompt_embeds=True,
                                  skip_tokenizer_init=True, **engine_kwargs)
 
-    def stream(self, prompt: torch.Tensor, reply: torch.Tensor, text_ids: list[int], max_new_tokens: int,
-               sampling: dict, seed: int | None, min_new_tokens: int = 0,
+    def stream(self, prompt: torch.Tensor, reply: torch.Tensor | Callable[[int], tuple[torch.Tensor, bool]],
+               text_ids: list[int], max_new_tokens: int, sampling: dict, seed: int | None, min_new_tokens: int = 0,
                media: family.ThinkerMedia | None = None) -> Iterator[int]:
+        """The codes; ``reply`` is the reply rows, or ``rows(j)``: (the rows up to reply row j at least, whether
+        they are complete), called before each engine step with j one past the row that step's forward reads (an
+        engine with async scheduling runs one forward ahead) -- the talker then runs behind the thinker."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -384,7 +388,6 @@ class _VLLMTalker:
         rows[-1] += self.codec_embed[lay.codec_bos].to(rows.dtype)
         with torch.no_grad():
             embeds = self.proj(rows)
-            reply_rows = reply @ self.proj.weight.T  # the bias is in the folded embedding table already
         temperature = float(sampling.get("temperature", 0.0))
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                 top_k=int(sampling.get("top_k", 0)) if temperature > 0 else 0,
@@ -392,26 +395,60 @@ class _VLLMTalker:
                                 repetition_penalty=float(sampling.get("repetition_penalty", 1.0)),
                                 stop_token_ids=list(lay.codec_stops), detokenize=False,
                                 min_tokens=min_new_tokens, output_kind=RequestOutputKind.DELTA)
+        slot = _ProjectedReply(reply, self.proj.weight)
         # media prompts: transformers' 3-D positions; the first decode position is then the prompt length + delta
         positions = self.towers().talker_positions(text_ids, media) if media is not None else (None, 0)
         family.TalkerReply.lock.acquire()  # the slot is process-wide: one talker request at a time
-        family.TalkerReply.rows, family.TalkerReply.start = reply_rows.float(), embeds.shape[0] + positions[1]
+        family.TalkerReply.start = embeds.shape[0] + positions[1]
         outputs = stream_outputs(self.engine._live().llm_engine, "omni-accel-talker", {"prompt_embeds": embeds},
                                  params)
+        codes = 0
         try:
             with family.TALKER_POSITIONS.holding(*positions):  # read when the first step adds the request
-                for out in outputs:
+                while True:
+                    slot.fill(codes)  # decode step j reads reply row j: after j + 1 codes, row j + 1 covers one ahead
+                    out = next(outputs, None)
+                    if out is None:
+                        return
                     for token in out.token_ids:
                         if token in lay.codec_stops:
                             return
+                        codes += 1
                         yield int(token)
         finally:
             outputs.close()  # aborts the request unless it finished
-            family.TalkerReply.rows = None
+            family.TalkerReply.rows, family.TalkerReply.complete = None, True
             family.TalkerReply.lock.release()
 
     def close(self) -> None:
         self.engine.close()
+
+
+class _ProjectedReply:
+    """The reply rows of one vLLM talker request, projected (``W row``; the projection's bias is in the folded
+    embedding table) and parked in ``TalkerReply`` for its forward: all at once, or growing as the thinker writes
+    (then only the new rows are projected, and the slot is marked incomplete so a read past them fails loudly)."""
+
+    def __init__(self, reply: torch.Tensor | Callable[[int], tuple[torch.Tensor, bool]], weight: torch.Tensor):
+        self.source = reply if callable(reply) else None
+        self.weight = weight
+        self.projected = torch.zeros(0, weight.shape[0])
+        self.complete = False
+        if self.source is None:
+            self._take(reply, True)
+
+    def _take(self, rows: torch.Tensor, complete: bool) -> None:
+        new = rows[self.projected.shape[0]:]
+        if new.shape[0]:
+            with torch.no_grad():
+                self.projected = torch.cat([self.projected, (new @ self.weight.T).float()])
+        self.complete = complete
+
+    def fill(self, step: int) -> None:
+        """Put the rows up to reply row ``step`` (at least) in the slot; call it holding TalkerReply.lock."""
+        if self.source is not None and not self.complete:
+            self._take(*self.source(step))
+        family.TalkerReply.rows, family.TalkerReply.complete = self.projected, self.complete
 
 
 class _NoTokenizer:
@@ -591,6 +628,84 @@ class _ThinkerRun:
         self.thread.join()
 
 
+class _PooledFeed:
+    """The talker's rows when the thinker runs on vLLM, for a vLLM talker that runs behind it. vLLM's generate engine
+    gives tokens, not states, so the states come from the pooling engine over the prompt and the reply read so far:
+    a causal LM's state of a token depends only on the tokens before it, so a pass over a prefix gives the rows one
+    pass over the whole reply would (the same kernels on a shorter input: tested equal codes). A pass runs when the
+    talker needs a row not pooled yet, the thinker has read it, and ``every`` tokens have been read since the last
+    pass (or the thinker ended): about n / every passes over a reply of n tokens. vLLM engines in one process share
+    module-level state (the forward context), so the thinker's steps, the pooling passes and the talker's steps all
+    run on the caller's thread, interleaved: ``reply_rows`` (called before each talker step) lets the thinker write
+    one more token first. Stands in for _ThinkerRun with ``result`` and ``stop``."""
+
+    def __init__(self, tokens: Iterator[int], states: Callable[[list[int]], torch.Tensor],
+                 embed: Callable[[torch.Tensor], torch.Tensor], prompt_ids: list[int], every: int,
+                 tail: Sequence[torch.Tensor], check: Callable[[list[int]], list[int]]):
+        self.tokens = tokens
+        self.states = states
+        self.embed = embed
+        self.prompt_ids = list(prompt_ids)
+        self.n_prompt = len(prompt_ids)
+        self.every = every
+        self.tail = torch.stack(list(tail))
+        self.check = check              # refuses a reply with no text to speak
+        self.ids: list[int] = []        # the reply written so far
+        self.joined = torch.zeros(0, self.tail.shape[1])  # state + embedding of each token pooled so far
+        self.done = False
+
+    @property
+    def read(self) -> int:
+        """Tokens the thinker has read: the prompt, then every reply token but the last written (it reads a token
+        back when it writes the next; the last one is never read)."""
+        return self.n_prompt + max(len(self.ids) - 1, 0)
+
+    def step(self) -> None:
+        """One thinker token (its text goes to on_text as it comes)."""
+        if self.done:
+            return
+        try:
+            self.ids.append(next(self.tokens))
+        except StopIteration:
+            self.done = True
+            self.check(self.ids)
+
+    def _pool(self) -> None:
+        seen = self.prompt_ids + self.ids[:-1]
+        self.joined = self.states(seen) + self.embed(torch.tensor(seen))
+
+    def rows(self, count: int) -> torch.Tensor:
+        """The first ``count`` joined rows (prompt, then reply tokens), or all of them once the thinker has ended
+        with fewer; writes and pools as needed."""
+        while self.joined.shape[0] < count and not (self.done and self.joined.shape[0] == self.read):
+            if self.done or (self.read >= count and self.read - self.joined.shape[0] >= self.every):
+                self._pool()
+            else:
+                self.step()
+        return self.joined[:count]
+
+    def reply_rows(self, step: int) -> tuple[torch.Tensor, bool]:
+        """(reply rows 0..step at least, complete): reply row j is reply token j + 1's, then the tail (the text eos
+        and pad rows; ``complete`` once it is in -- its last row then repeats). The thinker writes one token first,
+        so the text goes on while the talker speaks."""
+        self.step()
+        joined = self.rows(self.n_prompt + step + 2)
+        complete = self.done and joined.shape[0] == self.read
+        reply = joined[self.n_prompt + 1:]
+        return (torch.cat([reply, self.tail]) if complete else reply), complete
+
+    def result(self) -> list[int]:
+        """The whole reply: the thinker writes to its end (the talker may have ended first)."""
+        while not self.done:
+            self.step()
+        return self.ids
+
+    def stop(self) -> None:
+        """Stop the thinker (its vLLM request is aborted)."""
+        self.done = True
+        self.tokens.close()
+
+
 # -- the pipeline -------------------------------------------------------------------------------------------
 def match_voice(voices: list[str], voice: str | None) -> str:
     """The voice of ``voices`` that ``voice`` names (case-insensitive; None: the first), or AccelError."""
@@ -608,8 +723,12 @@ class SpeechPipeline:
 
     def __init__(self, path: str | os.PathLike, *, engine: str = "vllm", thinker_engine: str | None = None,
                  talker_engine: str | None = None, chat: bool = True, compile: bool = False, num_steps: int = 10,
-                 guidance_scale: float = 0.5, vllm_kwargs: dict | None = None):
+                 guidance_scale: float = 0.5, vllm_kwargs: dict | None = None, states_every: int = 8):
         path = str(path)
+        if isinstance(states_every, bool) or not isinstance(states_every, int) or states_every < 1:
+            raise AccelError(f"states_every={states_every!r} must be an int >= 1 (reply tokens between the vLLM "
+                             "thinker's pooling passes while the talker runs behind it).")
+        self.states_every = states_every
         thinker_engine, talker_engine = thinker_engine or engine, talker_engine or engine
         for name, value in (("engine", engine), ("thinker_engine", thinker_engine), ("talker_engine", talker_engine)):
             if value not in ENGINES:
@@ -761,15 +880,19 @@ class SpeechPipeline:
 
     def _feed(self, prompt_ids: list[int], media: Any) -> _ReplyFeed | None:
         """A feed of the thinker's own states during its generate() (the transformers thinker; None on vLLM, whose
-        pooling engine gives the states after the reply)."""
+        states come from its pooling engine)."""
         if self.engines["thinker"] != "transformers":
             return None
+        return _ReplyFeed(len(prompt_ids), self._input_rows(media))
+
+    def _input_rows(self, media: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The thinker's input embeddings of token ids as the talker reads them (media positions zeroed)."""
 
         def embed(ids: torch.Tensor) -> torch.Tensor:
             rows = self.embed(ids)
             return family.zero_media_rows(rows, ids.tolist(), self.layout) if media is not None else rows
 
-        return _ReplyFeed(len(prompt_ids), embed)
+        return embed
 
     def _talker_inputs(self, prompt_ids: list[int], reply_ids: list[int], voice: str, media: Any = None,
                        feed: _ReplyFeed | None = None):
@@ -797,19 +920,36 @@ class SpeechPipeline:
         """The thinker's reply ids (the stop token included); ``on_text`` gets the reply's text in pieces as the
         tokens come (pieces that join into ``_reply_text(ids)``; a piece never ends inside a UTF-8 character);
         ``feed`` gets the thinker's states as it computes them."""
+        return list(self._reply_tokens(prompt_ids, max_text_tokens, media, on_text, cancel, feed))
+
+    def _reply_tokens(self, prompt_ids: list[int], max_text_tokens: int, media: Any = None,
+                      on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+                      feed: _ReplyFeed | None = None) -> Iterator[int]:
+        """``_thinker_reply``'s ids one at a time, as the thinker writes them (one thinker step per id)."""
         ids: list[int] = []
         shown = ""
         tokens = self.thinker.stream(prompt_ids, max_text_tokens, self.layout.text_eos, media,
                                      **({"on_states": feed.add} if feed is not None else {}))
-        for token in _stop_when_set(cancel, tokens, "thinker"):
-            ids.append(token)
-            if on_text is not None:
-                text = self._reply_text(ids)
-                if len(text) > len(shown) and text.startswith(shown) and not text.endswith("\ufffd"):
-                    on_text(text[len(shown):])
-                    shown = text
+        steps = _stop_when_set(cancel, tokens, "thinker")
+        try:
+            for token in steps:
+                ids.append(token)
+                if on_text is not None:
+                    text = self._reply_text(ids)
+                    if len(text) > len(shown) and text.startswith(shown) and not text.endswith("\ufffd"):
+                        on_text(text[len(shown):])
+                        shown = text
+                yield token
+        finally:  # a consumer that stops early stops the thinker (a vLLM request is aborted)
+            steps.close()
         if on_text is not None and self._reply_text(ids) != shown:
             on_text(self._reply_text(ids)[len(shown):])
+
+    def _check_reply(self, ids: list[int]) -> list[int]:
+        """``ids`` (the thinker's reply), or AccelError when it holds nothing to speak."""
+        if not ids or (len(ids) == 1 and ids[0] in self.layout.text_eos):
+            raise AccelError("the thinker answered with no text to speak; try another prompt or more "
+                             "max_text_tokens.")
         return ids
 
     def _reply_ids(self, text: str, mode: str, prompt_ids: list[int], max_text_tokens: int, media: Any = None,
@@ -822,11 +962,7 @@ class SpeechPipeline:
                 raise AccelError("input text is empty; give the text to speak.")
             return ids + [eos[0]]
         if mode == "chat":
-            ids = self._thinker_reply(prompt_ids, max_text_tokens, media, on_text, cancel, feed)
-            if not ids or (len(ids) == 1 and ids[0] in eos):
-                raise AccelError("the thinker answered with no text to speak; try another prompt or more "
-                                 "max_text_tokens.")
-            return ids
+            return self._check_reply(self._thinker_reply(prompt_ids, max_text_tokens, media, on_text, cancel, feed))
         raise AccelError(f"mode={mode!r} is not known; use 'tts' (speak the text) or 'chat' (answer, then speak).")
 
     def _codes(self, text: str, voice: str | None, mode: str, max_codes: int, max_text_tokens: int,
@@ -855,15 +991,17 @@ class SpeechPipeline:
         return voice, reply_ids, _stop_when_set(cancel, codes)
 
     def _talker_behind(self, mode: str) -> bool:
-        """Whether a streamed request runs the talker behind the thinker (both on transformers, chat mode)."""
-        return mode == "chat" and self.engines == {"thinker": "transformers", "talker": "transformers"}
+        """Whether a streamed request runs the talker behind the thinker (chat mode, both stages on one engine)."""
+        return mode == "chat" and self.engines["thinker"] == self.engines["talker"]
 
     def _codes_behind(self, text: str, voice: str | None, max_codes: int, max_text_tokens: int,
                       sampling: dict | None, seed: int | None, timings: dict, min_codes: int,
                       cancel: threading.Event | None, context: dict, on_text: Callable[[str], None] | None):
-        """As ``_codes`` in chat mode, with the thinker writing on a thread of its own and the talker taking each
-        step once the thinker has read the reply token that step needs (the talker's prompt needs reply token 0,
-        its step j token j + 1). Returns (voice, the thinker's run, the codes)."""
+        """As ``_codes`` in chat mode, with the talker taking each step once the thinker has read the reply token
+        that step needs (the talker's prompt needs reply token 0, its step j token j + 1). On transformers the
+        thinker writes on a thread of its own and hands over the states its generate() computes; on vLLM the thinker,
+        pooling passes and talker take turns on this thread (_PooledFeed). Returns (voice, the thinker's run, the
+        codes)."""
         voice = self.resolve_voice(voice)
         if max_codes < 1:
             raise AccelError(f"max_codes={max_codes} must be >= 1.")
@@ -871,16 +1009,27 @@ class SpeechPipeline:
         t0 = time.perf_counter()
         prompt_ids, media = self.prompt(text, **context)
         timings["prompt_tokens"] = n = len(prompt_ids)
-        feed = self._feed(prompt_ids, media)
         spk_bos, bos_e, eos_e, pad_e = self._speaker_rows(voice)
-        run = _ThinkerRun(lambda halt: self._reply_ids(text, "chat", prompt_ids, max_text_tokens, media, on_text,
-                                                       _Either(cancel, halt), feed), feed, (eos_e, pad_e))
+        if self.engines["thinker"] == "transformers":
+            feed = self._feed(prompt_ids, media)
+            run = _ThinkerRun(lambda halt: self._reply_ids(text, "chat", prompt_ids, max_text_tokens, media, on_text,
+                                                           _Either(cancel, halt), feed), feed, (eos_e, pad_e))
+            reply: Callable = feed.row
+        else:
+            run = _PooledFeed(self._reply_tokens(prompt_ids, max_text_tokens, media, on_text, cancel),
+                              lambda ids: self.thinker.states(ids, media), self._input_rows(media), prompt_ids,
+                              self.states_every, (eos_e, pad_e), self._check_reply)
+            reply = run.reply_rows
         try:
-            feed.wait_prompt()
-            prompt, _ = family.talker_rows(torch.stack(feed.rows[:n + 1]), n, bos_e, eos_e, pad_e)
+            if isinstance(run, _PooledFeed):
+                joined, first = run.rows(n + 1), run.ids[:1]
+            else:
+                feed.wait_prompt()
+                joined, first = torch.stack(feed.rows[:n + 1]), feed.ids[n:n + 1]
+            prompt, _ = family.talker_rows(joined, n, bos_e, eos_e, pad_e)
             timings["thinker_s"] = round(time.perf_counter() - t0, 4)  # until the talker could start
             sampling = dict(family.TALKER_SAMPLING if sampling is None else sampling)
-            codes = self.talker.stream(prompt, feed.row, prompt_ids + [spk_bos, feed.ids[n]], max_codes, sampling,
+            codes = self.talker.stream(prompt, reply, prompt_ids + [spk_bos] + first, max_codes, sampling,
                                        seed, min(min_codes, max_codes), media)
         except BaseException:
             run.stop()
@@ -958,10 +1107,11 @@ class SpeechPipeline:
                on_text: Callable[[str], None] | None = None, **chunking: Any) -> Iterator[torch.Tensor]:
         """Waveform chunks (float32) as the talker's codes arrive; ``stats`` gets prompt_tokens and the reply ``text``
         (before the first chunk; at the end when the talker runs behind the thinker), then first_chunk_s, codes,
-        chunks. In chat mode ``on_text`` gets the reply's text in pieces while the thinker writes it. On the
-        transformers engines the talker runs behind the thinker (its step j once the thinker has read reply token
-        j + 1; ``on_text`` is then called from the thinker's thread), so chunks can come before the text ends; on
-        vLLM the talker starts from the whole reply, after all the text.
+        chunks. In chat mode ``on_text`` gets the reply's text in pieces while the thinker writes it, and with both
+        stages on one engine the talker runs behind the thinker (its step j once the thinker has read reply token
+        j + 1), so chunks can come before the text ends: on transformers ``on_text`` is then called from the
+        thinker's thread; on vLLM from this one, the thinker writing one token per talker step (``states_every``).
+        With one stage on each engine the talker starts from the whole reply, after all the text.
         ``cancel``: set it to stop before the next thinker or talker step or chunk (SpeechCancelled); closing the
         generator early stops the talker too. ``images`` / ``audios``: as in ``generate``."""
         check_speed(speed)

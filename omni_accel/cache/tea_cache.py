@@ -394,7 +394,7 @@ def published_for(adapter, pipe):
 
 def _builtin_profile(pipe) -> str | None:
     """The name of the shipped profile of the project's own model this pipeline was loaded from, if any (the image
-    model's "builtin"; "builtin_video" once one is calibrated for the video model's weights)."""
+    model's "builtin", the video model's "builtin_video")."""
     import os
 
     from ..builtin import builtin_model_path, builtin_video_model_path
@@ -575,6 +575,6 @@ class TeaCacheBackend(CacheBackend):
             "regions": [r.block_list for r in self._regions(ctx.adapter)],
             "modulated_input": spec.modulated_input,
         }
-        if opts["profile"] is not None and not isinstance(opts["profile"], dict):
-            details["profile"] = str(opts["profile"])
+        if profile_name is not None and not isinstance(profile_name, dict):
+            details["profile"] = str(profile_name)  # given, or the shipped profile of the project's own model
         return undo, details, controller

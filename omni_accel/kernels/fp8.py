@@ -116,8 +116,11 @@ def fp8_matmul_support(device: torch.device) -> tuple[bool, str]:
 class Fp8Linear(torch.nn.Module):
     """Drop-in for ``nn.Linear`` holding an e4m3 weight and one fp32 scale per output channel."""
 
-    def __init__(self, linear: torch.nn.Linear, mode: Fp8Mode):
+    def __init__(self, linear: torch.nn.Linear, mode: Fp8Mode, fast_accum: bool = False):
         super().__init__()
+        # Hopper's FP8 tensor cores accumulate in reduced precision unless the GEMM promotes the partial sums to
+        # fp32 every few k-steps; ``fast_accum`` skips that promotion (the quant pass's default: see quant.py).
+        self.fast_accum = fast_accum
         weight = linear.weight.detach()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -142,7 +145,7 @@ class Fp8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
-                f"activations={self.activations}")
+                f"activations={self.activations}" + (", fast_accum=True" if self.fast_accum else ""))
 
     def observe(self) -> None:
         """Start recording the largest |input| (dynamic quantization meanwhile); ``freeze`` turns it into the
@@ -188,7 +191,8 @@ class Fp8Linear(torch.nn.Module):
         # cuBLASLt's row-wise-scaled FP8 GEMM writes bf16; fp32 callers (CPU tests) get the result cast back.
         out_dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         y = torch._scaled_mm(
-            x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=out_dtype
+            x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=out_dtype,
+            use_fast_accum=self.fast_accum,
         )
         return y.to(x2.dtype)
 
