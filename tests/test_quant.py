@@ -89,6 +89,7 @@ def test_family_skip_list_keeps_modulation_linears_and_users_can_extend_it():
     assert isinstance(t.x_embedder, torch.nn.Linear) and isinstance(t.proj_out, torch.nn.Linear)  # outside blocks
     assert quant["skipped"]["transformer_blocks.0.ff.net.2"] == "skip pattern '*.ff.net.2'"
     assert quant["skipped"]["transformer_blocks.0.norm1.linear"] == "skip pattern '*.norm1.linear'"
+    assert quant["fast_accum"] is False  # weight-only layers run bf16 GEMMs: no FP8 accumulation
     omni_accel.restore(pipe)
 
 

@@ -34,6 +34,7 @@ its forward -- prompt embeds carry the projected prompt. It takes M-RoPE positio
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -495,15 +496,9 @@ class TalkerReply:
         return embeds
 
 
-_REGISTERED = False
-_THINKER_REGISTERED = False
-
-
+@functools.cache  # once per process
 def register_thinker() -> None:
     """Register the thinker architecture with vLLM's model registry (once per process)."""
-    global _THINKER_REGISTERED
-    if _THINKER_REGISTERED:
-        return
     from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces import SupportsMRoPE
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -515,14 +510,11 @@ def register_thinker() -> None:
             return THINKER_POSITIONS.get(len(input_tokens))
 
     ModelRegistry.register_model(THINKER_ARCH, OmniAccelQwen2_5OmniThinker)
-    _THINKER_REGISTERED = True
 
 
+@functools.cache  # once per process
 def register_talker() -> None:
     """Register the talker architecture with vLLM's model registry (once per process)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
     from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces import SupportsMRoPE
     from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -551,4 +543,3 @@ def register_talker() -> None:
             return logits
 
     ModelRegistry.register_model(TALKER_ARCH, OmniAccelQwen2_5OmniTalker)
-    _REGISTERED = True

@@ -905,10 +905,7 @@ class SpeechPipeline:
                                    "reply but the last")
             joined = torch.stack(feed.rows)
         else:
-            embeds = self.embed(torch.tensor(seen))
-            if media is not None:
-                embeds = family.zero_media_rows(embeds, seen, self.layout)
-            joined = self.thinker.states(seen, media) + embeds
+            joined = self.thinker.states(seen, media) + self._input_rows(media)(torch.tensor(seen))
         spk_bos, bos_e, eos_e, pad_e = self._speaker_rows(voice)
         prompt, reply = family.talker_rows(joined, len(prompt_ids), bos_e, eos_e, pad_e)
         text_ids = prompt_ids + [spk_bos, reply_ids[0]]

@@ -10,7 +10,7 @@ its parameter, so the checkpoint loads unchanged. Registered in-process (the eng
 
 from __future__ import annotations
 
-_REGISTERED = False
+import functools
 
 BASES = {  # export family -> (vLLM module, class)
     "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
@@ -48,11 +48,9 @@ def _make(base_cls):
     return NoNorm
 
 
+@functools.cache  # once per process
 def register_models() -> None:
     """Register the no-final-norm architectures with vLLM's model registry (once per process)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
     import importlib
 
     from vllm import ModelRegistry
@@ -60,4 +58,3 @@ def register_models() -> None:
     for family, (module, name) in BASES.items():
         base = getattr(importlib.import_module(module), name)
         ModelRegistry.register_model(no_norm_arch(family), _make(base))
-    _REGISTERED = True

@@ -35,7 +35,8 @@ QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attentio
 ACTIVATION_MODES = ("dynamic", "static")
 # FP8 attention's q / k / v scales beside static linears: per call (default) or calibrated with the linears. Per call
 # is the default because calibrated attention scales lowered the built-in model's worst held-out image from 30.4 to
-# 24.7 dB (benchmarks/results/fp8_quality_attention_scales.json) and their GPU speed is not measured yet.
+# 24.7 dB (benchmarks/results/fp8_quality_attention_scales.json), for 3-4 ms of a FLUX step's kernel time on an H200
+# (benchmarks/results/bench_peers_h200_flux_fastaccum_20261204.json).
 ATTENTION_SCALE_MODES = ("static", "dynamic")
 # FP8 GEMMs without fp32 promotion of the partial sums (what torchao's float8 inference does too): on an H200 the
 # FLUX-shaped FP8 GEMMs took 7 % less time with the output error unchanged (rel. err vs bf16 0.01859 with, 0.0186
@@ -312,7 +313,8 @@ class QuantPass(AccelPass):
     def apply(self, ctx: PassContext) -> None:
         mode = MODES[ctx.config.quant]
         measure = bool((ctx.config.quant_config or {}).get("measure_error", False))
-        fast_accum = bool((ctx.config.quant_config or {}).get("fast_accum", DEFAULT_FAST_ACCUM))
+        # weight-only layers run bf16 GEMMs: no FP8 accumulation to speed up, so none is reported either
+        fast_accum = mode == "w8a8" and bool((ctx.config.quant_config or {}).get("fast_accum", DEFAULT_FAST_ACCUM))
         for tname, transformer in ctx.adapter.transformers_of(ctx.pipe):
             chosen, skipped = _plan(ctx, transformer)
             swapped = []  # (parent, attr, original module, original weight device)
