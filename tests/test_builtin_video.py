@@ -238,3 +238,17 @@ def test_tea_cache_on_the_shipped_video_model_uses_its_calibrated_profile(shippe
         omni_accel.restore(shipped)
     assert cache["profile"] == "builtin_video" and cache["coefficients_source"] == "profile", cache
     assert min(psnr(cached, plain)) >= 25.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--vae-short-frames", "8"], "--vae-short-frames 8: the Wan VAE takes 4k + 1 frames (1, 5, 9, 17, 33, ...); "
+                                  "0 turns the short-clip part off"),
+    (["--frames", "16"], "--frames 16: the Wan VAE takes 4k + 1 frames (1, 5, 9, 17, 33, ...)"),
+    (["--vae-short-share", "1.0"], "--vae-short-share 1.0: give a share in [0, 1) of the VAE stage for short clips"),
+])
+def test_training_command_refuses_clip_settings_the_vae_cannot_take(argv, message, capsys):
+    from omni_accel.builtin import train_video
+
+    with pytest.raises(SystemExit) as info:
+        train_video.parse_args(["--out", "/tmp/never"] + argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err

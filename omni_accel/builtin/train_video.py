@@ -639,7 +639,22 @@ def parse_args(argv=None):
     ap.add_argument("--plot-log", default=None, metavar="LOG",
                     help="only draw the loss curves of a finished run's JSON log into --results")
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    check_clip_args(ap, args)
+    return args
+
+
+def check_clip_args(ap: argparse.ArgumentParser, args) -> None:
+    """Clip lengths the causal Wan VAE takes (4k + 1 frames) and a curriculum share that leaves room for the long
+    clips; argparse's error (exit code 2) names the flag and the fix."""
+    for flag, value, zero_ok in (("--frames", args.frames, False), ("--vae-frames", args.vae_frames, False),
+                                 ("--vae-short-frames", args.vae_short_frames, True)):
+        if not (value == 0 and zero_ok) and (value < 1 or (value - 1) % 4):
+            ap.error(f"{flag} {value}: the Wan VAE takes 4k + 1 frames (1, 5, 9, 17, 33, ...)"
+                     + ("; 0 turns the short-clip part off" if zero_ok else ""))
+    if not 0 <= args.vae_short_share < 1:
+        ap.error(f"--vae-short-share {args.vae_short_share}: give a share in [0, 1) of the VAE stage for short clips "
+                 "(the rest trains on --vae-frames clips; 0 turns the short-clip part off)")
 
 
 def main(argv=None) -> dict:
