@@ -17,6 +17,8 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
 - ``fp8_static_promoted``: ``fp8_static`` with ``quant_config["fast_accum"]=False`` (FP8 GEMMs that promote their
   partial sums to fp32, against the default fast accumulation). Only a GPU's GEMMs differ: run it and ``fp8_static``
   with ``--device cuda``.
+- ``fp8attn``: bf16 linears and only the attention in FP8 (cuDNN's arithmetic, per-call scales): what the FP8
+  attention costs on its own.
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
   linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
 
@@ -76,8 +78,17 @@ def _route_fp8_attention(pipe, static_scales: bool):
     return restore
 
 
+def _linear_stats(pipe) -> dict:
+    """The FP8 linears' counts and errors, from report() and the per-layer error measurement."""
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
+    layer_out = [v["output_rel_err"] for v in omni_accel.kernels.quant.quant_error_report(pipe).values()]
+    return {"layers": applied["layers"], "skipped": len(applied["skipped"]),
+            "weight_rel_err_max": applied["weight_rel_err_max"],
+            "layer_output_rel_err_max": max(e for e in layer_out if e is not None)}
+
+
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
-         "fp8_static_promoted")
+         "fp8_static_promoted", "fp8attn")
 
 
 def main(argv=None) -> int:
@@ -109,25 +120,24 @@ def main(argv=None) -> int:
             quant_config["activations"] = "static"
         if mode.endswith("_promoted"):
             quant_config["fast_accum"] = False
-        omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config)
+        linears = mode != "fp8attn"  # "fp8attn": bf16 linears, only the attention in FP8
+        if linears:
+            omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config)
         undo_route = _route_fp8_attention(pipe, mode.endswith("_static")) if "fp8attn" in mode else None
         if mode.startswith("fp8_static"):
             images(pipe, [calibration_prompt], args.seed + 1000)  # observes; the next call freezes the scales
         t0 = time.perf_counter()
         got = images(pipe, prompts, args.seed)
         seconds = time.perf_counter() - t0
-        (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
-        layer_out = [v["output_rel_err"] for v in omni_accel.kernels.quant.quant_error_report(pipe).values()]
+        linear_stats = _linear_stats(pipe) if linears else {}
         attention_states = [m.activations for m in pipe.transformer.modules() if isinstance(m, AttentionScales)]
         if undo_route is not None:
             undo_route()
-        omni_accel.restore(pipe)
+        if linears:
+            omni_accel.restore(pipe)
         p, s = psnr(got, reference), ssim(got, reference)
         rows[mode] = {"psnr_min": round(min(p), 2), "psnr_mean": round(sum(p) / len(p), 2),
-                      "ssim_min": round(min(s), 4), "ssim_mean": round(sum(s) / len(s), 4),
-                      "layers": applied["layers"], "skipped": len(applied["skipped"]),
-                      "weight_rel_err_max": applied["weight_rel_err_max"],
-                      "layer_output_rel_err_max": max(e for e in layer_out if e is not None),
+                      "ssim_min": round(min(s), 4), "ssim_mean": round(sum(s) / len(s), 4), **linear_stats,
                       "seconds": round(seconds, 2), "psnr": [round(x, 2) for x in p]}
         if mode.startswith("fp8_static"):
             rows[mode]["calibration_prompt"] = calibration_prompt

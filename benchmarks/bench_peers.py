@@ -84,6 +84,16 @@ def wan81_spec(tiny: bool) -> dict:
                      "batch 1, CFG (2 forwards/step)"}
 
 
+def with_blocks(spec: dict, blocks: int) -> dict:
+    """The spec with ``blocks`` blocks per stack (FLUX keeps its 1:2 dual : single ratio); 0 = unchanged."""
+    if not blocks:
+        return spec
+    cfg = {**spec["cfg"], "num_layers": blocks}
+    if "num_single_layers" in cfg:
+        cfg["num_single_layers"] = 2 * blocks
+    return {**spec, "cfg": cfg, "shape": f"{spec['shape']}; {blocks} block(s) per stack only"}
+
+
 SPECS = {"flux": flux_spec, "wan81": wan81_spec, "qwen_image": qwen_spec}
 FUSE_QKV_FAMILIES = ("flux", "wan81")  # diffusers' fuse_projections() exists for these processors
 
@@ -104,6 +114,8 @@ class Row:
     # compiler.INDUCTOR_OPTIONS for this row: {} = none (the rows measured so far), _MK = multi-kernel (the library's
     # GPU default since those measurements), None = whatever the library's default is
     inductor: dict | None = field(default_factory=dict)
+    cuda_graphs: bool = True  # False: OMNI_ACCEL_CUDA_GRAPHS=0 for the row (compile=True with FP8 graphs by default)
+    sigmoid_gelu: bool = True  # compiler.SIGMOID_GELU for this row (False: inductor's libdevice tanh, the A side)
 
 
 def _plain(pipe, transformer, inputs, model):
@@ -184,6 +196,12 @@ _STATIC_ATTENTION = {"activations": "static", "attention_scales": "static", **_P
 _STATIC_LINEARS = {"activations": "static", "attention_scales": "dynamic", **_PROMOTED}
 _MK = {"triton.multi_kernel": 1}
 _MK_CD = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
+# inductor's knobs for the pointwise / reduction kernels that carry the FP8 quantization epilogues (the GEMMs are
+# cuBLAS either way): 2-D tiles (the single blocks' concat + quantize reads two sources), and a benchmarked choice
+# of block size and warps per pointwise kernel instead of the heuristic one
+_MK_ND = {"triton.multi_kernel": 1, "triton.prefer_nd_tiling": True}
+_MK_PW = {"triton.multi_kernel": 1, "max_autotune_pointwise": True}
+_FAST_STATIC = {**_STATIC_ATTENTION, "fast_accum": True}
 ROWS: dict[str, Row] = {r.name: r for r in (
     Row("diffusers_eager", _plain, True, note="plain diffusers, PyTorch's own SDPA choice"),
     Row("diffusers_best", _diffusers_best, True, note="set_attention_backend('_native_cudnn') + "
@@ -222,6 +240,36 @@ ROWS: dict[str, Row] = {r.name: r for r in (
                                             quant_config={**_STATIC_ATTENTION, "fast_accum": True},
                                             fuse_if_supported=True, compile=True), False, calibrates=True,
         inductor=_MK, cuda_only=True, note="ours_fp8_fp8attn_static with fast FP8 accumulation"),
+    *(Row(f"ours_fp8_fp8attn_static_fa_{tag}", _ours(attention="fp8", quant="fp8", quant_config=_FAST_STATIC,
+                                                     fuse_if_supported=True, compile=True), False, calibrates=True,
+          inductor=options, cuda_only=True, note=f"ours_fp8_fp8attn_static_fa with inductor {options}")
+      for tag, options in (("nd", _MK_ND), ("pw", _MK_PW), ("cd", _MK_CD))),
+    Row("ours_fp8_fp8attn_static_fa_tanh", _ours(attention="fp8", quant="fp8", quant_config=_FAST_STATIC,
+                                                 fuse_if_supported=True, compile=True), False, calibrates=True,
+        inductor=_MK, cuda_only=True, sigmoid_gelu=False,
+        note="ours_fp8_fp8attn_static_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
+    Row("ours_fp8_fp8attn_fa_tanh", _ours(attention="fp8", quant="fp8", quant_config={**_STATIC_LINEARS, "fast_accum": True},
+                                          fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
+        cuda_only=True, sigmoid_gelu=False,
+        note="ours_fp8_fp8attn_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
+    Row("ours_bf16_mk_tanh", _ours(attention="auto", compile=True), True, inductor=_MK, sigmoid_gelu=False,
+        note="ours_bf16_mk with the MLP GELU as libdevice tanh (before the sigmoid form)"),
+    Row("ours_fp8_fp8attn_fa_graphs", _ours(attention="fp8", quant="fp8",
+                                            quant_config={**_STATIC_LINEARS, "fast_accum": True},
+                                            fuse_if_supported=True, compile="max"), False, calibrates=True,
+        inductor=_MK, cuda_only=True, note="ours_fp8_fp8attn_fa + CUDA graph of the whole forward (compile='max')"),
+    Row("ours_fp8_fp8attn_static_fa_nographs", _ours(attention="fp8", quant="fp8", quant_config=_FAST_STATIC,
+                                                     fuse_if_supported=True, compile=True), False, calibrates=True,
+        inductor=_MK, cuda_only=True, cuda_graphs=False,
+        note="ours_fp8_fp8attn_static_fa without the CUDA graph that compile=True adds to the FP8 stack"),
+    Row("ours_fp8_fp8attn_fa_nographs", _ours(attention="fp8", quant="fp8",
+                                              quant_config={**_STATIC_LINEARS, "fast_accum": True},
+                                              fuse_if_supported=True, compile=True), False, calibrates=True,
+        inductor=_MK, cuda_only=True, cuda_graphs=False,
+        note="ours_fp8_fp8attn_fa without the CUDA graph that compile=True adds to the FP8 stack"),
+    Row("ours_fp8_fa", _ours(attention="cudnn", quant="fp8", quant_config={"activations": "static", "fast_accum": True},
+                             fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
+        cuda_only=True, note="static FP8 linears (fast accumulation) + bf16 cuDNN attention, multi-kernel"),
     Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
                                         fuse_if_supported=True, compile=True), False, calibrates=True,
         inductor=_MK_CD, cuda_only=True,
@@ -267,6 +315,27 @@ def kernel_kind(name: str) -> str:
     if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "matmul", "gemv", "scaled_mm", "wgmma")):
         return "gemm"
     return "elementwise"
+
+
+def host_profile(fn, device: torch.device, top: int = 20) -> dict:
+    """Where the host spends one forward: the seconds until ``fn()`` returns (kernels are queued, not waited for:
+    when this is near the forward's event time the GPU waits for the host), and the CPU ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+            sync(device)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"host_ms": round(host_ms, 3),
+            "top_cpu": [{"op": e.key[:160], "self_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": e.count}
+                        for e in ops]}
 
 
 def profile_forward(fn, device: torch.device, top: int = 15) -> dict:
@@ -327,8 +396,13 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
 
     result = {"model": spec["model"], "config": row.name, "note": row.note, "lossless": row.lossless,
               "inductor_options": row.inductor}
-    saved_options = compiler.INDUCTOR_OPTIONS
-    compiler.INDUCTOR_OPTIONS = row.inductor
+    saved_options, saved_gelu = compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU
+    compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU = row.inductor, row.sigmoid_gelu
+    result["sigmoid_gelu"] = row.sigmoid_gelu
+    saved_graphs_env = os.environ.get(compiler.CUDA_GRAPHS_ENV)
+    if not row.cuda_graphs:
+        os.environ[compiler.CUDA_GRAPHS_ENV] = "0"
+        result["cuda_graphs_env"] = "0"
     undo = lambda: None  # noqa: E731
     try:
         t0 = time.perf_counter()
@@ -366,6 +440,8 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
                     result[section] = report[section]
         if args.profile and device.type == "cuda":
             result["profile"] = profile_forward(forward, device)
+        if args.host_profile:
+            result["host_profile"] = host_profile(forward, device)
     except Exception as exc:  # noqa: BLE001 -- one failing config costs its row only
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -379,7 +455,11 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
             traceback.print_exc()
         if "omni_accel" in vars(pipe):
             omni_accel.restore(pipe)
-        compiler.INDUCTOR_OPTIONS = saved_options
+        compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU = saved_options, saved_gelu
+        if saved_graphs_env is None:
+            os.environ.pop(compiler.CUDA_GRAPHS_ENV, None)
+        else:
+            os.environ[compiler.CUDA_GRAPHS_ENV] = saved_graphs_env
         torch._dynamo.reset()
         gc.collect()
         if device.type == "cuda":
@@ -472,7 +552,12 @@ def parse_args(argv):
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after the start at which a running row is interrupted (its row records it) and the "
                          "run ends, writing what it has; 0 = none")
+    ap.add_argument("--blocks", type=int, default=0,
+                    help="keep N blocks of each stack (FLUX: N dual + 2N single) at full width: per-kernel A/B runs "
+                         "in a fraction of the time; ms/step then is not a whole model's; 0 = all")
     ap.add_argument("--profile", action="store_true", help="kernel time by kind of one forward per row (CUDA)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="host seconds per forward and the CPU ops by self time (is the GPU waiting for Python?)")
     ap.add_argument("--log-clocks", action="store_true", help="SM clock and board power over each row's forwards")
     ap.add_argument("--out", default="benchmarks/results/bench_peers.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
@@ -535,7 +620,7 @@ def main(argv=None) -> int:
         write_result(args.out, result)
 
     for model in models:
-        spec = SPECS[model](args.tiny)
+        spec = with_blocks(SPECS[model](args.tiny), args.blocks)
         flops = analytic_flops({**spec, "model": "wan" if model == "wan81" else model})
         result["specs"][model] = {"shape": spec["shape"], "cfg": spec["cfg"], "forwards_per_step": spec["forwards_per_step"],
                                   "tflop_per_forward": round(flops["total"] / 1e12, 3),

@@ -6,6 +6,9 @@ whole-model compile. ``compile="max"`` adds, on CUDA where the transformer forwa
 parallel pass inside it), a CUDA graph of the whole transformer forward per input signature (``cuda_graphs.py``).
 It used to add inductor's GEMM autotuning too (max-autotune): measured on an H200 at FLUX 1024², the autotuned
 Triton GEMMs lost to cuBLAS (136.6 vs 133.2 ms/step), so "max" now compiles like ``True`` and adds the graphs only.
+``compile=True`` adds the same graph for ``quant="fp8"`` on a GPU, whose forward is host-bound
+(``fp8_graphs_by_default``). On GPUs the blocks' tanh-GELUs are computed in a form inductor codegens cheaply
+(``sigmoid_gelu``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import shutil
 import threading
+from typing import Callable
 
 import torch
 
@@ -35,6 +39,55 @@ CUDA_GRAPHS_ENV = "OMNI_ACCEL_CUDA_GRAPHS"  # "0" turns compile="max"'s CUDA gra
 CUDA_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
 # Benchmarks' A/B rows set this; None = the defaults above.
 INDUCTOR_OPTIONS: dict | None = None
+# Whether compiled blocks on a GPU compute tanh-GELU through the sigmoid identity (below); benchmarks' A/B rows set it.
+SIGMOID_GELU = True
+
+# 0.5 * (1 + tanh(z)) == sigmoid(2 z), with z = sqrt(2 / pi) * (x + 0.044715 x^3)
+_TWO_SQRT_2_OVER_PI = 2.0 * (2.0 / 3.141592653589793) ** 0.5
+
+
+def sigmoid_gelu(x: torch.Tensor) -> torch.Tensor:
+    """tanh-approximate GELU, ``F.gelu(x, approximate="tanh")``, written as ``x * sigmoid(2 z)``.
+
+    Why: inductor writes tanh as libdevice's ``tanhf``, a few dozen instructions per element, and the kernels that
+    apply the DiTs' MLP GELU (fused with the bias, the single blocks' concat and the FP8 cast) then run on
+    instructions, not on memory: 137 us for a FLUX single block's 4608 x 15360 epilogue on an H200, over 2x what its
+    bytes need. The sigmoid form is one exp and one reciprocal: 112 us (FLUX FP8 step 89.6 -> 86.6 ms, docs/kernels.md).
+    Computed in float32 like F.gelu's bf16 kernel."""
+    xf = x.float()
+    return (xf * torch.sigmoid(_TWO_SQRT_2_OVER_PI * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
+
+
+class SigmoidGelu(torch.nn.Module):
+    """Stands in for an ``nn.GELU(approximate="tanh")`` in a compiled block."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sigmoid_gelu(x)
+
+
+def use_sigmoid_gelu(module: torch.nn.Module) -> tuple[int, Callable[[], None]]:
+    """Route every tanh-GELU inside ``module`` through ``sigmoid_gelu``: torch's ``nn.GELU(approximate="tanh")``
+    modules are swapped for ``SigmoidGelu``; diffusers' ``GELU`` projections (FeedForward's "gelu-approximate")
+    get an instance ``gelu``. Returns how many and the undo."""
+    swapped, patched = [], []
+    for parent in module.modules():
+        for child_name, child in parent.named_children():
+            if type(child) is torch.nn.GELU and child.approximate == "tanh":
+                swapped.append((parent, child_name, child))
+        if getattr(parent, "approximate", None) == "tanh" and callable(getattr(type(parent), "gelu", None)):
+            patched.append(parent)
+    for parent, child_name, _ in swapped:
+        setattr(parent, child_name, SigmoidGelu())
+    for projection in patched:
+        projection.gelu = sigmoid_gelu
+
+    def undo() -> None:
+        for parent, child_name, child in swapped:
+            setattr(parent, child_name, child)
+        for projection in patched:
+            del projection.gelu
+
+    return len(swapped) + len(patched), undo
 
 
 def compile_options(mode: bool | str, device: torch.device) -> dict:
@@ -109,14 +162,21 @@ class CompilePass(AccelPass):
         _raise_recompile_limit(ctx)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             blocks = ctx.adapter.blocks_of(transformer)
-            undos = [_compile_block(block, options) for _, block in blocks]
+            gelus = 0
+            undos = []
+            if SIGMOID_GELU and ctx.device.type == "cuda":
+                for _, block in blocks:  # inside the compiled blocks only: eager, F.gelu is the one fused kernel
+                    count, undo_gelu = use_sigmoid_gelu(block)
+                    gelus += count
+                    undos.append(undo_gelu)
+            undos += [_compile_block(block, options) for _, block in blocks]
 
             def undo(undos=undos) -> None:
-                for u in undos:
+                for u in reversed(undos):
                     u()
 
-            ctx.state.record("compile", undo, component=name, blocks=len(blocks), **options)
-        if ctx.config.compile == "max":
+            ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus, **options)
+        if ctx.config.compile == "max" or fp8_graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
 
@@ -137,6 +197,16 @@ def _raise_recompile_limit(ctx: PassContext) -> None:
         return
     setattr(dynamo_config, name, RECOMPILE_LIMIT)
     ctx.state.record("compile", lambda: setattr(dynamo_config, name, before), hidden=True)
+
+
+def fp8_graphs_by_default(ctx: PassContext) -> bool:
+    """Whether ``compile=True`` adds the whole-forward CUDA graph of ``"max"`` by itself: for ``quant="fp8"`` on a
+    GPU. Why: the FP8 forward is host-bound. Its compiled blocks spend ~58 us of CPU per ``torch._scaled_mm`` call
+    (cuBLASLt plan lookup) and launch ~1,500 kernels; on an H200 the host took 54-120 ms to queue one FLUX 1024²
+    forward whose kernels run for 81 ms, and a Qwen-Image forward took 164 ms for 85 ms of kernels (with the graph
+    113 ms; FLUX, where the host kept up, pays 1-2 %). A replay costs the host 2 ms. bf16 forwards are GPU-bound
+    and keep compile=True as it was (graphs measured no faster there)."""
+    return ctx.config.compile is True and ctx.config.quant == "fp8" and ctx.device.type == "cuda"
 
 
 def cuda_graphs_blocker(ctx: PassContext) -> str | None:
@@ -161,7 +231,7 @@ def cuda_graphs_blocker(ctx: PassContext) -> str | None:
 def _apply_cuda_graphs(ctx: PassContext) -> None:
     reason = cuda_graphs_blocker(ctx)
     if reason is not None:
-        logger.info("omni_accel: compile='max' without CUDA graphs: %s", reason)
+        logger.info("omni_accel: compile=%r without CUDA graphs: %s", ctx.config.compile, reason)
         ctx.state.record("compile", lambda: None, cuda_graphs=False, cuda_graphs_off_because=reason)
         return
     for name, transformer in ctx.adapter.transformers_of(ctx.pipe):

@@ -158,3 +158,24 @@ def test_peers_bench_static_attention_scales_row_on_the_cpu(tmp_path, monkeypatc
     assert "fp8_attention_scales" not in per_call
     assert static["fp8_attention_scales"]["static"] > 0 and static["fp8_attention_scales"]["observing"] == 0
     assert 0 < static["rel_err_vs_eager"] < 0.05 and 0 < per_call["rel_err_vs_eager"] < 0.05
+
+
+def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(tmp_path, monkeypatch):
+    """--blocks keeps N blocks per stack at full width (FLUX: N dual + 2N single), --host-profile records where the
+    host spends a forward, and a row with cuda_graphs=False sets OMNI_ACCEL_CUDA_GRAPHS=0 for itself only."""
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", bench)
+    spec.loader.exec_module(bench)
+    monkeypatch.delenv("OMNI_ACCEL_CUDA_GRAPHS", raising=False)
+    monkeypatch.setattr(bench.ROWS["ours_bf16"], "cuda_graphs", False)
+    out = tmp_path / "peers.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--models", "flux", "--blocks", "1", "--host-profile",
+                       "--configs", "ours_bf16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["specs"]["flux"]["cfg"]["num_layers"] == 1 and result["specs"]["flux"]["cfg"]["num_single_layers"] == 2
+    assert result["specs"]["flux"]["shape"].endswith("1 block(s) per stack only")
+    (row,) = result["rows"]
+    assert "error" not in row and row["cuda_graphs_env"] == "0" and "OMNI_ACCEL_CUDA_GRAPHS" not in os.environ
+    assert row["host_profile"]["host_ms"] > 0 and row["host_profile"]["top_cpu"]
+    assert bench.with_blocks(bench.SPECS["wan81"](True), 0) == bench.SPECS["wan81"](True)

@@ -198,3 +198,46 @@ def test_an_unknown_cuda_graphs_setting_is_refused_before_anything_is_patched(mo
     assert str(err.value) == ("OMNI_ACCEL_CUDA_GRAPHS='false' is not understood; set it to 0 to turn off the CUDA "
                               "graphs of compile='max', or to 1 (or unset it) to keep them.")
     assert "omni_accel" not in vars(pipe)
+
+
+@pytest.mark.parametrize("knobs, device, graphs", [
+    (dict(compile=True, quant="fp8"), "cuda", True),
+    (dict(compile=True), "cuda", False),  # bf16: GPU-bound, graphs measured no faster
+    (dict(compile=True, quant="fp8_weight_only"), "cuda", False),
+    (dict(compile=True, quant="fp8"), "cpu", False),
+    (dict(compile="max", quant="fp8"), "cuda", False),  # "max" graphs anyway; this rule is about True
+])
+def test_compile_true_graphs_the_fp8_stack_on_a_gpu_only(knobs, device, graphs):
+    from omni_accel.config import AccelConfig
+    from omni_accel.pass_base import PassContext
+    from omni_accel.pipelines import adapter_for
+
+    pipe, _ = tiny_pipeline("flux")
+    ctx = PassContext(pipe, adapter_for(pipe), AccelConfig(**knobs), torch.device(device))
+    assert compiler.fp8_graphs_by_default(ctx) is graphs
+
+
+def test_fp8_compile_true_installs_the_graphs_and_restore_removes_them(cpu_graphs, monkeypatch):
+    """What compile=True adds to quant="fp8" on a GPU, run on the CPU through the stand-in backend: one graph over
+    the forward, replays equal to the same compiled FP8 blocks without graphs, and restore() gives back the plain
+    pipeline's output."""
+    torch._dynamo.reset()
+    pipe, kwargs = tiny_pipeline("flux")
+    kwargs = dict(kwargs, num_inference_steps=3)
+    plain = run(pipe, kwargs)
+    monkeypatch.setattr(compiler, "fp8_graphs_by_default", lambda ctx: False)
+    omni_accel.accelerate(pipe, quant="fp8", compile=True)
+    try:
+        without_graphs = run(pipe, kwargs)
+    finally:
+        omni_accel.restore(pipe)
+    monkeypatch.setattr(compiler, "fp8_graphs_by_default", lambda ctx: ctx.config.quant == "fp8")
+    omni_accel.accelerate(pipe, quant="fp8", compile=True)
+    try:
+        out = run(pipe, kwargs)
+        graphs = [a for a in pipe.omni_accel.report()["applied"] if a.get("cuda_graphs")]
+    finally:
+        omni_accel.restore(pipe)
+    assert len(graphs) == 1 and graphs[0]["graph_stats"] == {"replays": 2, "captures": 1, "eager_calls": 1}
+    assert torch.equal(out, without_graphs)
+    assert torch.equal(run(pipe, kwargs), plain)

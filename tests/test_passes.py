@@ -122,3 +122,36 @@ def test_multi_kernel_gets_back_the_kernel_lock_pickling_stripped():
     call.cache_file_path = lambda: pathlib.Path("/nonexistent/picked_kernel")
     MultiKernelCall.load_cache(call)
     assert isinstance(stripped._hash_lock, type(threading.RLock())) and kept._hash_lock is lock_of_kept
+
+
+# tiny FLUX: one dual block (ff, ff_context) and one single block (act_mlp); Z-Image uses SwiGLU: nothing to rewrite
+@pytest.mark.parametrize("family, expected", [("flux", 3), ("wan", 2), ("qwen_image", 4), ("z_image", 0)])
+def test_sigmoid_gelu_is_the_tanh_gelu_and_comes_off_again(family, expected):
+    """compile=True on a GPU computes the blocks' tanh-GELU as x * sigmoid(2z) (cheaper for inductor's kernels):
+    the same function to float32 rounding, on every tanh-GELU inside the blocks (torch's nn.GELU and diffusers'
+    GELU projections), and the undo puts back exactly what was there."""
+    import torch.nn.functional as F
+
+    import omni_accel.compiler as compiler
+    from omni_accel.pipelines import adapter_for
+
+    x = torch.linspace(-8, 8, 4001)
+    assert (compiler.sigmoid_gelu(x) - F.gelu(x, approximate="tanh")).abs().max().item() < 1e-6
+    bf16 = x.to(torch.bfloat16)
+    assert (compiler.sigmoid_gelu(bf16).float() - F.gelu(bf16, approximate="tanh").float()).abs().max().item() < 0.04
+    pipe, kwargs = tiny_pipeline(family)
+    blocks = [block for _, block in adapter_for(pipe).blocks_of(pipe.transformer)]
+    before = [list(block.modules()) for block in blocks]
+    plain = run(pipe, dict(kwargs, num_inference_steps=2))
+    undos, count = [], 0
+    for block in blocks:
+        n, undo = compiler.use_sigmoid_gelu(block)
+        count, undos = count + n, undos + [undo]
+    assert count == expected
+    rewritten = run(pipe, dict(kwargs, num_inference_steps=2))
+    for undo in undos:
+        undo()
+    assert (rewritten - plain).abs().max().item() < 1e-4
+    assert [list(block.modules()) for block in blocks] == before
+    assert not any("gelu" in vars(m) for block in blocks for m in block.modules())
+    assert torch.equal(run(pipe, dict(kwargs, num_inference_steps=2)), plain)
