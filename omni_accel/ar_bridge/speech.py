@@ -966,18 +966,8 @@ class SpeechPipeline:
                sampling: dict | None, seed: int | None, timings: dict, min_codes: int = 0,
                cancel: threading.Event | None = None, context: dict | None = None,
                on_text: Callable[[str], None] | None = None):
-        voice = self.resolve_voice(voice)
-        if max_codes < 1:
-            raise AccelError(f"max_codes={max_codes} must be >= 1.")
-        context = context or {}
-        self._check_media(context, mode=mode)
         t0 = time.perf_counter()
-        media = None
-        if mode == "chat":
-            prompt_ids, media = self.prompt(text, **context)
-        else:
-            prompt_ids = self.prompt_ids("Repeat after me: " + text)
-        timings["prompt_tokens"] = len(prompt_ids)
+        voice, prompt_ids, media = self._begin(text, voice, mode, max_codes, context or {}, timings)
         feed = self._feed(prompt_ids, media) if mode == "chat" else None
         reply_ids = self._reply_ids(text, mode, prompt_ids, max_text_tokens, media, on_text, cancel, feed)
         prompt, reply, text_ids = self._talker_inputs(prompt_ids, reply_ids, voice, media, feed)
@@ -986,6 +976,20 @@ class SpeechPipeline:
         codes = self.talker.stream(prompt, reply, text_ids, max_codes, sampling, seed, min(min_codes, max_codes),
                                    media)
         return voice, reply_ids, _stop_when_set(cancel, codes)
+
+    def _begin(self, text: str, voice: str | None, mode: str, max_codes: int, context: dict, timings: dict):
+        """What every request starts with, streamed or not: the voice, the refusals, and the thinker's prompt (in
+        chat mode with the request's images / audio, else the text to speak). Returns (voice, prompt ids, media)."""
+        voice = self.resolve_voice(voice)
+        if max_codes < 1:
+            raise AccelError(f"max_codes={max_codes} must be >= 1.")
+        self._check_media(context, mode=mode)
+        if mode == "chat":
+            prompt_ids, media = self.prompt(text, **context)
+        else:
+            prompt_ids, media = self.prompt_ids("Repeat after me: " + text), None
+        timings["prompt_tokens"] = len(prompt_ids)
+        return voice, prompt_ids, media
 
     def _talker_behind(self, mode: str) -> bool:
         """Whether a streamed request runs the talker behind the thinker (chat mode, both stages on one engine)."""
@@ -999,13 +1003,9 @@ class SpeechPipeline:
         thinker writes on a thread of its own and hands over the states its generate() computes; on vLLM the thinker,
         pooling passes and talker take turns on this thread (_PooledFeed). Returns (voice, the thinker's run, the
         codes)."""
-        voice = self.resolve_voice(voice)
-        if max_codes < 1:
-            raise AccelError(f"max_codes={max_codes} must be >= 1.")
-        self._check_media(context)
         t0 = time.perf_counter()
-        prompt_ids, media = self.prompt(text, **context)
-        timings["prompt_tokens"] = n = len(prompt_ids)
+        voice, prompt_ids, media = self._begin(text, voice, "chat", max_codes, context, timings)
+        n = len(prompt_ids)
         spk_bos, bos_e, eos_e, pad_e = self._speaker_rows(voice)
         if self.engines["thinker"] == "transformers":
             feed = self._feed(prompt_ids, media)
