@@ -201,8 +201,8 @@ def _raise_recompile_limit(ctx: PassContext) -> None:
 
 def fp8_graphs_by_default(ctx: PassContext) -> bool:
     """Whether ``compile=True`` adds the whole-forward CUDA graph of ``"max"`` by itself: for ``quant="fp8"`` on a
-    GPU. Why: the FP8 forward is host-bound. Its compiled blocks spend ~58 us of CPU per ``torch._scaled_mm`` call
-    (cuBLASLt plan lookup) and launch ~1,500 kernels; on an H200 the host took 54-120 ms to queue one FLUX 1024²
+    GPU. Why: the FP8 forward is host-bound. Its compiled blocks spend 24-58 us of CPU per ``torch._scaled_mm`` call
+    (measured) and launch ~1,500 kernels; on an H200 the host took 54-120 ms to queue one FLUX 1024²
     forward whose kernels run for 81 ms, and a Qwen-Image forward took 164 ms for 85 ms of kernels (with the graph
     113 ms; FLUX, where the host kept up, pays 1-2 %). A replay costs the host 2 ms. bf16 forwards are GPU-bound
     and keep compile=True as it was (graphs measured no faster there)."""
