@@ -186,6 +186,11 @@ def _ours(**knobs):
     return setup
 
 
+def _fp8attn(quant_config: dict, compile: bool | str = True):
+    """Ours with FP8 linears, FP8 attention and fused q/k/v where the family has it: the FP8 rows' common knobs."""
+    return _ours(attention="fp8", quant="fp8", quant_config=quant_config, fuse_if_supported=True, compile=compile)
+
+
 # Rows named without "_fa" keep the fp32 promotion of FP8 GEMM partial sums (what they measured before fast
 # accumulation became the default); "_fa" rows use the default fast accumulation.
 _PROMOTED = {"fast_accum": False}
@@ -202,6 +207,7 @@ _MK_CD = {"triton.multi_kernel": 1, "coordinate_descent_tuning": True}
 _MK_ND = {"triton.multi_kernel": 1, "triton.prefer_nd_tiling": True}
 _MK_PW = {"triton.multi_kernel": 1, "max_autotune_pointwise": True}
 _FAST_STATIC = {**_STATIC_ATTENTION, "fast_accum": True}
+_FAST_LINEARS = {**_STATIC_LINEARS, "fast_accum": True}
 ROWS: dict[str, Row] = {r.name: r for r in (
     Row("diffusers_eager", _plain, True, note="plain diffusers, PyTorch's own SDPA choice"),
     Row("diffusers_best", _diffusers_best, True, note="set_attention_backend('_native_cudnn') + "
@@ -220,64 +226,46 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_fp8_static_mk", _ours(attention="cudnn", quant="fp8", quant_config=_STATIC, fuse_if_supported=True,
                                     compile=True), False, calibrates=True, inductor=_MK,
         note="ours_fp8_static with inductor multi-kernel"),
-    Row("ours_fp8_fp8attn", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
-                                  fuse_if_supported=True, compile=True), False, calibrates=True, cuda_only=True,
+    Row("ours_fp8_fp8attn", _fp8attn(_STATIC_LINEARS), False, calibrates=True, cuda_only=True,
         note="static FP8 linears + FP8 attention (cuDNN FP8 SDPA on Hopper), compile"),
-    Row("ours_fp8_full", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
-                               fuse_if_supported=True, compile="max"), False, calibrates=True, cuda_only=True,
+    Row("ours_fp8_full", _fp8attn(_STATIC_LINEARS, compile="max"), False, calibrates=True, cuda_only=True,
         note="ours_fp8_fp8attn + CUDA graph of the whole forward (compile='max')"),
-    Row("ours_fp8_fp8attn_mk", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
-                                     fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
+    Row("ours_fp8_fp8attn_mk", _fp8attn(_STATIC_LINEARS), False, calibrates=True, inductor=_MK,
         cuda_only=True, note="ours_fp8_fp8attn with inductor multi-kernel"),
-    Row("ours_fp8_fp8attn_static", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_ATTENTION,
-                                         fuse_if_supported=True,
-                                         compile=True), False, calibrates=True, inductor=_MK, cuda_only=True,
+    Row("ours_fp8_fp8attn_static", _fp8attn(_STATIC_ATTENTION), False, calibrates=True, inductor=_MK, cuda_only=True,
         note="ours_fp8_fp8attn_mk with static (calibrated) q / k / v scales and K mean in the FP8 attention"),
-    Row("ours_fp8_fp8attn_fa", _ours(attention="fp8", quant="fp8", quant_config={**_STATIC_LINEARS, "fast_accum": True},
-                                     fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
+    Row("ours_fp8_fp8attn_fa", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK,
         cuda_only=True, note="ours_fp8_fp8attn_mk with fast FP8 accumulation (the default)"),
-    Row("ours_fp8_fp8attn_static_fa", _ours(attention="fp8", quant="fp8",
-                                            quant_config={**_STATIC_ATTENTION, "fast_accum": True},
-                                            fuse_if_supported=True, compile=True), False, calibrates=True,
+    Row("ours_fp8_fp8attn_static_fa", _fp8attn(_FAST_STATIC), False, calibrates=True,
         inductor=_MK, cuda_only=True, note="ours_fp8_fp8attn_static with fast FP8 accumulation"),
-    *(Row(f"ours_fp8_fp8attn_static_fa_{tag}", _ours(attention="fp8", quant="fp8", quant_config=_FAST_STATIC,
-                                                     fuse_if_supported=True, compile=True), False, calibrates=True,
+    *(Row(f"ours_fp8_fp8attn_static_fa_{tag}", _fp8attn(_FAST_STATIC), False, calibrates=True,
           inductor=options, cuda_only=True, note=f"ours_fp8_fp8attn_static_fa with inductor {options}")
       for tag, options in (("nd", _MK_ND), ("pw", _MK_PW), ("cd", _MK_CD))),
-    Row("ours_fp8_fp8attn_static_fa_tanh", _ours(attention="fp8", quant="fp8", quant_config=_FAST_STATIC,
-                                                 fuse_if_supported=True, compile=True), False, calibrates=True,
+    Row("ours_fp8_fp8attn_static_fa_tanh", _fp8attn(_FAST_STATIC), False, calibrates=True,
         inductor=_MK, cuda_only=True, sigmoid_gelu=False,
         note="ours_fp8_fp8attn_static_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
-    Row("ours_fp8_fp8attn_fa_tanh", _ours(attention="fp8", quant="fp8", quant_config={**_STATIC_LINEARS, "fast_accum": True},
-                                          fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
+    Row("ours_fp8_fp8attn_fa_tanh", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK,
         cuda_only=True, sigmoid_gelu=False,
         note="ours_fp8_fp8attn_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
     Row("ours_bf16_mk_tanh", _ours(attention="auto", compile=True), True, inductor=_MK, sigmoid_gelu=False,
         note="ours_bf16_mk with the MLP GELU as libdevice tanh (before the sigmoid form)"),
-    Row("ours_fp8_fp8attn_fa_graphs", _ours(attention="fp8", quant="fp8",
-                                            quant_config={**_STATIC_LINEARS, "fast_accum": True},
-                                            fuse_if_supported=True, compile="max"), False, calibrates=True,
+    Row("ours_fp8_fp8attn_fa_graphs", _fp8attn(_FAST_LINEARS, compile="max"), False, calibrates=True,
         inductor=_MK, cuda_only=True, note="ours_fp8_fp8attn_fa + CUDA graph of the whole forward (compile='max')"),
-    Row("ours_fp8_fp8attn_static_fa_nographs", _ours(attention="fp8", quant="fp8", quant_config=_FAST_STATIC,
-                                                     fuse_if_supported=True, compile=True), False, calibrates=True,
+    Row("ours_fp8_fp8attn_static_fa_nographs", _fp8attn(_FAST_STATIC), False, calibrates=True,
         inductor=_MK, cuda_only=True, cuda_graphs=False,
         note="ours_fp8_fp8attn_static_fa without the CUDA graph that compile=True adds to the FP8 stack"),
-    Row("ours_fp8_fp8attn_fa_nographs", _ours(attention="fp8", quant="fp8",
-                                              quant_config={**_STATIC_LINEARS, "fast_accum": True},
-                                              fuse_if_supported=True, compile=True), False, calibrates=True,
+    Row("ours_fp8_fp8attn_fa_nographs", _fp8attn(_FAST_LINEARS), False, calibrates=True,
         inductor=_MK, cuda_only=True, cuda_graphs=False,
         note="ours_fp8_fp8attn_fa without the CUDA graph that compile=True adds to the FP8 stack"),
     Row("ours_fp8_fa", _ours(attention="cudnn", quant="fp8", quant_config={"activations": "static", "fast_accum": True},
                              fuse_if_supported=True, compile=True), False, calibrates=True, inductor=_MK,
         cuda_only=True, note="static FP8 linears (fast accumulation) + bf16 cuDNN attention, multi-kernel"),
-    Row("ours_fp8_fp8attn_mk_cd", _ours(attention="fp8", quant="fp8", quant_config=_STATIC_LINEARS,
-                                        fuse_if_supported=True, compile=True), False, calibrates=True,
+    Row("ours_fp8_fp8attn_mk_cd", _fp8attn(_STATIC_LINEARS), False, calibrates=True,
         inductor=_MK_CD, cuda_only=True,
         note="ours_fp8_fp8attn with inductor multi-kernel and coordinate-descent tuning of its kernels"),
     Row("ours_bf16_mk_cd", _ours(attention="auto", compile=True), True, inductor=_MK_CD,
         note="accelerate(compile=True), inductor multi-kernel and coordinate-descent tuning"),
-    Row("ours_fp8_dynamic_fp8attn", _ours(attention="fp8", quant="fp8", quant_config=_PROMOTED,
-                                          fuse_if_supported=True, compile=True), False,
+    Row("ours_fp8_dynamic_fp8attn", _fp8attn(_PROMOTED), False,
         cuda_only=True, note="per-token FP8 linears + FP8 attention, compile"),
     Row("torch_compile", _torch_compile, True, note="torch.compile(transformer), whole model, default mode"),
     Row("torchao_fp8_rowwise", _torchao_fp8, False, destructive=True, needs=("torchao",), cuda_only=True,
