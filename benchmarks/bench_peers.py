@@ -551,7 +551,10 @@ def parse_args(argv):
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--table-from", default=None,
                     help="print the markdown table of result files (comma list) and exit: the README's tables")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.blocks < 0:
+        ap.error(f"--blocks {args.blocks}: give the number of blocks to keep per stack (>= 1), or 0 for all")
+    return args
 
 
 def main(argv=None) -> int:

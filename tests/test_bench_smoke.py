@@ -6,6 +6,8 @@ import math
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -160,7 +162,7 @@ def test_peers_bench_static_attention_scales_row_on_the_cpu(tmp_path, monkeypatc
     assert 0 < static["rel_err_vs_eager"] < 0.05 and 0 < per_call["rel_err_vs_eager"] < 0.05
 
 
-def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(tmp_path, monkeypatch):
+def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(tmp_path, monkeypatch, capsys):
     """--blocks keeps N blocks per stack at full width (FLUX: N dual + 2N single), --host-profile records where the
     host spends a forward, and a row with cuda_graphs=False sets OMNI_ACCEL_CUDA_GRAPHS=0 for itself only."""
     spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
@@ -179,3 +181,7 @@ def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(tmp_path, monk
     assert "error" not in row and row["cuda_graphs_env"] == "0" and "OMNI_ACCEL_CUDA_GRAPHS" not in os.environ
     assert row["host_profile"]["host_ms"] > 0 and row["host_profile"]["top_cpu"]
     assert bench.with_blocks(bench.SPECS["wan81"](True), 0) == bench.SPECS["wan81"](True)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--device", "cpu", "--tiny", "--blocks", "-1", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert "--blocks -1: give the number of blocks to keep per stack (>= 1), or 0 for all" in capsys.readouterr().err
