@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -158,7 +159,9 @@ def accelerate(
     ctx.state.claim_modules(_modules_of(pipe))
     try:
         for p in wanted:
+            t0 = time.perf_counter()
             p.apply(ctx)
+            ctx.state.setup_seconds[p.name] = round(time.perf_counter() - t0, 4)
     except BaseException:
         logger.error("omni_accel: a pass failed while patching; undoing the passes already applied")
         restore(pipe)

@@ -35,8 +35,11 @@ CUDA_GRAPHS_ENV = "OMNI_ACCEL_CUDA_GRAPHS"  # "0" turns compile="max"'s CUDA gra
 # (benchmarks/bench_peers.py, docs/kernels.md): multi-kernel lets inductor keep a whole row in registers for row
 # reductions up to 16k wide (LayerNorm, RMSNorm, FP8 scales; the default stops at 1k and loops over the row) and
 # picks per kernel at run time -- 1.6-2.5 % per FLUX step on an H200 (bf16 and FP8), a few seconds more compile.
+# Programmatic dependent launch lets each Triton kernel start while the kernel before it drains (Hopper and newer;
+# inductor leaves it out on older GPUs): the FP8 stack's ~900 kernels per FLUX forward leave 5-9 ms of gaps even
+# inside its CUDA graph, and PDL took 1.8 ms of them (91.1 -> 89.3 ms/step, bf16 131.7 -> 131.0, one H200 run).
 # Coordinate-descent tuning was measured too and dropped: over 100 s of compile for FLUX.
-CUDA_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
+CUDA_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1, "triton.enable_pdl": True}
 # Benchmarks' A/B rows set this; None = the defaults above.
 INDUCTOR_OPTIONS: dict | None = None
 # Whether compiled blocks on a GPU compute tanh-GELU through the sigmoid identity (below); benchmarks' A/B rows set it.
@@ -98,11 +101,20 @@ def compile_options(mode: bool | str, device: torch.device) -> dict:
     extra = INDUCTOR_OPTIONS if INDUCTOR_OPTIONS is not None else (
         CUDA_INDUCTOR_OPTIONS if device.type == "cuda" else {})
     options = {"dynamic": False}
+    extra = {k: v for k, v in (extra or {}).items() if k != "triton.enable_pdl" or inductor_has_pdl()}
     if extra:
-        options["options"] = dict(extra)
+        options["options"] = extra
         if extra.get("triton.multi_kernel"):
             repair_multi_kernel_locks()
     return options
+
+
+@functools.cache
+def inductor_has_pdl() -> bool:
+    """Whether this torch's inductor knows ``triton.enable_pdl`` (torch.compile refuses options it does not know)."""
+    from torch._inductor import config
+
+    return hasattr(config.triton, "enable_pdl")
 
 
 @functools.cache

@@ -80,6 +80,8 @@ class AccelState:
         # Extra top-level report() entries, computed when report() is called (the cache pass adds "cache").
         self.report_sections: dict[str, Callable[[], Any]] = {}
         self.quantized: dict = {}  # transformer name -> module whose linears the quant pass replaced
+        # seconds each pass's apply() took inside accelerate(), in order: the setup share of a slow first call
+        self.setup_seconds: dict[str, float] = {}
         device_fn = lambda: self.device  # noqa: E731 -- the device may change after offload is applied
         self.encode_watch = Stopwatch(device_fn)
         self.decode_watch = Stopwatch(device_fn)
@@ -196,6 +198,7 @@ class AccelState:
             "applied": [
                 {"pass": p.name, **copy.deepcopy(p.details)} for p in self.applied if not p.details.get("hidden")
             ],
+            "setup_s": dict(self.setup_seconds),
             "calls": self.calls,
             "last_call": self.last_call.as_dict() if self.last_call else None,
             **{name: section() for name, section in self.report_sections.items()},

@@ -185,3 +185,28 @@ def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(tmp_path, monk
         bench.main(["--device", "cpu", "--tiny", "--blocks", "-1", "--out", str(out)])
     assert exit_info.value.code == 2
     assert "--blocks -1: give the number of blocks to keep per stack (>= 1), or 0 for all" in capsys.readouterr().err
+
+
+def test_first_call_bench_splits_setup_calibration_and_forwards(tmp_path, capsys):
+    """bench_first_call.py on a tiny FLUX: the static-FP8 row calibrates once, reports its passes' setup seconds
+    and dynamo's compile phases, and the first-call sum is setup + calibration + forward 1; bad flags exit 2."""
+    spec = importlib.util.spec_from_file_location("bench_first_call",
+                                                  os.path.join(ROOT, "benchmarks", "bench_first_call.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "first_call.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--warm-cache", "--cprofile", "3", "--configs",
+                       "diffusers_eager,ours_fp8_static,ours_fp8_fp8attn", "--out", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ours_fp8_fp8attn"] == {"config": "ours_fp8_fp8attn", "skipped": "needs CUDA"}
+    static, plain = rows["ours_fp8_static"], rows["diffusers_eager"]
+    phases = static["phases_s"]
+    assert phases["calibration_forward"] > 0 and "calibration_forward" not in plain["phases_s"]
+    assert static["first_call_s"] == round(phases["setup"] + phases["calibration_forward"] + phases["forward_1"], 2)
+    assert set(static["setup_s_by_pass"]) >= {"quant", "compile"} and plain["setup_s_by_pass"] is None
+    assert static["compile_times"] and len(static["cprofile"]["by_cumulative"]) == 3
+    assert static["restored_exactly"] is True and plain["restored_exactly"] is True
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--cprofile", "-2"])
+    assert exit_info.value.code == 2
+    assert "--cprofile -2: give how many functions to keep (>= 1), or 0 for no profile" in capsys.readouterr().err

@@ -178,6 +178,8 @@ def test_returns_same_object_reports_and_restores_exactly(flux):
     assert report["family"] == "flux" and report["pipeline"] == "FluxPipeline"
     assert [a["pass"] for a in report["applied"]] == ["attention", "vae_slicing"]
     assert report["applied"][0]["backend"] == "math"
+    # every wanted pass's setup time, in the order accelerate() applied them
+    assert list(report["setup_s"]) == ["stats", "lora", "attention", "vae", "diffusers_compat"] and min(report["setup_s"].values()) >= 0
     call = report["last_call"]
     assert report["calls"] == 1
     assert call["transformer_forwards"] == kwargs["num_inference_steps"]

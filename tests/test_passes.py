@@ -90,13 +90,18 @@ def test_compile_raises_dynamos_recompile_limit_while_applied():
 def test_compile_never_asks_inductor_for_cuda_graphs_or_autotuning(monkeypatch):
     """Regional CUDA graphs of repeated blocks overwrite each other's outputs, and autotuned Triton GEMMs lost to
     cuBLAS (both measured on an H200): True and "max" compile blocks the same way; on a GPU with the measured
-    multi-kernel option, which benchmarks can override for their A/B rows."""
+    multi-kernel and programmatic-dependent-launch options, which benchmarks can override for their A/B rows; a torch
+    whose inductor lacks PDL gets multi-kernel alone (torch.compile refuses unknown options)."""
     from omni_accel import compiler
 
+    assert compiler.inductor_has_pdl()  # this torch has it
     for mode in (True, "max"):
         assert compiler.compile_options(mode, torch.device("cpu")) == {"dynamic": False}
-        assert compiler.compile_options(mode, torch.device("cuda")) == {"dynamic": False,
-                                                                        "options": {"triton.multi_kernel": 1}}
+        assert compiler.compile_options(mode, torch.device("cuda")) == {
+            "dynamic": False, "options": {"triton.multi_kernel": 1, "triton.enable_pdl": True}}
+    monkeypatch.setattr(compiler, "inductor_has_pdl", lambda: False)
+    assert compiler.compile_options(True, torch.device("cuda")) == {"dynamic": False,
+                                                                    "options": {"triton.multi_kernel": 1}}
     monkeypatch.setattr(compiler, "INDUCTOR_OPTIONS", {})  # a benchmark's A/B row without the defaults
     assert compiler.compile_options(True, torch.device("cuda")) == {"dynamic": False}
 

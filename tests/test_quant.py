@@ -182,3 +182,15 @@ def test_scales_file_is_read_again_once_rewritten(tmp_path):
     path.write_text("{not json")
     with pytest.raises(AccelError, match=re.escape(f"quant_config['scales']={str(path)!r} could not be read")):
         quant._load_scales(str(path))
+
+
+def test_to_host_copies_values_dtype_and_strides_into_new_memory():
+    """The quant pass parks the original weights in host memory with to_host: the same values, dtype and strides
+    (a transposed weight stays transposed), in memory of its own."""
+    from omni_accel.kernels.quant import to_host
+
+    weight = torch.randn(48, 32, dtype=torch.bfloat16).t()
+    host = to_host(weight)
+    assert host.device.type == "cpu" and host.dtype == torch.bfloat16
+    assert host.stride() == weight.stride() and torch.equal(host, weight)
+    assert host.data_ptr() != weight.data_ptr()

@@ -1,0 +1,165 @@
+"""Where the FP8 attention's image error comes from, on the trained built-in model (CPU, a few minutes).
+
+    python benchmarks/study_fp8_attention_error.py --out benchmarks/results/fp8_attention_error_study.json
+
+bf16 linears, FP8 attention only (cuDNN's FP8 SDPA arithmetic, which the op emulates on the CPU), PSNR of 16 held-out
+captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. Three studies:
+
+- ``operands``: round only some of the attention's operands to e4m3 (q and k, the probabilities P, v, the output),
+  the others kept in float32: which rounding costs the images.
+- ``rotation``: q and k multiplied by one orthogonal matrix (per head, the same for both: q . k is unchanged) before
+  their e4m3 rounding, which spreads a few large channels over all of them: a Hadamard matrix, one with random
+  signs, a random orthogonal one.
+- ``modules``: FP8 attention in one attention module only, the others in bf16: how much one layer decides.
+
+Also the fp32 model against the bf16 one: how far a rounding change that is not FP8 moves each caption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench_fp8_quality as quality  # noqa: E402
+from benchmarks.timing import write_result  # noqa: E402
+from omni_accel.builtin import dataset as ds, load_builtin  # noqa: E402
+from omni_accel.cache.metrics import psnr  # noqa: E402
+from omni_accel.kernels import cudnn_fp8_attention as cfa  # noqa: E402
+from omni_accel.kernels.fp8_attention import attention_modules  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x through e4m3 at ``scale`` (x ~= e4m3 value * scale), back in float32."""
+    return (x / scale).clamp(-cfa.FP8_MAX, cfa.FP8_MAX).to(E4M3).float() * scale
+
+
+def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: bool, round_o: bool,
+              rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, S, H, D) attention with cuDNN's FP8 roundings switched one by one (per-tensor scales, K smoothed by its
+    token mean as the library does); float32 elsewhere."""
+    q, k, v = q.float(), k.float(), v.float()
+    k = k - k.mean(dim=1, keepdim=True)  # softmax-invariant shift
+    if rotation is not None:
+        q, k = q @ rotation, k @ rotation
+    if round_qk:
+        q, k = rounded(q, q.abs().amax() / cfa.FP8_MAX), rounded(k, k.abs().amax() / cfa.FP8_MAX)
+    v_scale = v.abs().amax() / cfa.FP8_MAX
+    if round_v:
+        v = rounded(v, v_scale)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * sm_scale
+    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    denominator = p.sum(dim=-1, keepdim=True)
+    if round_p:
+        p = rounded(p, 1.0 / cfa.P_SCALE)
+    out = torch.einsum("bhqk,bkhd->bqhd", p / denominator, v)
+    return rounded(out, v_scale) if round_o else out
+
+
+def hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def rotations(d: int) -> dict[str, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+    random_orthogonal, _ = torch.linalg.qr(torch.randn(d, d, generator=g))
+    return {"none": None, "hadamard": hadamard(d), "random_signs_hadamard": signs[:, None] * hadamard(d),
+            "random_orthogonal": random_orthogonal}
+
+
+class Replaced:
+    """Every routed attention call of the transformer goes to ``fn(call_index_in_forward, q, k, v, scale)``."""
+
+    def __init__(self, pipe, modules: int, fn: Callable):
+        self.pipe, self.modules, self.fn, self.calls = pipe, modules, fn, 0
+
+    def __enter__(self):
+        self.original = cfa.cudnn_fp8_attention
+
+        def replaced(query, key, value, scale=None, scales=None):
+            index = self.calls % self.modules
+            self.calls += 1
+            sm_scale = scale if scale is not None else query.shape[-1] ** -0.5
+            return self.fn(index, query, key, value, sm_scale).to(query.dtype)
+
+        cfa.cudnn_fp8_attention = replaced
+        self.undo_route = quality._route_fp8_attention(self.pipe, False)
+        return self
+
+    def __exit__(self, *exc):
+        self.undo_route()
+        cfa.cudnn_fp8_attention = self.original
+
+
+def summary(p: list[float], prompts: list[str]) -> dict:
+    worst = min(range(len(p)), key=lambda i: p[i])
+    return {"psnr_min": round(p[worst], 2), "psnr_mean": round(sum(p) / len(p), 2), "worst_caption": prompts[worst],
+            "psnr": [round(x, 2) for x in p]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--out", default="benchmarks/results/fp8_attention_error_study.json")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    pipe = load_builtin(dtype=torch.bfloat16)
+    prompts = ds.captions_of(ds.sample_params(args.prompts, torch.Generator().manual_seed(2027), only_heldout=True))
+    reference = quality.images(pipe, prompts, 0)
+    modules = [name for name, _ in attention_modules(pipe.transformer)]
+    head_dim = pipe.transformer.config.attention_head_dim
+    result = {"model": "built-in (omni_accel/builtin/model)", "prompts": prompts, "attention_modules": modules,
+              "head_dim": head_dim, "env": {"torch": torch.__version__, "python": platform.python_version()}}
+
+    def measure(fn) -> dict:
+        with Replaced(pipe, len(modules), fn):
+            return summary(psnr(quality.images(pipe, prompts, 0), reference), prompts)
+
+    result["fp32_model_vs_bf16"] = summary(psnr(quality.images(load_builtin(dtype=torch.float32), prompts, 0),
+                                                reference), prompts)
+    all_on = dict(round_qk=True, round_p=True, round_v=True, round_o=True)
+    operand_sets = {"all (cuDNN's FP8 SDPA)": all_on, "all but q, k": {**all_on, "round_qk": False},
+                    "all but P": {**all_on, "round_p": False}, "all but v": {**all_on, "round_v": False},
+                    "all but the output": {**all_on, "round_o": False},
+                    "only q, k": dict(round_qk=True, round_p=False, round_v=False, round_o=False),
+                    "only P": dict(round_qk=False, round_p=True, round_v=False, round_o=False),
+                    "only v": dict(round_qk=False, round_p=False, round_v=True, round_o=False),
+                    "only the output": dict(round_qk=False, round_p=False, round_v=False, round_o=True)}
+    result["operands"] = {}
+    for name, rounding in operand_sets.items():
+        result["operands"][name] = measure(lambda i, q, k, v, s, r=rounding: attention(q, k, v, s, **r))
+        print("operands", name, {k: v for k, v in result["operands"][name].items() if k != "psnr"}, flush=True)
+    result["rotation"] = {}
+    for name, matrix in rotations(head_dim).items():
+        result["rotation"][name] = measure(lambda i, q, k, v, s, m=matrix: attention(q, k, v, s, **all_on, rotation=m))
+        print("rotation", name, {k: v for k, v in result["rotation"][name].items() if k != "psnr"}, flush=True)
+    result["modules"] = {}
+    for only, name in enumerate(modules):
+        def one_module(i, q, k, v, s, only=only):
+            if i == only:
+                return attention(q, k, v, s, **all_on)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  scale=s).transpose(1, 2)
+
+        result["modules"][name] = measure(one_module)
+        print("only FP8 in", name, {k: v for k, v in result["modules"][name].items() if k != "psnr"}, flush=True)
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
