@@ -209,6 +209,10 @@ _MK_PW = {"triton.multi_kernel": 1, "max_autotune_pointwise": True}
 # programmatic dependent launch: each Triton kernel may start while the one before it drains (Hopper+); aimed at the
 # 5-9 ms per FLUX forward between ~900 kernels that the CUDA graph did not remove
 _MK_PDL = {"triton.multi_kernel": 1, "triton.enable_pdl": True}
+# fewer kernels per forward on top of that: independent kernels launched as one (combo kernels: e.g. the dual
+# blocks' image- and text-stream epilogues), and inductor's aggressive fusion of nodes that share no loop order
+_MK_PDL_COMBO = {**_MK_PDL, "combo_kernels": True}
+_MK_PDL_AGGRESSIVE = {**_MK_PDL, "aggressive_fusion": True}
 _FAST_STATIC = {**_STATIC_ATTENTION, "fast_accum": True}
 _FAST_LINEARS = {**_STATIC_LINEARS, "fast_accum": True}
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -243,7 +247,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         inductor=_MK, cuda_only=True, note="ours_fp8_fp8attn_static with fast FP8 accumulation"),
     *(Row(f"ours_fp8_fp8attn_static_fa_{tag}", _fp8attn(_FAST_STATIC), False, calibrates=True,
           inductor=options, cuda_only=True, note=f"ours_fp8_fp8attn_static_fa with inductor {options}")
-      for tag, options in (("nd", _MK_ND), ("pw", _MK_PW), ("cd", _MK_CD), ("pdl", _MK_PDL))),
+      for tag, options in (("nd", _MK_ND), ("pw", _MK_PW), ("cd", _MK_CD), ("pdl", _MK_PDL),
+                             ("combo", _MK_PDL_COMBO), ("aggressive", _MK_PDL_AGGRESSIVE))),
     Row("ours_fp8_fp8attn_static_fa_tanh", _fp8attn(_FAST_STATIC), False, calibrates=True,
         inductor=_MK, cuda_only=True, sigmoid_gelu=False,
         note="ours_fp8_fp8attn_static_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
@@ -252,6 +257,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="ours_fp8_fp8attn_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
+    Row("ours_bf16_mk_pdl_combo", _ours(attention="auto", compile=True), True, inductor=_MK_PDL_COMBO,
+        note="ours_bf16_mk_pdl with combo kernels"),
     Row("ours_bf16_mk_tanh", _ours(attention="auto", compile=True), True, inductor=_MK, sigmoid_gelu=False,
         note="ours_bf16_mk with the MLP GELU as libdevice tanh (before the sigmoid form)"),
     Row("ours_fp8_fp8attn_fa_graphs", _fp8attn(_FAST_LINEARS, compile="max"), False, calibrates=True,
