@@ -116,6 +116,7 @@ class Row:
     inductor: dict | None = field(default_factory=dict)
     cuda_graphs: bool = True  # False: OMNI_ACCEL_CUDA_GRAPHS=0 for the row (compile=True with FP8 graphs by default)
     sigmoid_gelu: bool = True  # compiler.SIGMOID_GELU for this row (False: inductor's libdevice tanh, the A side)
+    rotary_pair_swap: bool = True  # compiler.ROTARY_PAIR_SWAP (False: diffusers' unbind + stack rotary, the A side)
 
 
 def _plain(pipe, transformer, inputs, model):
@@ -257,6 +258,11 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="ours_fp8_fp8attn_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
+    Row("ours_fp8_fp8attn_static_fa_pdl_stackrope", _fp8attn(_FAST_STATIC), False, calibrates=True,
+        inductor=_MK_PDL, cuda_only=True, rotary_pair_swap=False,
+        note="ours_fp8_fp8attn_static_fa_pdl with diffusers' unbind + stack rotary (before the pair swap)"),
+    Row("ours_bf16_mk_pdl_stackrope", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
+        rotary_pair_swap=False, note="ours_bf16_mk_pdl with diffusers' unbind + stack rotary (before the pair swap)"),
     Row("ours_bf16_mk_pdl_combo", _ours(attention="auto", compile=True), True, inductor=_MK_PDL_COMBO,
         note="ours_bf16_mk_pdl with combo kernels"),
     Row("ours_bf16_mk_tanh", _ours(attention="auto", compile=True), True, inductor=_MK, sigmoid_gelu=False,
@@ -396,9 +402,10 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
 
     result = {"model": spec["model"], "config": row.name, "note": row.note, "lossless": row.lossless,
               "inductor_options": row.inductor}
-    saved_options, saved_gelu = compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU
+    saved = compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU, compiler.ROTARY_PAIR_SWAP
     compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU = row.inductor, row.sigmoid_gelu
-    result["sigmoid_gelu"] = row.sigmoid_gelu
+    compiler.ROTARY_PAIR_SWAP = row.rotary_pair_swap
+    result["sigmoid_gelu"], result["rotary_pair_swap"] = row.sigmoid_gelu, row.rotary_pair_swap
     saved_graphs_env = os.environ.get(compiler.CUDA_GRAPHS_ENV)
     if not row.cuda_graphs:
         os.environ[compiler.CUDA_GRAPHS_ENV] = "0"
@@ -455,7 +462,7 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
             traceback.print_exc()
         if "omni_accel" in vars(pipe):
             omni_accel.restore(pipe)
-        compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU = saved_options, saved_gelu
+        compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU, compiler.ROTARY_PAIR_SWAP = saved
         if saved_graphs_env is None:
             os.environ.pop(compiler.CUDA_GRAPHS_ENV, None)
         else:

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import shutil
+import sys
 import threading
 from typing import Callable
 
@@ -91,6 +92,73 @@ def use_sigmoid_gelu(module: torch.nn.Module) -> tuple[int, Callable[[], None]]:
             del projection.gelu
 
     return len(swapped) + len(patched), undo
+
+
+# Whether compiled blocks on a GPU apply diffusers' interleaved rotary embedding through a pair swap (below);
+# benchmarks' A/B rows set it.
+ROTARY_PAIR_SWAP = True
+
+
+def _pair_swap_rotary(original: Callable) -> Callable:
+    """diffusers' ``apply_rotary_emb`` for real (cos, sin) tables with interleaved pairs, written as
+    ``x * cos + swap(x) * (sin * [-1, +1, ...])`` where ``swap`` exchanges the two values of each pair.
+
+    Why: diffusers builds the rotated tensor with ``unbind`` + ``stack``, which inductor lowers to masked, strided
+    loads of each pair's other value (four loads per output value, fused with the RMSNorm before it and the FP8 cast
+    after it); FLUX's single blocks spent 120 us per call in that kernel on an H200 for ~40 us of bytes. A swap is
+    one load at the neighbouring index: 75 us (static FP8 step 90.2 -> 89.2 ms, docs/kernels.md). Same float32
+    products and sums as the original, so the same output.
+    Other layouts (complex tables, halves instead of pairs) go to the original."""
+
+    def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+        if not use_real or use_real_unbind_dim != -1 or sequence_dim not in (1, 2) or x.shape[-1] % 2:
+            return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        cos, sin = freqs_cis  # (S, D)
+        shape = (1, 1, *cos.shape) if sequence_dim == 2 else (1, cos.shape[0], 1, cos.shape[1])
+        cos, sin = cos.reshape(shape).to(x.device), sin.reshape(shape).to(x.device)
+        # the rotated pair is (-imag, real): -1 at even, +1 at odd positions (arange, not a tensor from a Python
+        # list, whose host-to-device copy a CUDA graph capture would refuse)
+        sign = torch.arange(x.shape[-1], device=x.device) % 2 * 2 - 1
+        signed_sin = sin * sign
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)
+
+    apply_rotary_emb._omni_accel_original = original
+    return apply_rotary_emb
+
+
+_ROTARY_SWAPPED: dict[str, list] = {}  # module name -> [diffusers' function, transformers using the swap]
+
+
+def use_rotary_pair_swap(transformer: torch.nn.Module) -> tuple[int, Callable[[], None]]:
+    """Give the modules that define ``transformer`` and its attention processors the pair-swap
+    ``apply_rotary_emb`` where they call diffusers' own. Module globals are shared by every pipeline of the family in
+    the process, so they are swapped once and put back with the last transformer's undo. Returns how many modules
+    and the undo."""
+    from diffusers.models import embeddings
+
+    names = {type(transformer).__module__}
+    names |= {type(m.processor).__module__ for m in transformer.modules() if getattr(m, "processor", None)}
+    swapped = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if name not in _ROTARY_SWAPPED:
+            if getattr(module, "apply_rotary_emb", None) is not embeddings.apply_rotary_emb:
+                continue  # calls its own rotary embedding (Wan, Qwen-Image) or none
+            _ROTARY_SWAPPED[name] = [module.apply_rotary_emb, 0]
+            module.apply_rotary_emb = _pair_swap_rotary(module.apply_rotary_emb)
+        _ROTARY_SWAPPED[name][1] += 1
+        swapped.append((name, module))
+
+    def undo() -> None:
+        for name, module in swapped:
+            entry = _ROTARY_SWAPPED[name]
+            entry[1] -= 1
+            if entry[1] == 0:
+                module.apply_rotary_emb = entry[0]
+                del _ROTARY_SWAPPED[name]
+
+    return len(swapped), undo
 
 
 def compile_options(mode: bool | str, device: torch.device) -> dict:
@@ -176,18 +244,23 @@ class CompilePass(AccelPass):
             blocks = ctx.adapter.blocks_of(transformer)
             gelus = 0
             undos = []
+            rotary = 0
             if SIGMOID_GELU and ctx.device.type == "cuda":
                 for _, block in blocks:  # inside the compiled blocks only: eager, F.gelu is the one fused kernel
                     count, undo_gelu = use_sigmoid_gelu(block)
                     gelus += count
                     undos.append(undo_gelu)
+            if ROTARY_PAIR_SWAP and ctx.device.type == "cuda":
+                rotary, undo_rotary = use_rotary_pair_swap(transformer)
+                undos.append(undo_rotary)
             undos += [_compile_block(block, options) for _, block in blocks]
 
             def undo(undos=undos) -> None:
                 for u in reversed(undos):
                     u()
 
-            ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus, **options)
+            ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus,
+                             rotary_pair_swap=rotary, **options)
         if ctx.config.compile == "max" or fp8_graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])

@@ -160,3 +160,55 @@ def test_sigmoid_gelu_is_the_tanh_gelu_and_comes_off_again(family, expected):
     assert [list(block.modules()) for block in blocks] == before
     assert not any("gelu" in vars(m) for block in blocks for m in block.modules())
     assert torch.equal(run(pipe, dict(kwargs, num_inference_steps=2)), plain)
+
+
+def test_pair_swap_rotary_equals_diffusers_rotary_bit_for_bit():
+    """compile=True on a GPU applies diffusers' interleaved rotary embedding through a pair swap (one load per value
+    for inductor instead of masked gathers): the same products and sums, so the same bits, in both sequence layouts
+    and dtypes; other layouts are handed to diffusers' function."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    from omni_accel import compiler
+
+    swapped = compiler._pair_swap_rotary(apply_rotary_emb)
+    g = torch.Generator().manual_seed(0)
+    angles = torch.randn(7, 8, generator=g).repeat_interleave(2, dim=-1)  # (S, D) interleaved pairs
+    table = (angles.cos(), angles.sin())
+    for dtype in (torch.float32, torch.bfloat16):
+        for sequence_dim, shape in ((1, (2, 7, 3, 16)), (2, (2, 3, 7, 16))):
+            x = torch.randn(*shape, generator=g).to(dtype)
+            assert torch.equal(swapped(x, table, sequence_dim=sequence_dim),
+                               apply_rotary_emb(x, table, sequence_dim=sequence_dim))
+    halves = torch.randn(2, 3, 7, 16, generator=g)
+    assert torch.equal(swapped(halves, table, use_real_unbind_dim=-2), apply_rotary_emb(halves, table,
+                                                                                           use_real_unbind_dim=-2))
+
+
+@pytest.mark.parametrize("family, expected", [("flux", 1), ("wan", 0), ("qwen_image", 0)])
+def test_pair_swap_rotary_reaches_the_modules_that_call_diffusers_rotary_and_comes_off_again(family, expected):
+    """Only modules that call diffusers' own apply_rotary_emb get the swap (Wan and Qwen-Image have their own); two
+    transformers of one family share the swapped global, which goes back with the last undo; the pipeline's output
+    is unchanged."""
+    import sys
+
+    from diffusers.models import embeddings
+
+    from omni_accel import compiler
+
+    pipe, kwargs = tiny_pipeline(family)
+    other, _ = tiny_pipeline(family)
+    module = sys.modules[type(pipe.transformer).__module__]
+    plain = run(pipe, dict(kwargs, num_inference_steps=2))
+    count, undo = compiler.use_rotary_pair_swap(pipe.transformer)
+    assert count == expected
+    if not expected:
+        undo()
+        return
+    assert module.apply_rotary_emb._omni_accel_original is embeddings.apply_rotary_emb
+    second_count, undo_other = compiler.use_rotary_pair_swap(other.transformer)
+    assert second_count == 1 and compiler._ROTARY_SWAPPED[module.__name__][1] == 2
+    assert torch.equal(run(pipe, dict(kwargs, num_inference_steps=2)), plain)
+    undo()
+    assert module.apply_rotary_emb is not embeddings.apply_rotary_emb  # the other transformer still uses it
+    undo_other()
+    assert module.apply_rotary_emb is embeddings.apply_rotary_emb and module.__name__ not in compiler._ROTARY_SWAPPED
