@@ -17,7 +17,6 @@ import functools
 import logging
 import os
 import shutil
-import sys
 import threading
 from typing import Callable
 
@@ -25,6 +24,7 @@ import torch
 
 from .cuda_graphs import GraphedForward
 from .errors import AccelError
+from .hooks import swap_module_global
 from .pass_base import AccelPass, PassContext
 
 logger = logging.getLogger(__name__)
@@ -132,33 +132,13 @@ _ROTARY_SWAPPED: dict[str, list] = {}  # module name -> [diffusers' function, tr
 
 def use_rotary_pair_swap(transformer: torch.nn.Module) -> tuple[int, Callable[[], None]]:
     """Give the modules that define ``transformer`` and its attention processors the pair-swap
-    ``apply_rotary_emb`` where they call diffusers' own. Module globals are shared by every pipeline of the family in
-    the process, so they are swapped once and put back with the last transformer's undo. Returns how many modules
-    and the undo."""
+    ``apply_rotary_emb`` where they call diffusers' own (Wan and Qwen-Image call their own rotary code, or none).
+    Returns how many modules and the undo; the globals are shared by every pipeline of the family in the process
+    (``hooks.swap_module_global`` counts their users)."""
     from diffusers.models import embeddings
 
-    names = {type(transformer).__module__}
-    names |= {type(m.processor).__module__ for m in transformer.modules() if getattr(m, "processor", None)}
-    swapped = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if name not in _ROTARY_SWAPPED:
-            if getattr(module, "apply_rotary_emb", None) is not embeddings.apply_rotary_emb:
-                continue  # calls its own rotary embedding (Wan, Qwen-Image) or none
-            _ROTARY_SWAPPED[name] = [module.apply_rotary_emb, 0]
-            module.apply_rotary_emb = _pair_swap_rotary(module.apply_rotary_emb)
-        _ROTARY_SWAPPED[name][1] += 1
-        swapped.append((name, module))
-
-    def undo() -> None:
-        for name, module in swapped:
-            entry = _ROTARY_SWAPPED[name]
-            entry[1] -= 1
-            if entry[1] == 0:
-                module.apply_rotary_emb = entry[0]
-                del _ROTARY_SWAPPED[name]
-
-    return len(swapped), undo
+    return swap_module_global(transformer, "apply_rotary_emb", _ROTARY_SWAPPED, lambda current: (
+        _pair_swap_rotary(current) if current is embeddings.apply_rotary_emb else None))
 
 
 def compile_options(mode: bool | str, device: torch.device) -> dict:

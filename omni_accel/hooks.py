@@ -6,6 +6,7 @@ All our hooks are named ``omni_accel.<what>`` so ``restore`` can remove exactly 
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from typing import Any, Callable
 
@@ -72,6 +73,42 @@ class Stopwatch:
             synchronize(self._device_fn())
             self.seconds += time.perf_counter() - self._started
             self._started = None
+
+
+def swap_module_global(transformer: torch.nn.Module, attribute: str, registry: dict[str, list],
+                       replacement_for: Callable[[Any], Any]) -> tuple[int, Callable[[], None]]:
+    """Replace the global ``attribute`` of the Python modules that define ``transformer`` and its attention
+    processors with ``replacement_for(current)`` (None: that module is left alone); return how many modules and the
+    undo.
+
+    Used where diffusers' processors call a module-level function (``dispatch_attention_fn``, ``apply_rotary_emb``)
+    and no hook point exists. A module global is shared by every pipeline of the family in the process, so
+    ``registry`` (module name -> [original, transformers using the swap]) makes each swap once and puts the
+    original back with the last user's undo."""
+    names = {type(transformer).__module__}
+    names |= {type(m.processor).__module__ for m in transformer.modules() if getattr(m, "processor", None) is not None}
+    swapped = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if name not in registry:
+            current = getattr(module, attribute, None)
+            replacement = replacement_for(current)
+            if replacement is None:
+                continue
+            registry[name] = [current, 0]
+            setattr(module, attribute, replacement)
+        registry[name][1] += 1
+        swapped.append((name, module))
+
+    def undo() -> None:
+        for name, module in swapped:
+            entry = registry[name]
+            entry[1] -= 1
+            if entry[1] == 0:
+                setattr(module, attribute, entry[0])
+                del registry[name]
+
+    return len(swapped), undo
 
 
 def wrap_method(obj: Any, name: str, make_wrapper: Callable[[Callable], Callable]) -> Callable[[], None]:

@@ -30,14 +30,13 @@ The Triton implementation, and why it is split as it is:
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any, Callable
 
 import torch
 from diffusers.hooks import ModelHook
 
 from ..errors import AccelError
-from ..hooks import add_hook
+from ..hooks import add_hook, swap_module_global
 from . import fused
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -242,33 +241,16 @@ _ROUTED: dict[str, list] = {}  # module name -> [original dispatch_attention_fn,
 
 
 def route_transformer(transformer: torch.nn.Module, implementation: str = "triton") -> Callable[[], None]:
-    """Send ``transformer``'s eligible attention calls to the FP8 kernel; return the undo. The module globals are
-    shared by every pipeline of the family in the process, so they are swapped once and put back with the last
-    routed transformer's undo."""
-    undos = [add_hook(transformer, "fp8_attention", _RouteHook(implementation))]
-    modules = {type(transformer).__module__}
-    modules |= {type(m.processor).__module__ for m in transformer.modules() if getattr(m, "processor", None)}
-    for name in sorted(modules):
-        module = sys.modules.get(name)
-        if name not in _ROUTED:
-            current = getattr(module, "dispatch_attention_fn", None)
-            if current is None:
-                continue  # this module does not dispatch attention
-            _ROUTED[name] = [current, 0]
-            module.dispatch_attention_fn = _make_dispatch(current)
-        _ROUTED[name][1] += 1
-        undos.append(lambda name=name, module=module: _unroute(name, module))
+    """Send ``transformer``'s eligible attention calls to the FP8 kernel; return the undo. The modules'
+    ``dispatch_attention_fn`` globals are shared by every pipeline of the family in the process, so they are swapped
+    once and put back with the last routed transformer's undo (``hooks.swap_module_global``)."""
+    undo_hook = add_hook(transformer, "fp8_attention", _RouteHook(implementation))
+    # a module without dispatch_attention_fn does not dispatch attention
+    _, undo_globals = swap_module_global(transformer, "dispatch_attention_fn", _ROUTED,
+                                         lambda current: None if current is None else _make_dispatch(current))
 
     def undo_all() -> None:
-        for u in reversed(undos):
-            u()
+        undo_globals()
+        undo_hook()
 
     return undo_all
-
-
-def _unroute(name: str, module: Any) -> None:
-    entry = _ROUTED[name]
-    entry[1] -= 1
-    if entry[1] == 0:
-        module.dispatch_attention_fn = entry[0]
-        del _ROUTED[name]
