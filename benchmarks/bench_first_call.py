@@ -45,6 +45,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.blocks < 0:
         ap.error(f"--blocks {args.blocks}: give the number of blocks to keep per stack (>= 1), or 0 for all")
+    if args.host_copy_gib < 0:
+        ap.error(f"--host-copy-gib {args.host_copy_gib}: give the size to copy in GiB (> 0), or 0 for no copy test")
     if args.cprofile < 0:
         ap.error(f"--cprofile {args.cprofile}: give how many functions to keep (>= 1), or 0 for no profile")
     return args
@@ -142,10 +144,9 @@ def first_call_row(torch, row, spec, pipe, inputs, device, args) -> dict:
         quant.freeze_activation_scales(pipe)
     for i in (1, 2, 3):
         phases[f"forward_{i}"] = timed(fn)
-    entry = {"config": row.name, "phases_s": phases,
-             "first_call_s": round(phases["setup"] + phases.get("calibration_forward", 0) + phases["forward_1"], 2),
-             "until_steady_s": round(phases["setup"] + phases.get("calibration_forward", 0) + phases["forward_1"]
-                                     + phases["forward_2"], 2),
+    first_call = phases["setup"] + phases.get("calibration_forward", 0) + phases["forward_1"]
+    entry = {"config": row.name, "phases_s": phases, "first_call_s": round(first_call, 2),
+             "until_steady_s": round(first_call + phases["forward_2"], 2),
              "setup_s_by_pass": report.get("setup_s"), "compile_times": compile_times(torch)}
     if device.type == "cuda":
         entry["peak_gib_plain_forward"] = round(plain_peak, 3)

@@ -210,3 +210,7 @@ def test_first_call_bench_splits_setup_calibration_and_forwards(tmp_path, capsys
         bench.main(["--cprofile", "-2"])
     assert exit_info.value.code == 2
     assert "--cprofile -2: give how many functions to keep (>= 1), or 0 for no profile" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--host-copy-gib", "-1"])
+    assert exit_info.value.code == 2
+    assert "--host-copy-gib -1.0: give the size to copy in GiB (> 0), or 0 for no copy test" in capsys.readouterr().err
