@@ -12,7 +12,9 @@ forward of static FP8 scales, the compiling forward, the forward that captures t
 Configs are bench_peers.py's rows (the same setup code). Per config: seconds of the plain eager forward that
 precedes it (CUDA context, cuBLAS), of ``accelerate()`` with ``report()["setup_s"]`` (per pass), of the calibration
 forward, and of forwards 1-3; ``first_call_s`` = setup + calibration + forward 1 (bench_peers' definition), and
-``until_steady_s`` adds forward 2 (the CUDA graph's warm-up and capture). Dynamo / inductor's own phase times
+``until_steady_s`` adds forward 2 (the CUDA graph's warm-up and capture). Rows run on the library's own inductor
+options (a row's inductor field is for step-time A/B runs in bench_peers) with the row's A/B switches, e.g.
+``ours_fp8_fp8attn_fa_splitstreams`` for FLUX's first single-stream block compiled apart. Dynamo / inductor's own phase times
 (``torch._dynamo.utils.compile_times``) and, with ``--cprofile``, the host functions that took the longest
 (cumulative and own time) come with each row; cProfile slows Python-heavy compilation, so its row's seconds are
 not the figures to quote. ``--host-copy-gib`` adds a measurement of moving that many GiB of bf16 weights to host
@@ -114,6 +116,15 @@ def main(argv=None) -> int:
 
 
 def first_call_row(torch, row, spec, pipe, inputs, device, args) -> dict:
+    """One row on the library's own inductor options (a row's ``inductor`` field is for step-time A/B runs) and
+    with the row's A/B switches."""
+    from benchmarks.bench_peers import library_switches
+
+    with library_switches(row) as switches:
+        return {**_first_call_row(torch, row, spec, pipe, inputs, device, args), **switches}
+
+
+def _first_call_row(torch, row, spec, pipe, inputs, device, args) -> dict:
     from benchmarks.bench_peers import sync
     from omni_accel.kernels import quant
 

@@ -38,6 +38,7 @@ The JSON is rewritten after every row; rows that would start after ``--time-budg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import os
@@ -117,6 +118,36 @@ class Row:
     cuda_graphs: bool = True  # False: OMNI_ACCEL_CUDA_GRAPHS=0 for the row (compile=True with FP8 graphs by default)
     sigmoid_gelu: bool = True  # compiler.SIGMOID_GELU for this row (False: inductor's libdevice tanh, the A side)
     rotary_pair_swap: bool = True  # compiler.ROTARY_PAIR_SWAP (False: diffusers' unbind + stack rotary, the A side)
+    joint_streams: bool = True  # compiler.JOINT_STREAMS (False: FLUX's first single block compiles its own graph)
+
+
+# the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
+SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_PAIR_SWAP", "rotary_pair_swap"),
+            ("compiler", "JOINT_STREAMS", "joint_streams"))
+
+
+@contextlib.contextmanager
+def library_switches(row: Row):
+    """The library's A/B switches (module flags, and the CUDA-graph variable) as ``row`` asks; put back after.
+    Yields {Row field: value} for the result file."""
+    from omni_accel import compiler
+
+    modules = {name: importlib.import_module(f"omni_accel.{name}") for name, _, _ in SWITCHES}
+    saved = [getattr(modules[name], attribute) for name, attribute, _ in SWITCHES]
+    saved_graphs_env = os.environ.get(compiler.CUDA_GRAPHS_ENV)
+    for name, attribute, field_name in SWITCHES:
+        setattr(modules[name], attribute, getattr(row, field_name))
+    if not row.cuda_graphs:
+        os.environ[compiler.CUDA_GRAPHS_ENV] = "0"
+    try:
+        yield {field_name: getattr(row, field_name) for _, _, field_name in SWITCHES}
+    finally:
+        for (name, attribute, _), value in zip(SWITCHES, saved):
+            setattr(modules[name], attribute, value)
+        if saved_graphs_env is None:
+            os.environ.pop(compiler.CUDA_GRAPHS_ENV, None)
+        else:
+            os.environ[compiler.CUDA_GRAPHS_ENV] = saved_graphs_env
 
 
 def _plain(pipe, transformer, inputs, model):
@@ -256,6 +287,15 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_fp8_fp8attn_fa_tanh", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK,
         cuda_only=True, sigmoid_gelu=False,
         note="ours_fp8_fp8attn_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
+    Row("ours_fp8_fp8attn_fa_pdl", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK_PDL,
+        cuda_only=True, note="ours_fp8_fp8attn_fa with programmatic dependent launch: the default FP8 stack as "
+                             "compile=True runs it on a GPU"),
+    Row("ours_fp8_fp8attn_fa_splitstreams", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK,
+        cuda_only=True, joint_streams=False,
+        note="ours_fp8_fp8attn_fa with FLUX's first single-stream block compiled apart (before the joint views)"),
+    Row("ours_fp8_fp8attn_static_fa_splitstreams", _fp8attn(_FAST_STATIC), False, calibrates=True, inductor=_MK,
+        cuda_only=True, joint_streams=False,
+        note="ours_fp8_fp8attn_static_fa with FLUX's first single-stream block compiled apart"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
     Row("ours_fp8_fp8attn_static_fa_pdl_stackrope", _fp8attn(_FAST_STATIC), False, calibrates=True,
@@ -396,20 +436,27 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks, flops) -> dict:
-    import omni_accel
     from omni_accel import compiler
-    from omni_accel.kernels import quant
 
     result = {"model": spec["model"], "config": row.name, "note": row.note, "lossless": row.lossless,
               "inductor_options": row.inductor}
-    saved = compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU, compiler.ROTARY_PAIR_SWAP
-    compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU = row.inductor, row.sigmoid_gelu
-    compiler.ROTARY_PAIR_SWAP = row.rotary_pair_swap
-    result["sigmoid_gelu"], result["rotary_pair_swap"] = row.sigmoid_gelu, row.rotary_pair_swap
-    saved_graphs_env = os.environ.get(compiler.CUDA_GRAPHS_ENV)
     if not row.cuda_graphs:
-        os.environ[compiler.CUDA_GRAPHS_ENV] = "0"
         result["cuda_graphs_env"] = "0"
+    saved = compiler.INDUCTOR_OPTIONS
+    compiler.INDUCTOR_OPTIONS = row.inductor
+    try:
+        with library_switches(row) as switches:
+            result.update(switches)
+            _run_row(row, spec, pipe, inputs, reference, device, args, clocks, flops, result)
+    finally:
+        compiler.INDUCTOR_OPTIONS = saved
+    return result
+
+
+def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks, flops, result: dict) -> None:
+    import omni_accel
+    from omni_accel.kernels import quant
+
     undo = lambda: None  # noqa: E731
     try:
         t0 = time.perf_counter()
@@ -462,16 +509,10 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
             traceback.print_exc()
         if "omni_accel" in vars(pipe):
             omni_accel.restore(pipe)
-        compiler.INDUCTOR_OPTIONS, compiler.SIGMOID_GELU, compiler.ROTARY_PAIR_SWAP = saved
-        if saved_graphs_env is None:
-            os.environ.pop(compiler.CUDA_GRAPHS_ENV, None)
-        else:
-            os.environ[compiler.CUDA_GRAPHS_ENV] = saved_graphs_env
         torch._dynamo.reset()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return result
 
 
 def ordered(names: list[str]) -> list[str]:

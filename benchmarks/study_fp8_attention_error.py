@@ -11,8 +11,14 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. Three studie
   their e4m3 rounding, which spreads a few large channels over all of them: a Hadamard matrix, one with random
   signs, a random orthogonal one.
 - ``modules``: FP8 attention in one attention module only, the others in bf16: how much one layer decides.
+- ``fallback``: the whole FP8 stack (static W8A8 linears + FP8 attention) with the most sensitive parts kept in bf16
+  -- the attention module that ``modules`` singles out, the linears of its block, the q / k projections, or the
+  linears of one kind (``quant_config["skip"]`` patterns): can keeping a few modules exact hold the worst caption?
 
 Also the fp32 model against the bf16 one: how far a rounding change that is not FP8 moves each caption.
+
+    # one study only (fp32, operands, rotation, modules, fallback), to its own file
+    python benchmarks/study_fp8_attention_error.py --studies fallback --out benchmarks/results/fp8_fallback_study.json
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import omni_accel  # noqa: E402
 from benchmarks import bench_fp8_quality as quality  # noqa: E402
 from benchmarks.timing import write_result  # noqa: E402
 from omni_accel.builtin import dataset as ds, load_builtin  # noqa: E402
@@ -64,6 +71,15 @@ def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: 
         p = rounded(p, 1.0 / cfa.P_SCALE)
     out = torch.einsum("bhqk,bkhd->bqhd", p / denominator, v)
     return rounded(out, v_scale) if round_o else out
+
+
+ALL_ON = dict(round_qk=True, round_p=True, round_v=True, round_o=True)  # every rounding of cuDNN's FP8 SDPA
+
+
+def exact_attention(q, k, v, sm_scale: float) -> torch.Tensor:
+    """(B, S, H, D) SDPA in the tensors' own dtype: a module left in bf16."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          scale=sm_scale).transpose(1, 2)
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -111,11 +127,61 @@ def summary(p: list[float], prompts: list[str]) -> dict:
             "psnr": [round(x, 2) for x in p]}
 
 
+STUDIES = ("fp32", "operands", "rotation", "modules", "fallback")
+SENSITIVE_ATTENTION = "transformer_blocks.1.attn"  # what the modules study singles out on the built-in model
+QK_PROJECTIONS = ["*attn.to_q", "*attn.to_k", "*attn.add_q_proj", "*attn.add_k_proj"]
+# (row name, FP8 linears?, their skip patterns, attention modules kept in bf16 -- None: no FP8 attention at all)
+FALLBACKS = (
+    ("FP8 attention only", False, [], set()),
+    ("FP8 attention only, the sensitive module in bf16", False, [], {SENSITIVE_ATTENTION}),
+    ("W8A8 linears only", True, [], None),
+    ("W8A8 linears only, q / k projections in bf16", True, QK_PROJECTIONS, None),
+    ("W8A8 linears only, every attention projection in bf16", True, ["*attn.to_*", "*attn.add_*"], None),
+    ("full stack", True, [], set()),
+    ("full stack, the sensitive attention module in bf16", True, [], {SENSITIVE_ATTENTION}),
+    ("full stack, the sensitive module and its block's attention linears in bf16", True,
+     [SENSITIVE_ATTENTION.replace(".attn", ".attn.*")], {SENSITIVE_ATTENTION}),
+    ("full stack, the sensitive module and every q / k projection in bf16", True, QK_PROJECTIONS,
+     {SENSITIVE_ATTENTION}),
+)
+
+
+def fallback_study(pipe, prompts: list[str], reference: torch.Tensor, modules: list[str]) -> dict:
+    """The FALLBACKS rows: static W8A8 linears calibrated on a training caption as bench_fp8_quality does, FP8
+    attention with cuDNN's arithmetic (per-call scales) in every module but the kept ones."""
+    calibration = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(7)))
+    rows = {}
+    for name, linears, skip, kept in FALLBACKS:
+        if linears:
+            omni_accel.accelerate(pipe, quant="fp8", quant_config={"activations": "static", "skip": skip})
+            quality.images(pipe, calibration, 1000)  # observes; the next call freezes the scales
+        try:
+            if kept is None:
+                got = quality.images(pipe, prompts, 0)
+            else:
+                def fn(i, q, k, v, s, kept=kept):
+                    return exact_attention(q, k, v, s) if modules[i] in kept else attention(q, k, v, s, **ALL_ON)
+
+                with Replaced(pipe, len(modules), fn):
+                    got = quality.images(pipe, prompts, 0)
+        finally:
+            if linears:
+                omni_accel.restore(pipe)
+        rows[name] = {"skip": skip, "attention_in_bf16": sorted(kept) if kept is not None else "all",
+                      **summary(psnr(got, reference), prompts)}
+        print("fallback", name, {k: v for k, v in rows[name].items() if k != "psnr"}, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--studies", default=",".join(STUDIES), help=f"comma list of {', '.join(STUDIES)}")
     ap.add_argument("--out", default="benchmarks/results/fp8_attention_error_study.json")
     args = ap.parse_args(argv)
+    studies = args.studies.split(",")
+    if any(s not in STUDIES for s in studies):
+        ap.error(f"--studies {args.studies!r}: choose from {', '.join(STUDIES)}")
     torch.manual_seed(0)
     pipe = load_builtin(dtype=torch.bfloat16)
     prompts = ds.captions_of(ds.sample_params(args.prompts, torch.Generator().manual_seed(2027), only_heldout=True))
@@ -129,34 +195,37 @@ def main(argv=None) -> int:
         with Replaced(pipe, len(modules), fn):
             return summary(psnr(quality.images(pipe, prompts, 0), reference), prompts)
 
-    result["fp32_model_vs_bf16"] = summary(psnr(quality.images(load_builtin(dtype=torch.float32), prompts, 0),
-                                                reference), prompts)
-    all_on = dict(round_qk=True, round_p=True, round_v=True, round_o=True)
-    operand_sets = {"all (cuDNN's FP8 SDPA)": all_on, "all but q, k": {**all_on, "round_qk": False},
-                    "all but P": {**all_on, "round_p": False}, "all but v": {**all_on, "round_v": False},
-                    "all but the output": {**all_on, "round_o": False},
+    if "fp32" in studies:
+        result["fp32_model_vs_bf16"] = summary(psnr(quality.images(load_builtin(dtype=torch.float32), prompts, 0),
+                                                    reference), prompts)
+    operand_sets = {"all (cuDNN's FP8 SDPA)": ALL_ON, "all but q, k": {**ALL_ON, "round_qk": False},
+                    "all but P": {**ALL_ON, "round_p": False}, "all but v": {**ALL_ON, "round_v": False},
+                    "all but the output": {**ALL_ON, "round_o": False},
                     "only q, k": dict(round_qk=True, round_p=False, round_v=False, round_o=False),
                     "only P": dict(round_qk=False, round_p=True, round_v=False, round_o=False),
                     "only v": dict(round_qk=False, round_p=False, round_v=True, round_o=False),
                     "only the output": dict(round_qk=False, round_p=False, round_v=False, round_o=True)}
-    result["operands"] = {}
-    for name, rounding in operand_sets.items():
-        result["operands"][name] = measure(lambda i, q, k, v, s, r=rounding: attention(q, k, v, s, **r))
-        print("operands", name, {k: v for k, v in result["operands"][name].items() if k != "psnr"}, flush=True)
-    result["rotation"] = {}
-    for name, matrix in rotations(head_dim).items():
-        result["rotation"][name] = measure(lambda i, q, k, v, s, m=matrix: attention(q, k, v, s, **all_on, rotation=m))
-        print("rotation", name, {k: v for k, v in result["rotation"][name].items() if k != "psnr"}, flush=True)
-    result["modules"] = {}
-    for only, name in enumerate(modules):
-        def one_module(i, q, k, v, s, only=only):
-            if i == only:
-                return attention(q, k, v, s, **all_on)
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  scale=s).transpose(1, 2)
+    if "operands" in studies:
+        result["operands"] = {}
+        for name, rounding in operand_sets.items():
+            result["operands"][name] = measure(lambda i, q, k, v, s, r=rounding: attention(q, k, v, s, **r))
+            print("operands", name, {k: v for k, v in result["operands"][name].items() if k != "psnr"}, flush=True)
+    if "rotation" in studies:
+        result["rotation"] = {}
+        for name, matrix in rotations(head_dim).items():
+            result["rotation"][name] = measure(
+                lambda i, q, k, v, s, m=matrix: attention(q, k, v, s, **ALL_ON, rotation=m))
+            print("rotation", name, {k: v for k, v in result["rotation"][name].items() if k != "psnr"}, flush=True)
+    if "modules" in studies:
+        result["modules"] = {}
+        for only, name in enumerate(modules):
+            def one_module(i, q, k, v, s, only=only):
+                return attention(q, k, v, s, **ALL_ON) if i == only else exact_attention(q, k, v, s)
 
-        result["modules"][name] = measure(one_module)
-        print("only FP8 in", name, {k: v for k, v in result["modules"][name].items() if k != "psnr"}, flush=True)
+            result["modules"][name] = measure(one_module)
+            print("only FP8 in", name, {k: v for k, v in result["modules"][name].items() if k != "psnr"}, flush=True)
+    if "fallback" in studies:
+        result["fallback"] = fallback_study(pipe, prompts, reference, modules)
     write_result(args.out, result)
     return 0
 

@@ -21,10 +21,11 @@ import threading
 from typing import Callable
 
 import torch
+from diffusers.hooks import ModelHook
 
 from .cuda_graphs import GraphedForward
 from .errors import AccelError
-from .hooks import swap_module_global
+from .hooks import add_hook, swap_module_global
 from .pass_base import AccelPass, PassContext
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ CUDA_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1, "triton.enable_pdl": True}
 INDUCTOR_OPTIONS: dict | None = None
 # Whether compiled blocks on a GPU compute tanh-GELU through the sigmoid identity (below); benchmarks' A/B rows set it.
 SIGMOID_GELU = True
+
+# Whether compiled blocks get the joint-views hook of the family's JointStreams (pipelines/base.py): one graph per
+# block list instead of two; benchmarks' A/B rows set it.
+JOINT_STREAMS = True
 
 # 0.5 * (1 + tanh(z)) == sigmoid(2 z), with z = sqrt(2 / pi) * (x + 0.044715 x^3)
 _TWO_SQRT_2_OVER_PI = 2.0 * (2.0 / 3.141592653589793) ** 0.5
@@ -233,6 +238,8 @@ class CompilePass(AccelPass):
             if ROTARY_PAIR_SWAP and ctx.device.type == "cuda":
                 rotary, undo_rotary = use_rotary_pair_swap(transformer)
                 undos.append(undo_rotary)
+            joint_specs = ctx.adapter.joint_streams if JOINT_STREAMS else ()
+            undos += [_joint_streams(transformer, spec) for spec in joint_specs]
             undos += [_compile_block(block, options) for _, block in blocks]
 
             def undo(undos=undos) -> None:
@@ -240,7 +247,8 @@ class CompilePass(AccelPass):
                     u()
 
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus,
-                             rotary_pair_swap=rotary, **options)
+                             rotary_pair_swap=rotary,
+                             joint_streams=[spec.block_list for spec in joint_specs], **options)
         if ctx.config.compile == "max" or fp8_graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
@@ -331,6 +339,55 @@ def _innermost_forward(module: torch.nn.Module):
     ref = refs[0]
     attr = "original_forward" if ref.original_forward is not None else "forward"
     return (lambda: getattr(ref, attr)), (lambda fn: setattr(ref, attr, fn))
+
+
+def _adjacent_views(text: torch.Tensor, image: torch.Tensor) -> bool:
+    """Whether ``text`` and ``image`` (B, S, C) already are the two halves of one contiguous [text, image] tensor."""
+    if text.dim() != 3 or image.dim() != 3 or text.stride() != image.stride() or text.stride(2) != 1:
+        return False
+    row = text.stride(1)
+    return (row == text.shape[2] == image.shape[2] and text.stride(0) == (text.shape[1] + image.shape[1]) * row
+            and text.untyped_storage().data_ptr() == image.untyped_storage().data_ptr()
+            and image.storage_offset() == text.storage_offset() + text.shape[1] * row)
+
+
+class _JointStreamsHook(ModelHook):
+    """Hands a block its text and image streams as views of one [text, image] tensor (pipelines' JointStreams):
+    the first block of the list gets them from one concatenation, the others already receive such views."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+
+    def pre_forward(self, module, *args, **kwargs):
+        args = list(args)
+        # where each stream was passed: its keyword, else its position (None: not passed at all)
+        text_at, image_at = (name if name in kwargs else position if position < len(args) else None
+                             for name, position in ((self.spec.text, self.spec.text_position),
+                                                    (self.spec.image, self.spec.image_position)))
+        if text_at is None or image_at is None:
+            return tuple(args), kwargs
+        place = {str: kwargs, int: args}
+        text, image = place[type(text_at)][text_at], place[type(image_at)][image_at]
+        if isinstance(text, torch.Tensor) and isinstance(image, torch.Tensor) and not _adjacent_views(text, image):
+            joint = torch.cat([text, image], dim=1)
+            place[type(text_at)][text_at] = joint[:, :text.shape[1]]
+            place[type(image_at)][image_at] = joint[:, text.shape[1]:]
+        return tuple(args), kwargs
+
+
+def _joint_streams(transformer: torch.nn.Module, spec) -> Callable[[], None]:
+    """Give every block of ``spec.block_list`` the joint-views hook; return the undo. Every block, not only the
+    first: blocks with diffusers hooks are compiled under them (``_compile_block``), so all blocks of the list keep
+    one way of being compiled, and one graph."""
+    undos = [add_hook(block, "joint_streams", _JointStreamsHook(spec))
+             for block in getattr(transformer, spec.block_list, None) or ()]
+
+    def undo_all() -> None:
+        for undo in reversed(undos):
+            undo()
+
+    return undo_all
 
 
 def _compile_block(block: torch.nn.Module, options: dict):

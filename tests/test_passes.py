@@ -52,13 +52,15 @@ def test_compile_does_not_recompile_across_calls_with_the_same_shapes():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    pipe, kwargs = tiny_pipeline("flux")
+    pipe, kwargs = tiny_pipeline("flux", num_single_layers=2)  # a second single-stream block: the one that recompiled
     plain = run(pipe, kwargs)
     omni_accel.accelerate(pipe, compile=True)
     try:
         first = run(pipe, kwargs)
         graphs_after_first = counters["stats"]["unique_graphs"]
-        assert graphs_after_first > 0, "compile=True compiled nothing"
+        # one graph per block kind: the first single-stream block gets its streams as views of one tensor, as the
+        # later ones do (JointStreams), so its strides do not ask for a graph of its own
+        assert graphs_after_first == 2, f"compile=True built {graphs_after_first} graphs for FLUX's two block kinds"
         second = run(pipe, kwargs)
         assert counters["stats"]["unique_graphs"] == graphs_after_first, "a second call with the same shapes recompiled"
         applied = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"]
@@ -68,7 +70,45 @@ def test_compile_does_not_recompile_across_calls_with_the_same_shapes():
     assert torch.equal(first, second)
     assert applied[0]["blocks"] == len(list(pipe.transformer.transformer_blocks)) + len(
         list(pipe.transformer.single_transformer_blocks))
+    assert applied[0]["joint_streams"] == ["single_transformer_blocks"]
     assert torch.equal(run(pipe, kwargs), plain)
+
+    # without the joint views the first single-stream block takes a graph of its own, and the output is the same
+    from omni_accel import compiler
+
+    torch._dynamo.reset()
+    compiler.JOINT_STREAMS = False
+    try:
+        omni_accel.accelerate(pipe, compile=True)
+        split = run(pipe, kwargs)
+        assert counters["stats"]["unique_graphs"] - graphs_after_first == 3
+        omni_accel.restore(pipe)
+    finally:
+        compiler.JOINT_STREAMS = True
+    assert torch.equal(split, first)
+
+
+def test_joint_streams_hook_hands_over_views_of_one_tensor_by_keyword_or_position():
+    from omni_accel import compiler
+    from omni_accel.pipelines.base import JointStreams
+
+    hook = compiler._JointStreamsHook(JointStreams("single_transformer_blocks"))
+    text, image, temb = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 8)
+    args, kwargs = hook.pre_forward(None, hidden_states=image, encoder_hidden_states=text, temb=temb)
+    new_text, new_image = kwargs["encoder_hidden_states"], kwargs["hidden_states"]
+    assert args == () and kwargs["temb"] is temb
+    assert torch.equal(new_text, text) and torch.equal(new_image, image)
+    assert compiler._adjacent_views(new_text, new_image) and not compiler._adjacent_views(text, image)
+    assert new_image.stride() == (64, 8, 1) and new_image.storage_offset() == 3 * 8
+    # what a single-stream block returns already is such a pair: handed on as it is, no copy
+    args, kwargs = hook.pre_forward(None, new_image, new_text, temb)
+    assert args[0] is new_image and args[1] is new_text and args[2] is temb and kwargs == {}
+    # positional
+    args, _ = hook.pre_forward(None, image, text, temb)
+    assert compiler._adjacent_views(args[1], args[0]) and torch.equal(args[0], image) and torch.equal(args[1], text)
+    # a call without the text stream is left as it is
+    args, kwargs = hook.pre_forward(None, hidden_states=image, temb=temb)
+    assert args == () and kwargs["hidden_states"] is image
 
 
 def test_compile_raises_dynamos_recompile_limit_while_applied():

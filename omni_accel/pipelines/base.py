@@ -125,6 +125,23 @@ class SequenceRegion:
 
 
 @dataclass(frozen=True)
+class JointStreams:
+    """A block list whose blocks take the text and image streams as two arguments and return them as two views of
+    one joint [text, image] tensor (FLUX.1's single-stream blocks: ``cat`` inside, split on return). Every block but
+    the first therefore receives strided views, and the first receives two separate tensors: dynamo guards on
+    strides, so regional compile would build a second graph for the rest of the list. The compile pass hands every
+    block its streams as views of one tensor (one concatenation before the first block; the others already have
+    it), and one graph serves the whole list. By keyword ``text`` / ``image``, or by ``*_position`` when positional.
+    """
+
+    block_list: str
+    text: str = "encoder_hidden_states"
+    image: str = "hidden_states"
+    text_position: int = 1
+    image_position: int = 0
+
+
+@dataclass(frozen=True)
 class KernelSites:
     """Norm modules the kernels pass computes with fused kernels (kernels/fused_pass.py): dotted ``paths`` relative
     to every block of the block list ``blocks`` ("" = relative to the transformer itself). The pass recognises each
@@ -173,6 +190,8 @@ class ModelAdapter:
     # fuse_qkv=True: the family's attention processors read diffusers' ``fused_projections`` flag, so
     # ``AttentionModuleMixin.fuse_projections()`` takes effect (one q/k/v GEMM per stream)
     fuse_qkv: bool = False
+    # compile: block lists that return their streams as views of one joint tensor (see JointStreams)
+    joint_streams: tuple[JointStreams, ...] = ()
 
     def transformers_of(self, pipe) -> list[tuple[str, object]]:
         """The (name, module) transformers the pipeline actually holds (Wan 2.2 may have two, or one)."""

@@ -1,7 +1,7 @@
 """FLUX.1 (dev / schnell / Kontext / Fill / Control): FluxTransformer2DModel, an MMDiT of dual-stream blocks followed
 by single-stream blocks, with FLUX-style 3-axis RoPE over the concatenated [text, image] sequence."""
 
-from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
+from .base import (CacheRegion, JointStreams, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
                    TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
@@ -96,4 +96,6 @@ ADAPTER = ModelAdapter(
     ),
     # its attention processors call the fused to_qkv / to_kv / to_added_* linears once fuse_projections() ran
     fuse_qkv=True,
+    # single-stream blocks return (text, image) as views of their joint output; the first one gets two tensors
+    joint_streams=(JointStreams("single_transformer_blocks"),),
 )
