@@ -119,11 +119,13 @@ class Row:
     sigmoid_gelu: bool = True  # compiler.SIGMOID_GELU for this row (False: inductor's libdevice tanh, the A side)
     rotary_pair_swap: bool = True  # compiler.ROTARY_PAIR_SWAP (False: diffusers' unbind + stack rotary, the A side)
     joint_streams: bool = True  # compiler.JOINT_STREAMS (False: FLUX's first single block compiles its own graph)
+    cached_module_walk: bool = True  # cuda_graphs.CACHED_MODULE_WALK (False: parameters() + buffers() per replay)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
 SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_PAIR_SWAP", "rotary_pair_swap"),
-            ("compiler", "JOINT_STREAMS", "joint_streams"))
+            ("compiler", "JOINT_STREAMS", "joint_streams"),
+            ("cuda_graphs", "CACHED_MODULE_WALK", "cached_module_walk"))
 
 
 @contextlib.contextmanager
@@ -290,6 +292,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_fp8_fp8attn_fa_pdl", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK_PDL,
         cuda_only=True, note="ours_fp8_fp8attn_fa with programmatic dependent launch: the default FP8 stack as "
                              "compile=True runs it on a GPU"),
+    Row("ours_fp8_fp8attn_static_fa_pdl_fullwalk", _fp8attn(_FAST_STATIC), False, calibrates=True,
+        inductor=_MK_PDL, cuda_only=True, cached_module_walk=False,
+        note="ours_fp8_fp8attn_static_fa_pdl with the graph's weight check walking parameters() + buffers() per call"),
     Row("ours_fp8_fp8attn_fa_splitstreams", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK,
         cuda_only=True, joint_streams=False,
         note="ours_fp8_fp8attn_fa with FLUX's first single-stream block compiled apart (before the joint views)"),
@@ -384,8 +389,9 @@ def host_profile(fn, device: torch.device, top: int = 20) -> dict:
                         for e in ops]}
 
 
-def profile_forward(fn, device: torch.device, top: int = 15) -> dict:
-    """Kernel time of one forward by kind, and idle = the forward's event time minus the sum of its kernels."""
+def profile_forward(fn, device: torch.device, top: int = 15, trace_path: str | None = None) -> dict:
+    """Kernel time of one forward by kind, and idle = the forward's event time minus the sum of its kernels, with
+    the gaps between kernels that make it up (``kernel_gaps``); ``trace_path``: also a Chrome trace of it."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
@@ -408,10 +414,51 @@ def profile_forward(fn, device: torch.device, top: int = 15) -> dict:
         by_kind[kernel_kind(name)] += ms
     busy = sum(ms for _, ms, _ in kernels)
     event_ms = start.elapsed_time(end)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    intervals = _device_intervals(prof)
+    span_ms = (max(i[2] for i in intervals) - min(i[1] for i in intervals)) / 1e3 if intervals else 0.0
     return {"by_kind_ms": {k: round(v, 3) for k, v in by_kind.items()}, "kernel_ms": round(busy, 3),
             "event_ms": round(event_ms, 3), "idle_ms": round(max(0.0, event_ms - busy), 3),
             "top": [{"kernel": n[:140], "ms": round(ms, 3), "calls": c, "kind": kernel_kind(n)}
-                    for n, ms, c in kernels[:top]]}
+                    for n, ms, c in kernels[:top]],
+            # the forward's time outside its first-to-last GPU activity: the host's work before the first launch
+            # (hooks, a graph's input copies and checks) and after the last
+            "outside_gpu_span_ms": round(max(0.0, event_ms - span_ms), 3),
+            "gaps": kernel_gaps(intervals, top)}
+
+
+def _device_intervals(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel, copy and fill the profiler saw on the GPU."""
+    intervals = []
+    for evt in prof.profiler.kineto_results.events():
+        if evt.device_type() == torch.autograd.DeviceType.CUDA and evt.duration_ns() > 0:
+            start = evt.start_ns() / 1e3
+            intervals.append((evt.name(), start, start + evt.duration_ns() / 1e3))
+    return intervals
+
+
+def kernel_gaps(intervals: list[tuple[str, float, float]], top: int = 15) -> dict:
+    """Where the GPU sat idle between the kernels of one forward: each gap (the time from the end of everything
+    before a kernel to its start; overlapping kernels leave none), summed by the kind of the kernel that waited, and
+    the longest ones with the kernels on either side. What the idle time of a CUDA-graph replay is made of."""
+    intervals = sorted(intervals, key=lambda i: i[1])
+    gaps, busy_until, previous = [], None, None
+    for name, start, end in intervals:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, previous, name))
+        if busy_until is None or end > busy_until:
+            busy_until, previous = end, name
+    by_kind = {}
+    for us, _, after in gaps:
+        by_kind[kernel_kind(after)] = by_kind.get(kernel_kind(after), 0.0) + us
+    sizes = [us for us, _, _ in gaps]
+    return {"total_ms": round(sum(sizes) / 1e3, 3), "count": len(gaps),
+            "over_5us": sum(us > 5 for us in sizes), "over_5us_ms": round(sum(us for us in sizes if us > 5) / 1e3, 3),
+            "median_us": round(sorted(sizes)[len(sizes) // 2], 2) if sizes else 0.0,
+            "before_kind_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "longest": [{"us": round(us, 1), "after": a[:100], "before": b[:100]}
+                        for us, a, b in sorted(gaps, key=lambda g: -g[0])[:top]]}
 
 
 # ------------------------------------------------------------------------------------------------- running
@@ -493,7 +540,10 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
                 if section in report:
                     result[section] = report[section]
         if args.profile and device.type == "cuda":
-            result["profile"] = profile_forward(forward, device)
+            trace = os.path.join(args.trace_dir, f"{spec['model']}_{row.name}.trace.json") if args.trace_dir else None
+            if trace:
+                os.makedirs(args.trace_dir, exist_ok=True)
+            result["profile"] = profile_forward(forward, device, trace_path=trace)
         if args.host_profile:
             result["host_profile"] = host_profile(forward, device)
     except Exception as exc:  # noqa: BLE001 -- one failing config costs its row only
@@ -604,6 +654,8 @@ def parse_args(argv):
                     help="keep N blocks of each stack (FLUX: N dual + 2N single) at full width: per-kernel A/B runs "
                          "in a fraction of the time; ms/step then is not a whole model's; 0 = all")
     ap.add_argument("--profile", action="store_true", help="kernel time by kind of one forward per row (CUDA)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="with --profile: also write each row's profiled forward as a Chrome trace into this folder")
     ap.add_argument("--host-profile", action="store_true",
                     help="host seconds per forward and the CPU ops by self time (is the GPU waiting for Python?)")
     ap.add_argument("--log-clocks", action="store_true", help="SM clock and board power over each row's forwards")

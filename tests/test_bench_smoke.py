@@ -214,3 +214,19 @@ def test_first_call_bench_splits_setup_calibration_and_forwards(tmp_path, capsys
         bench.main(["--host-copy-gib", "-1"])
     assert exit_info.value.code == 2
     assert "--host-copy-gib -1.0: give the size to copy in GiB (> 0), or 0 for no copy test" in capsys.readouterr().err
+
+
+def test_kernel_gaps_sum_the_idle_between_kernels_and_name_both_sides(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", bench)
+    spec.loader.exec_module(bench)
+    intervals = [("nvjet_gemm", 0.0, 10.0), ("triton_poi_fused_add", 12.0, 20.0),
+                 ("triton_poi_fused_mul", 15.0, 18.0),  # inside the one before it: no gap, and not "before" later
+                 ("cudnn_generated_fort_native_sdpa", 30.0, 40.0), ("nvjet_gemm", 40.0, 50.0)]
+    gaps = bench.kernel_gaps(list(reversed(intervals)))  # any order in
+    assert gaps["total_ms"] == 0.012 and gaps["count"] == 2 and gaps["over_5us"] == 1
+    assert gaps["over_5us_ms"] == 0.01 and gaps["before_kind_ms"] == {"attention": 0.01, "other fused": 0.002}
+    assert gaps["longest"][0] == {"us": 10.0, "after": "triton_poi_fused_add", "before":
+                                  "cudnn_generated_fort_native_sdpa"}
+    assert bench.kernel_gaps([])["count"] == 0

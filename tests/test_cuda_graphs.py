@@ -106,6 +106,36 @@ def test_moved_weights_drop_the_graphs_that_point_at_the_old_ones():
     assert torch.equal(out, lin(x))
 
 
+def test_weights_swapped_in_a_modules_dict_or_in_a_new_submodule_drop_the_graphs_too():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    backend = RerunBackend()
+    graphed = _graphed(lambda x: model(x), model, backend, warmup=0)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        graphed(x)
+        model[0]._parameters["weight"] = torch.nn.Parameter(torch.full((4, 4), 0.5))  # no setattr, no hook
+        assert torch.equal(graphed(x), model(x))
+        model[0] = torch.nn.Linear(4, 4)  # a new submodule: its weights were never seen
+        assert torch.equal(graphed(x), model(x))
+    assert backend.captures == 3
+
+
+def test_replays_do_not_walk_the_module_tree_until_a_submodule_is_set():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    graphed = _graphed(lambda x: model(x), model, RerunBackend(), warmup=0)
+    walks = []
+    walk = model.modules
+    model.modules = lambda: walks.append(1) or walk()  # an instance attribute: counts the walks
+    with torch.no_grad():
+        for _ in range(3):
+            graphed(torch.randn(2, 4))
+        assert walks == []
+        torch.nn.Sequential(torch.nn.Linear(2, 2))  # any module set anywhere: the list is walked once again
+        graphed(torch.randn(2, 4))
+        graphed(torch.randn(2, 4))
+    assert walks == [1] and graphed.stats == {"replays": 5, "captures": 1, "eager_calls": 0}
+
+
 def test_at_most_max_graphs_signatures_are_kept(caplog):
     lin = torch.nn.Linear(4, 4)
     backend = RerunBackend()
