@@ -246,6 +246,9 @@ _MK_PDL = {"triton.multi_kernel": 1, "triton.enable_pdl": True}
 # fewer kernels per forward on top of that: independent kernels launched as one (combo kernels: e.g. the dual
 # blocks' image- and text-stream epilogues), and inductor's aggressive fusion of nodes that share no loop order
 _MK_PDL_COMBO = {**_MK_PDL, "combo_kernels": True}
+# bf16 / fp16 arithmetic kept in its own dtype inside Triton kernels instead of upcast to fp32 (fewer conversions in
+# the instruction-bound epilogues; the rounding changes)
+_MK_PDL_NOUPCAST = {**_MK_PDL, "triton.codegen_upcast_to_fp32": False}
 _MK_PDL_AGGRESSIVE = {**_MK_PDL, "aggressive_fusion": True}
 _FAST_STATIC = {**_STATIC_ATTENTION, "fast_accum": True}
 _FAST_LINEARS = {**_STATIC_LINEARS, "fast_accum": True}
@@ -282,7 +285,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     *(Row(f"ours_fp8_fp8attn_static_fa_{tag}", _fp8attn(_FAST_STATIC), False, calibrates=True,
           inductor=options, cuda_only=True, note=f"ours_fp8_fp8attn_static_fa with inductor {options}")
       for tag, options in (("nd", _MK_ND), ("pw", _MK_PW), ("cd", _MK_CD), ("pdl", _MK_PDL),
-                             ("combo", _MK_PDL_COMBO), ("aggressive", _MK_PDL_AGGRESSIVE))),
+                             ("combo", _MK_PDL_COMBO), ("aggressive", _MK_PDL_AGGRESSIVE),
+                             ("pdl_noupcast", _MK_PDL_NOUPCAST))),
     Row("ours_fp8_fp8attn_static_fa_tanh", _fp8attn(_FAST_STATIC), False, calibrates=True,
         inductor=_MK, cuda_only=True, sigmoid_gelu=False,
         note="ours_fp8_fp8attn_static_fa with the MLP GELU as libdevice tanh (before the sigmoid form)"),
@@ -450,8 +454,8 @@ def kernel_gaps(intervals: list[tuple[str, float, float]], top: int = 15) -> dic
         if busy_until is None or end > busy_until:
             busy_until, previous = end, name
     by_kind = {}
-    for us, _, after in gaps:
-        by_kind[kernel_kind(after)] = by_kind.get(kernel_kind(after), 0.0) + us
+    for us, _, waiting in gaps:
+        by_kind[kernel_kind(waiting)] = by_kind.get(kernel_kind(waiting), 0.0) + us
     sizes = [us for us, _, _ in gaps]
     return {"total_ms": round(sum(sizes) / 1e3, 3), "count": len(gaps),
             "over_5us": sum(us > 5 for us in sizes), "over_5us_ms": round(sum(us for us in sizes if us > 5) / 1e3, 3),
