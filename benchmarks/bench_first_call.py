@@ -6,6 +6,9 @@ forward of static FP8 scales, the compiling forward, the forward that captures t
         --out benchmarks/results/bench_first_call_h200_flux.json
     # the same on a tiny config on the CPU (what tests/test_bench_smoke.py runs)
     python benchmarks/bench_first_call.py --device cpu --tiny --configs ours_bf16 --out /tmp/first_call.json
+    # a machine handed the first one's compiles: save after the first run, load on a fresh cache in the second
+    python benchmarks/bench_first_call.py --models flux --configs ours_fp8_fp8attn_fa --save-compile-cache flux.cc
+    python benchmarks/bench_first_call.py --models flux --configs ours_fp8_fp8attn_fa --load-compile-cache flux.cc
     # only the host-memory copies (no model)
     python benchmarks/bench_first_call.py --configs "" --host-copy-gib 4 --out /tmp/host_copy.json
 
@@ -43,6 +46,10 @@ def parse_args(argv):
                     help="profile the host with cProfile and keep its N top functions (slows compilation)")
     ap.add_argument("--host-copy-gib", type=float, default=0.0,
                     help="also time moving this many GiB of bf16 weights to host memory, pageable and pinned")
+    ap.add_argument("--load-compile-cache", default=None, metavar="PATH",
+                    help="omni_accel.load_compile_cache(PATH) before the first row: a machine given a saved cache")
+    ap.add_argument("--save-compile-cache", default=None, metavar="PATH",
+                    help="omni_accel.save_compile_cache(PATH) after the last row, for a later --load-compile-cache")
     ap.add_argument("--out", default="benchmarks/results/bench_first_call.json")
     args = ap.parse_args(argv)
     if args.blocks < 0:
@@ -89,6 +96,10 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "diffusers": diffusers.__version__, "omni_accel": omni_accel.__version__,
            "cpu_count": os.cpu_count(), "inductor_cache": "cold (fresh folder)" if cache_folder else "warm"}
     result = {"benchmark": "bench_first_call", "env": env, "model": args.models, "rows": []}
+    if args.load_compile_cache:
+        t0 = time.perf_counter()
+        result["compile_cache_loaded"] = omni_accel.load_compile_cache(args.load_compile_cache)
+        result["compile_cache_load_s"] = round(time.perf_counter() - t0, 2)
     if args.host_copy_gib:
         result["host_copy"] = host_copy(torch, device, args.host_copy_gib)
         log(f"host copy: {result['host_copy']}")
@@ -111,6 +122,8 @@ def main(argv=None) -> int:
         result["rows"].append(first_call_row(torch, bp.ROWS[name], spec, pipe, inputs, device, args))
         log(f"{name}: {result['rows'][-1]['phases_s']}")
         write_result(args.out, result)
+    if args.save_compile_cache:
+        result["compile_cache_saved_bytes"] = omni_accel.save_compile_cache(args.save_compile_cache)
     write_result(args.out, result)
     return 0
 

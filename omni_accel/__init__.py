@@ -21,7 +21,8 @@ from .sleep import is_sleeping, sleep, wake_up  # torch is imported inside them
 __version__ = "0.1.0"
 
 # public name -> module that defines it, imported on first access (PEP 562)
-_LAZY = {"accelerate": ".api", "restore": ".api"}
+_LAZY = {"accelerate": ".api", "restore": ".api", "save_compile_cache": ".compiler",
+         "load_compile_cache": ".compiler"}
 _SUBMODULES = ("api", "ar_bridge", "bench", "builtin", "cache", "cli", "compiler", "config", "cuda_graphs", "demo",
                "distributed", "errors", "hooks", "kernels", "lora", "offload", "parallel", "pipelines", "serve", "state",
                "stats", "testing", "vae", "video_io")

@@ -195,9 +195,13 @@ def test_first_call_bench_splits_setup_calibration_and_forwards(tmp_path, capsys
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "first_call.json"
+    cache = tmp_path / "tiny.compile-cache"
     assert bench.main(["--device", "cpu", "--tiny", "--warm-cache", "--cprofile", "3", "--configs",
-                       "diffusers_eager,ours_fp8_static,ours_fp8_fp8attn", "--out", str(out)]) == 0
-    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+                       "diffusers_eager,ours_fp8_static,ours_fp8_fp8attn", "--save-compile-cache", str(cache),
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["compile_cache_saved_bytes"] == cache.stat().st_size > 0
+    rows = {r["config"]: r for r in result["rows"]}
     assert rows["ours_fp8_fp8attn"] == {"config": "ours_fp8_fp8attn", "skipped": "needs CUDA"}
     static, plain = rows["ours_fp8_static"], rows["diffusers_eager"]
     phases = static["phases_s"]
