@@ -113,6 +113,9 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--text-encoder", default=None, help="text-encoder engine (vllm, transformers)")
     a.add_argument("--kernels", action="store_true", help="fused kernels")
     a.add_argument("--fuse-qkv", action="store_true", help="one q/k/v GEMM per stream (flux, flux2, wan)")
+    a.add_argument("--compile-cache", default=None, metavar="PATH",
+                   help="with --compile on/max: load PATH's compiles before the first call when it exists "
+                        "(omni_accel.load_compile_cache); generate writes it after its call when it does not")
 
 
 def _torch_dtype(name: str):
@@ -154,6 +157,28 @@ def _accel_config(args: argparse.Namespace, device: str):
         vae_slicing=args.vae_slicing, device=device,
     )
     return config.validate()
+
+
+def start_compile_cache(args: argparse.Namespace) -> bool:
+    """Load ``--compile-cache`` when the file exists (True); False when there is none or this run is to write it.
+    Checked before any model is loaded: the flag needs compiling, and the file's folder must exist."""
+    path = getattr(args, "compile_cache", None)
+    if path is None:
+        return False
+    if args.compile == "off":
+        raise CliError(f"--compile-cache {path!r} needs --compile on or max: without compiling there is nothing to "
+                       "cache.")
+    if os.path.exists(path):
+        import omni_accel
+
+        loaded = omni_accel.load_compile_cache(path)
+        logger.info("omni_accel: compile cache %s loaded (%s)", path, loaded)
+        return True
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"--compile-cache {path!r}: its folder {folder!r} does not exist; create it, or give a path "
+                       "in an existing folder.")
+    return False
 
 
 def _check_attention_early(name: str, device: str, dtype) -> None:
@@ -384,6 +409,7 @@ def _generate(args: argparse.Namespace, t0: float) -> int:
     _check_output_path(output)
     config = _accel_config(args, device)  # AccelError on bad values, before any loading
     _check_attention_early(args.attention, device, dtype)
+    cache_loaded = start_compile_cache(args)
     pipe, defaults, source = _load_pipeline(args, device, dtype)
     logger.info("loaded %s (%s) in %.1fs", source, type(pipe).__name__, time.perf_counter() - t0)
     kwargs = _call_kwargs(pipe, args, defaults)
@@ -393,6 +419,9 @@ def _generate(args: argparse.Namespace, t0: float) -> int:
         result = pipe(**kwargs)
     if not is_main_process():  # every rank holds the same images; only rank 0 writes and reports
         return EXIT_OK
+    if args.compile_cache and not cache_loaded:
+        written = omni_accel.save_compile_cache(args.compile_cache)
+        logger.info("omni_accel: compile cache %s written (%d bytes)", args.compile_cache, written)
     saved = save_output(result, output, args.fps or defaults.get("fps", DEFAULT_FPS))
     report = pipe.omni_accel.report()
     if args.report == "json":

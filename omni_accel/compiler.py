@@ -456,4 +456,4 @@ def load_compile_cache(path: str | os.PathLike) -> dict[str, int]:
         raise AccelError(f"load_compile_cache({os.fspath(path)!r}): not a compile cache torch {torch.__version__} "
                          f"can read ({why}). Save it again with omni_accel.save_compile_cache() on this torch "
                          "version.")
-    return {kind: len(keys) for kind, keys in info.artifacts.items()}
+    return {kind: len(info.artifacts[kind]) for kind in sorted(info.artifacts)}

@@ -1,6 +1,7 @@
 """The omni-accel command line, run in-process through main(argv) on a tiny FLUX pipeline folder."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -64,6 +65,32 @@ def test_bad_values_exit_2_with_clear_message(tiny_flux_dir, tmp_path, capsys, f
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err
     assert "Traceback" not in err
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_compile_cache_flag_is_written_by_the_first_run_and_loaded_by_the_next(tiny_flux_dir, tmp_path, caplog):
+    cache = tmp_path / "flux.compile-cache"
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    with caplog.at_level(logging.INFO, logger="omni_accel"):
+        assert _generate(tiny_flux_dir, first, "--compile", "on", "--compile-cache", str(cache), "--seed", "1",
+                         "-v") == 0
+        assert cache.stat().st_size > 0 and f"compile cache {cache} written" in caplog.text
+        assert _generate(tiny_flux_dir, second, "--compile", "on", "--compile-cache", str(cache), "--seed", "1",
+                         "-v") == 0
+    assert f"compile cache {cache} loaded ({{'aot_autograd': 2, 'inductor': 2}})" in caplog.text
+    with Image.open(first) as a, Image.open(second) as b:
+        assert a.tobytes() == b.tobytes()
+
+
+def test_compile_cache_flag_refuses_without_compile_or_folder(tiny_flux_dir, tmp_path, capsys):
+    cache = str(tmp_path / "c")
+    assert _generate(tiny_flux_dir, tmp_path / "o.png", "--compile-cache", cache) == 2
+    assert f"--compile-cache {cache!r} needs --compile on or max: without compiling there is nothing to cache." in \
+        capsys.readouterr().err
+    missing = str(tmp_path / "no" / "c")
+    assert _generate(tiny_flux_dir, tmp_path / "o.png", "--compile", "on", "--compile-cache", missing) == 2
+    assert (f"--compile-cache {missing!r}: its folder {str(tmp_path / 'no')!r} does not exist; create it, or give a "
+            "path in an existing folder.") in capsys.readouterr().err
     assert not (tmp_path / "o.png").exists()
 
 

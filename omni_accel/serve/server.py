@@ -166,7 +166,7 @@ def device_dtype_config(args):
     """(device, torch dtype, validated AccelConfig) of the flags: under torchrun each rank takes cuda:LOCAL_RANK."""
     import torch
 
-    from ..cli import _accel_config, _check_attention_early, _resolve_device, _torch_dtype
+    from ..cli import _accel_config, _check_attention_early, _resolve_device, _torch_dtype, start_compile_cache
 
     device = args.device
     if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
@@ -175,6 +175,7 @@ def device_dtype_config(args):
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     config = _accel_config(args, device)
     _check_attention_early(args.attention, device, dtype)
+    start_compile_cache(args)  # a server only reads it: `omni-accel generate --compile-cache` writes it
     return device, dtype, config
 
 
