@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -77,7 +78,10 @@ def test_compile_cache_flag_is_written_by_the_first_run_and_loaded_by_the_next(t
         assert cache.stat().st_size > 0 and f"compile cache {cache} written" in caplog.text
         assert _generate(tiny_flux_dir, second, "--compile", "on", "--compile-cache", str(cache), "--seed", "1",
                          "-v") == 0
-    assert f"compile cache {cache} loaded ({{'aot_autograd': 2, 'inductor': 2}})" in caplog.text
+    # the file holds everything this process compiled (other tests' graphs too): at least this model's two
+    pattern = rf"compile cache {re.escape(str(cache))} loaded \(\{{'aot_autograd': (\d+), 'inductor': (\d+)\}}\)"
+    loaded = re.search(pattern, caplog.text)
+    assert loaded and int(loaded[2]) >= 2
     with Image.open(first) as a, Image.open(second) as b:
         assert a.tobytes() == b.tobytes()
 
