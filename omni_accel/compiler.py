@@ -239,7 +239,7 @@ class CompilePass(AccelPass):
                 rotary, undo_rotary = use_rotary_pair_swap(transformer)
                 undos.append(undo_rotary)
             joint_specs = ctx.adapter.joint_streams if JOINT_STREAMS else ()
-            undos += [_joint_streams(transformer, spec) for spec in joint_specs]
+            undos += [undo for spec in joint_specs for undo in _joint_streams(transformer, spec)]
             undos += [_compile_block(block, options) for _, block in blocks]
 
             def undo(undos=undos) -> None:
@@ -376,18 +376,12 @@ class _JointStreamsHook(ModelHook):
         return tuple(args), kwargs
 
 
-def _joint_streams(transformer: torch.nn.Module, spec) -> Callable[[], None]:
-    """Give every block of ``spec.block_list`` the joint-views hook; return the undo. Every block, not only the
+def _joint_streams(transformer: torch.nn.Module, spec) -> list[Callable[[], None]]:
+    """Give every block of ``spec.block_list`` the joint-views hook; return their undos. Every block, not only the
     first: blocks with diffusers hooks are compiled under them (``_compile_block``), so all blocks of the list keep
     one way of being compiled, and one graph."""
-    undos = [add_hook(block, "joint_streams", _JointStreamsHook(spec))
-             for block in getattr(transformer, spec.block_list, None) or ()]
-
-    def undo_all() -> None:
-        for undo in reversed(undos):
-            undo()
-
-    return undo_all
+    return [add_hook(block, "joint_streams", _JointStreamsHook(spec))
+            for block in getattr(transformer, spec.block_list, None) or ()]
 
 
 def _compile_block(block: torch.nn.Module, options: dict):
