@@ -98,6 +98,19 @@ def test_compile_cache_flag_refuses_without_compile_or_folder(tiny_flux_dir, tmp
     assert not (tmp_path / "o.png").exists()
 
 
+def test_serve_reads_the_compile_cache_and_says_when_there_is_none(tmp_path, caplog):
+    from omni_accel.cli import build_parser
+    from omni_accel.serve.server import device_dtype_config
+
+    missing = str(tmp_path / "none.compile-cache")
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--compile", "on", "--compile-cache", missing])
+    with caplog.at_level(logging.WARNING, logger="omni_accel"):
+        device_dtype_config(args)
+    assert (f"--compile-cache {missing} does not exist yet; compiling from scratch. `omni-accel generate` with the "
+            f"same flags and --compile-cache {missing} writes it.") in caplog.text
+    assert not os.path.exists(missing)
+
+
 def test_missing_model_path_exits_2_naming_it(tmp_path, capsys):
     out = str(tmp_path / "o.png")
     assert main(["generate", "x", "--model", "/nonexistent/model", "--device", "cpu", "-o", out]) == 2

@@ -175,7 +175,10 @@ def device_dtype_config(args):
     dtype = _torch_dtype(args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32"))
     config = _accel_config(args, device)
     _check_attention_early(args.attention, device, dtype)
-    start_compile_cache(args)  # a server only reads it: `omni-accel generate --compile-cache` writes it
+    if not start_compile_cache(args) and args.compile_cache:  # a server only reads the file
+        logger.warning("omni_accel.serve: --compile-cache %s does not exist yet; compiling from scratch. `omni-accel "
+                       "generate` with the same flags and --compile-cache %s writes it.", args.compile_cache,
+                       args.compile_cache)
     return device, dtype, config
 
 
