@@ -43,6 +43,7 @@ import gc
 import importlib.util
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -69,7 +70,7 @@ from benchmarks.bench_transformer import (  # noqa: E402
     time_forwards,
     wan_spec,
 )
-from benchmarks.timing import write_result  # noqa: E402
+from benchmarks.timing import back_to_back_ms, write_result  # noqa: E402
 
 
 def wan81_spec(tiny: bool) -> dict:
@@ -120,12 +121,14 @@ class Row:
     rotary_pair_swap: bool = True  # compiler.ROTARY_PAIR_SWAP (False: diffusers' unbind + stack rotary, the A side)
     joint_streams: bool = True  # compiler.JOINT_STREAMS (False: FLUX's first single block compiles its own graph)
     cached_module_walk: bool = True  # cuda_graphs.CACHED_MODULE_WALK (False: parameters() + buffers() per replay)
+    epilogue_fusion: bool = True  # compiler.EPILOGUE_FUSION (False: inductor's own concat + GELU + cast kernel)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
 SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_PAIR_SWAP", "rotary_pair_swap"),
             ("compiler", "JOINT_STREAMS", "joint_streams"),
-            ("cuda_graphs", "CACHED_MODULE_WALK", "cached_module_walk"))
+            ("cuda_graphs", "CACHED_MODULE_WALK", "cached_module_walk"),
+            ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"))
 
 
 @contextlib.contextmanager
@@ -307,6 +310,16 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="ours_fp8_fp8attn_static_fa with FLUX's first single-stream block compiled apart"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
+    Row("ours_bf16_mk_pdl_noepilogue", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
+        epilogue_fusion=False, note="ours_bf16_mk_pdl with inductor's own concat + GELU kernel (before the "
+                                    "epilogue-fusion pass)"),
+    Row("ours_fp8_fp8attn_static_fa_pdl_noepilogue", _fp8attn(_FAST_STATIC), False, calibrates=True,
+        inductor=_MK_PDL, cuda_only=True, epilogue_fusion=False,
+        note="ours_fp8_fp8attn_static_fa_pdl with inductor's own concat + GELU + cast kernel (before the "
+             "epilogue-fusion pass)"),
+    Row("ours_fp8_fp8attn_fa_pdl_noepilogue", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK_PDL,
+        cuda_only=True, epilogue_fusion=False,
+        note="ours_fp8_fp8attn_fa_pdl with inductor's own concat + GELU + cast kernel"),
     Row("ours_fp8_fp8attn_static_fa_pdl_stackrope", _fp8attn(_FAST_STATIC), False, calibrates=True,
         inductor=_MK_PDL, cuda_only=True, rotary_pair_swap=False,
         note="ours_fp8_fp8attn_static_fa_pdl with diffusers' unbind + stack rotary (before the pair swap)"),
@@ -525,8 +538,12 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
                 return fn()
 
         timing = time_forwards(forward, device, args.iters, args.warmup, on_warm=clocks.mark)
+        loop = back_to_back_ms(forward, device, args.loop_forwards, 3) if args.loop_forwards else None
         clock = clocks.since_mark()
         ms = timing["ms"]
+        if loop:
+            result.update(ms_loop=round(statistics.median(loop), 3),
+                          ms_per_step_loop=round(statistics.median(loop) * spec["forwards_per_step"], 3))
         result.update(
             ms=round(ms, 3), ms_min=round(timing["ms_min"], 3), ms_max=round(timing["ms_max"], 3),
             ms_per_step=round(ms * spec["forwards_per_step"], 3),
@@ -594,6 +611,8 @@ def summarize(rows: list[dict]) -> dict:
                                   ("lossless_vs_diffusers_eager", ours_bf16, "diffusers_eager")):
             if mine and peer in ok:
                 entry[label] = round(ok[peer]["ms"] / mine["ms"], 3)
+                if "ms_loop" in mine and "ms_loop" in ok[peer]:  # the same pair, timed back to back
+                    entry[f"{label}_loop"] = round(ok[peer]["ms_loop"] / mine["ms_loop"], 3)
         out[model] = entry
     return out
 
@@ -601,15 +620,18 @@ def summarize(rows: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------ table and plot
 def markdown_table(result: dict) -> str:
     """One row per config: ms per step, the speed-up over diffusers' best recipe of the same run, and the rest."""
-    lines = ["| model | config | ms/step | × diffusers best | TFLOP/s | rel. err vs eager | first call s | peak GiB "
-             "| SM MHz | W |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    loop = any("ms_loop" in r for r in result["rows"])  # back-to-back timing was asked for: its own column
+    lines = ["| model | config | ms/step | " + ("ms/step in a loop | " if loop else "") + "× diffusers best | TFLOP/s "
+             "| rel. err vs eager | first call s | peak GiB | SM MHz | W |",
+             "|---|---|---:|" + ("---:|" if loop else "") + "---:|---:|---:|---:|---:|---:|---:|"]
     best = {r["model"]: r["ms"] for r in result["rows"] if r["config"] == "diffusers_best" and "ms" in r}
     for r in result["rows"]:
         if "ms" not in r:
-            lines.append(f"| {r['model']} | {r['config']} | {r.get('error', '')[:60]} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['config']} | {r.get('error', '')[:60]} | | | | | | | |" + (" |" if loop else ""))
             continue
         ratio = f"{best[r['model']] / r['ms']:.2f}" if r["model"] in best else ""
-        lines.append(f"| {r['model']} | {r['config']} | {r['ms_per_step']:.1f} | {ratio} | {r['tflops']:.0f} | "
+        in_loop = (f"{r['ms_per_step_loop']:.1f} | " if "ms_per_step_loop" in r else " | ") if loop else ""
+        lines.append(f"| {r['model']} | {r['config']} | {r['ms_per_step']:.1f} | {in_loop}{ratio} | {r['tflops']:.0f} | "
                      f"{r['rel_err_vs_eager']:.4f} | {r['first_call_s']:.1f} | {r.get('peak_mem_gib') or ''} | "
                      f"{r.get('sm_clock_mhz', '')} | {r.get('power_w', '')} |")
     return "\n".join(lines)
@@ -663,11 +685,16 @@ def parse_args(argv):
     ap.add_argument("--host-profile", action="store_true",
                     help="host seconds per forward and the CPU ops by self time (is the GPU waiting for Python?)")
     ap.add_argument("--log-clocks", action="store_true", help="SM clock and board power over each row's forwards")
+    ap.add_argument("--loop-forwards", type=int, default=0,
+                    help="also time N forwards launched back to back, as a denoising loop runs them (3 groups): "
+                         "ms_loop / ms_per_step_loop per row, beside the per-forward timing; 0 = off")
     ap.add_argument("--out", default="benchmarks/results/bench_peers.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--table-from", default=None,
                     help="print the markdown table of result files (comma list) and exit: the README's tables")
     args = ap.parse_args(argv)
+    if args.loop_forwards < 0:
+        ap.error(f"--loop-forwards {args.loop_forwards}: give a number of forwards (>= 1), or 0 for none")
     if args.blocks < 0:
         ap.error(f"--blocks {args.blocks}: give the number of blocks to keep per stack (>= 1), or 0 for all")
     return args

@@ -29,6 +29,28 @@ def sample_ms(fn: Callable[[], object], device: torch.device, iters: int) -> lis
     return times
 
 
+def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, groups: int) -> list[float]:
+    """Per-call milliseconds of ``calls`` calls launched back to back between two events (no sync in between, as a
+    denoising loop runs its steps), one figure per group. Unlike ``sample_ms``, the host's work before each call's
+    first GPU launch overlaps the previous call's kernels, as it does in a pipeline."""
+    times = []
+    for _ in range(groups):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return times
+
+
 def write_result(path: str, result: dict) -> None:
     """Write ``result`` as indented JSON to ``path``, creating its folder (scripts call this after every row too,
     so that a crash later keeps what was measured)."""

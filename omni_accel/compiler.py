@@ -47,6 +47,11 @@ INDUCTOR_OPTIONS: dict | None = None
 # Whether compiled blocks on a GPU compute tanh-GELU through the sigmoid identity (below); benchmarks' A/B rows set it.
 SIGMOID_GELU = True
 
+# Whether compiled blocks on a GPU get the epilogue-fusion graph pass (kernels/epilogue_fusion.py: a concatenation
+# with a GELU on one side, feeding a linear, in one hand-written kernel); benchmarks' A/B rows set it.
+EPILOGUE_FUSION = True
+POST_GRAD_PASS = "post_grad_custom_post_pass"  # the inductor option that carries it
+
 # Whether compiled blocks get the joint-views hook of the family's JointStreams (pipelines/base.py): one graph per
 # block list instead of two; benchmarks' A/B rows set it.
 JOINT_STREAMS = True
@@ -155,6 +160,10 @@ def compile_options(mode: bool | str, device: torch.device) -> dict:
         CUDA_INDUCTOR_OPTIONS if device.type == "cuda" else {})
     options = {"dynamic": False}
     extra = {k: v for k, v in (extra or {}).items() if k != "triton.enable_pdl" or inductor_has_pdl()}
+    if EPILOGUE_FUSION and device.type == "cuda":
+        from .kernels.epilogue_fusion import EPILOGUE_FUSION as epilogue_pass
+
+        extra[POST_GRAD_PASS] = epilogue_pass
     if extra:
         options["options"] = extra
         if extra.get("triton.multi_kernel"):
@@ -248,10 +257,18 @@ class CompilePass(AccelPass):
 
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus,
                              rotary_pair_swap=rotary,
-                             joint_streams=[spec.block_list for spec in joint_specs], **options)
+                             joint_streams=[spec.block_list for spec in joint_specs], **_printable(options))
         if ctx.config.compile == "max" or fp8_graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
+
+
+def _printable(options: dict) -> dict:
+    """compile_options for the report: the graph pass object by its class name."""
+    extra = options.get("options")
+    if not extra or POST_GRAD_PASS not in extra:
+        return options
+    return {**options, "options": {**extra, POST_GRAD_PASS: type(extra[POST_GRAD_PASS]).__name__}}
 
 
 # Every accelerate(compile=True) on the same block class adds guard entries to the same forward code object (other

@@ -162,6 +162,44 @@ def fp8_quant_cases() -> dict:
     return results
 
 
+CONCAT_GELU_CASES = ("fp8-attention-bias", "bf16-strided-heads", "bf16-bias-rows17", "fp8-no-first-input")
+
+
+def concat_gelu_cases() -> dict:
+    """The epilogue-fusion kernel (cat([a * scale, gelu(h + bias)]) -> cast) against its float32 torch formula.
+    An e4m3 output is stored as float32 and cast by torch in the interpreter (its own e4m3 rounding is wrong, see
+    fp8_quant_cases), so only values at a rounding tie may differ from the formula's bytes."""
+    import torch
+
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.epilogue_fusion import concat_gelu_reference
+
+    results = {}
+    for case in CONCAT_GELU_CASES:
+        try:
+            gen = torch.Generator().manual_seed(len(case))
+            rows = 17 if case.endswith("rows17") else 13
+            h = (torch.randn(rows, 96, generator=gen) * 2).to(torch.bfloat16)
+            bias = None if case.startswith("bf16-strided") else (torch.randn(96, generator=gen) * 0.1).to(torch.bfloat16)
+            if case.startswith("fp8"):
+                a = (torch.randn(rows, 1, 32, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+                a_scale, inverse, out_dtype = torch.tensor(0.01), torch.tensor(448.0 / 8), torch.float8_e4m3fn
+                if case.endswith("no-first-input"):  # a feed-forward's GELU + cast alone
+                    a = a_scale = None
+            else:  # (rows, heads, head dim) as a transposed (heads, rows, head dim) tensor: head stride != head dim
+                a = torch.randn(2, rows, 16, generator=gen).to(torch.bfloat16).transpose(0, 1)
+                a_scale, inverse, out_dtype = None, None, torch.bfloat16
+            out = epilogue_triton.concat_gelu(a, a_scale, h, bias, inverse, out_dtype)
+            ref = concat_gelu_reference(a, a_scale, h, bias, inverse, out_dtype)
+            got, want = out.float(), ref.float()
+            results[case] = {"dtype": str(out.dtype), "shape": list(out.shape), "ref_shape": list(ref.shape),
+                             "frac_equal": (got == want).float().mean().item(),
+                             "max_err_over_ref": ((got - want).abs() / (want.abs() + 1e-3)).max().item()}
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+    return results
+
+
 def pipeline_cases() -> dict:
     import torch
 
@@ -306,6 +344,7 @@ def main(out_path: str) -> int:
     result = {"interpreted": fused.interpreted(), "uses_triton_cpu": fused.uses_triton("cpu")}
     result["kernels"] = kernel_cases()
     result["fp8_quant"] = fp8_quant_cases()
+    result["concat_gelu"] = concat_gelu_cases()
     result["pipelines"] = pipeline_cases()
     result["fp8_attention"] = fp8_attention_cases()
     result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()

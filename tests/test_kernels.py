@@ -78,6 +78,19 @@ def test_fp8_row_quantization_kernel_matches_the_torch_expression(interpreted, c
     assert r["other_mismatches"] == 0 and r["frac_equal"] > 0.9, r
 
 
+@pytest.mark.parametrize("case", WORKER.CONCAT_GELU_CASES)
+def test_concat_gelu_kernel_matches_its_formula(interpreted, case):
+    """The epilogue-fusion kernel: e4m3 output bytes as the float32 formula's (a rounding tie may flip, one e4m3
+    step = 2^-3 relative); bf16 within one ulp (the interpreter truncates to bf16)."""
+    r = interpreted["concat_gelu"][case]
+    assert "error" not in r, r.get("error")
+    assert r["shape"] == r["ref_shape"]
+    if r["dtype"] == "torch.float8_e4m3fn":
+        assert r["frac_equal"] > 0.98 and r["max_err_over_ref"] <= 2.0 ** -3, r
+    else:
+        assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
+
+
 @pytest.mark.parametrize("family", WORKER.PIPELINE_FAMILIES)
 def test_triton_path_pipeline_matches_plain_and_restores(interpreted, family):
     r = interpreted["pipelines"][family]

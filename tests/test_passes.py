@@ -136,15 +136,20 @@ def test_compile_never_asks_inductor_for_cuda_graphs_or_autotuning(monkeypatch):
     whose inductor lacks PDL gets multi-kernel alone (torch.compile refuses unknown options)."""
     from omni_accel import compiler
 
+    from omni_accel.kernels.epilogue_fusion import EPILOGUE_FUSION
+
     assert compiler.inductor_has_pdl()  # this torch has it
+    graph_pass = {compiler.POST_GRAD_PASS: EPILOGUE_FUSION}
     for mode in (True, "max"):
         assert compiler.compile_options(mode, torch.device("cpu")) == {"dynamic": False}
         assert compiler.compile_options(mode, torch.device("cuda")) == {
-            "dynamic": False, "options": {"triton.multi_kernel": 1, "triton.enable_pdl": True}}
+            "dynamic": False, "options": {"triton.multi_kernel": 1, "triton.enable_pdl": True, **graph_pass}}
     monkeypatch.setattr(compiler, "inductor_has_pdl", lambda: False)
-    assert compiler.compile_options(True, torch.device("cuda")) == {"dynamic": False,
-                                                                    "options": {"triton.multi_kernel": 1}}
+    assert compiler.compile_options(True, torch.device("cuda")) == {
+        "dynamic": False, "options": {"triton.multi_kernel": 1, **graph_pass}}
     monkeypatch.setattr(compiler, "INDUCTOR_OPTIONS", {})  # a benchmark's A/B row without the defaults
+    assert compiler.compile_options(True, torch.device("cuda")) == {"dynamic": False, "options": graph_pass}
+    monkeypatch.setattr(compiler, "EPILOGUE_FUSION", False)
     assert compiler.compile_options(True, torch.device("cuda")) == {"dynamic": False}
 
 

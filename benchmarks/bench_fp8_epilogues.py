@@ -1,0 +1,358 @@
+"""The FP8 stack's two largest non-GEMM costs on FLUX.1-dev shapes, each computed several ways on the same inputs.
+
+    python benchmarks/bench_fp8_epilogues.py --out benchmarks/results/bench_fp8_epilogues_h200.json   # one GPU
+    TRITON_INTERPRET=1 python benchmarks/bench_fp8_epilogues.py --device cpu --tiny --out /tmp/epi.json  # smoke
+
+1. The single-stream block's MLP epilogue feeding ``proj_out``: ``cat([attention output, gelu(mlp + bias)])`` cast to
+   e4m3 with the layer's static scale (4608 x 15360 values per call, 38 calls per step). Ways:
+   - ``inductor``: torch.compile of the expression as the compiled block runs it (the library's inductor options);
+   - ``inductor_nd``: the same with ``triton.prefer_nd_tiling``;
+   - ``inductor_concat``: the cast pushed into each input of the concatenation and inductor told to realise the
+     concatenation in place (``max_complex_pointwise_cat_inputs=1``), so each input's kernel writes its own slice;
+   - ``triton``: the library's kernel (``omni_accel.kernels.epilogue_triton.concat_gelu``, what ``compile=True``
+     puts there through its graph pass) over 2-D tiles (each tile in one input: no per-element branch), for a few
+     tile shapes. The result file of 2026-12-04 (``bench_fp8_epilogues_h200_20261204.json``) was written by this
+     script's first form, which held its own copy of the kernel and also timed it with the hardware's approximate
+     tanh (``triton_tanh``: 56-64 us, not faster than the sigmoid form's 54; dropped); its ``triton_sigmoid`` rows
+     are this kernel. ``inductor_concat`` needs an inductor option torch 2.11 does not have (those rows record it).
+   The same with a bf16 output (the bf16 stack) where the attention output is bf16 too.
+1b. FP8 attention's q and k with static scales: the fused projection's bias, RMSNorm per head, the interleaved rotary
+   embedding, K's mean subtracted, the cast (4608 x 24 rows of 128 per call, 38 + 19 calls per step): ``inductor``
+   (torch.compile of the expression) against a hand-written Triton kernel that swaps each pair in registers.
+2. The FP8 GEMMs' scaling: ``torch._scaled_mm`` with row-wise scales (a per-token activation scale, what the library
+   passes today even for a static scale) against per-tensor scales, at every FLUX linear shape.
+
+Timing: CUDA events around ``--reps`` back-to-back calls (median of ``--iters`` such groups); the rows' clocks and power
+come from nvidia-smi (``--log-clocks``). ``max_abs_err`` of every way is against the float32 formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_transformer import ClockLog, log  # noqa: E402
+from benchmarks.timing import back_to_back_ms, write_result  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+K_GELU = 2.0 * (2.0 / 3.141592653589793) ** 0.5
+
+
+def timed_ms(fn, device: torch.device, iters: int, reps: int) -> dict:
+    for _ in range(3):
+        fn()
+    groups = back_to_back_ms(fn, device, reps, iters)
+    return {"us": round(statistics.median(groups) * 1e3, 2), "us_min": round(min(groups) * 1e3, 2)}
+
+
+def measure(rows: list, entry: dict, fn, check, moved: int, device, iters: int, reps: int) -> None:
+    """Run ``fn`` once for ``check(output) -> {error figures}``, time it, append ``entry`` (an error costs its row)."""
+    try:
+        entry.update(check(fn()))
+        entry.update(timed_ms(fn, device, iters, reps))
+        entry["gb_per_s"] = round(moved / (entry["us"] * 1e-6) / 1e9, 1)
+    except Exception as exc:  # noqa: BLE001 -- one failing way costs its row only
+        entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    log(str(entry))
+    rows.append(entry)
+
+
+def inductor_options(device: torch.device) -> dict:
+    """The library's inductor options for compiled blocks on this device (without its graph pass: the ``inductor``
+    rows time inductor's own kernels)."""
+    from omni_accel import compiler
+
+    base = dict(compiler.CUDA_INDUCTOR_OPTIONS) if device.type == "cuda" else {}
+    if device.type == "cuda" and not compiler.inductor_has_pdl():
+        base.pop("triton.enable_pdl", None)
+    return base
+
+
+# ------------------------------------------------------------------------------------- 1. concat + GELU + cast
+def sigmoid_gelu(x):
+    xf = x.float()
+    return (xf * torch.sigmoid(K_GELU * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
+
+
+def epilogue_graph(attn, attn_scale, h, bias, inverse):
+    """What the compiled single block computes: the attention output dequantized (FP8 attention) or as it is, the
+    MLP's GELU, the concatenation, the static cast (or none: bf16)."""
+    a = (attn.float() * attn_scale).to(torch.bfloat16) if attn.dtype == FP8 else attn
+    g = sigmoid_gelu(h + bias)
+    x = torch.cat([a, g], dim=-1)
+    if inverse is None:
+        return x
+    return (x.float() * inverse).clamp(-448.0, 448.0).to(FP8)
+
+
+def epilogue_pushed(attn, attn_scale, h, bias, inverse):
+    """The same values with the cast applied to each input before the concatenation."""
+    def cast(x):
+        return x if inverse is None else (x.float() * inverse).clamp(-448.0, 448.0).to(FP8)
+
+    a = (attn.float() * attn_scale).to(torch.bfloat16) if attn.dtype == FP8 else attn
+    return torch.cat([cast(a), cast(sigmoid_gelu(h + bias))], dim=-1)
+
+
+def epilogue_exact(attn, attn_scale, h, bias, inverse):
+    a = attn.float() * attn_scale if attn.dtype == FP8 else attn.float()
+    hf = h.float() + bias.float()
+    g = 0.5 * hf * (1.0 + torch.tanh((K_GELU / 2) * (hf + 0.044715 * hf ** 3)))
+    x = torch.cat([a, g], dim=-1)
+    return x if inverse is None else x * inverse
+
+
+def epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps: int, interpreted: bool) -> list[dict]:
+    from omni_accel.kernels import epilogue_triton
+
+    gen = torch.Generator("cpu").manual_seed(0)
+    rows = []
+    for out_fp8 in (True, False):
+        h = (torch.randn(tokens, mlp, generator=gen) * 2).to(device, torch.bfloat16)
+        bias = (torch.randn(mlp, generator=gen) * 0.1).to(device, torch.bfloat16)
+        attn_f = torch.randn(tokens, dim, generator=gen) * 3
+        attn_scale = torch.tensor(0.02, device=device)
+        attn = (attn_f / 0.02).clamp(-448, 448).to(FP8).to(device) if out_fp8 else attn_f.to(device, torch.bfloat16)
+        inverse = torch.tensor(448.0 / 16.0, device=device) if out_fp8 else None
+        args = (attn, attn_scale, h, bias, inverse)
+        exact = epilogue_exact(*args)
+        out_kind = "fp8" if out_fp8 else "bf16"
+
+        moved = sum(t.numel() * t.element_size() for t in (attn, h, bias)) + \
+            tokens * (dim + mlp) * (1 if out_fp8 else 2)
+
+        def record(way: str, fn, **extra):
+            entry = {"case": f"concat_gelu_{out_kind}", "way": way, "shape": [tokens, dim + mlp], **extra}
+            measure(rows, entry, fn, lambda out: {"max_abs_err": float((out.float() - exact).abs().max())}, moved,
+                    device, iters, reps)
+
+        base = inductor_options(device)
+        variants = [("inductor", epilogue_graph, base),
+                    ("inductor_nd", epilogue_graph, {**base, "triton.prefer_nd_tiling": True}),
+                    ("inductor_concat", epilogue_pushed, {**base, "max_complex_pointwise_cat_inputs": 1})]
+        for way, fn, options in variants:
+            torch._dynamo.reset()
+            try:
+                compiled = torch.compile(fn, dynamic=False, options=options)
+            except Exception as exc:  # noqa: BLE001 -- an option this torch does not know
+                rows.append({"case": f"concat_gelu_{out_kind}", "way": way, "error": repr(exc)[:300]})
+                continue
+            record(way, lambda c=compiled: c(*args), options=options)
+        a3 = attn.reshape(tokens, 1, dim)
+        a_scale = attn_scale if out_fp8 else None  # a bf16 attention output is taken as it is
+        out_dtype = FP8 if out_fp8 else torch.bfloat16
+        for tile in ((1, 1024, 4), (2, 1024, 8), (4, 512, 4), (8, 256, 4), (16, 256, 8)):
+            if tile[1] > dim:
+                continue
+            record("triton", lambda t=tile: epilogue_triton.concat_gelu(a3, a_scale, h, bias, inverse, out_dtype,
+                                                                        tile=t),
+                   rows=tile[0], block=tile[1], warps=tile[2])
+            if interpreted:
+                break
+    return rows
+
+
+# ------------------------------------------------------------------------ 1b. Q / K norm + rotary + cast
+def qk_graph(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):
+    """What the compiled block computes for FP8 attention's q and k with static scales: the fused projection's bias,
+    RMSNorm per head, the interleaved rotary embedding as a pair swap, K's calibrated mean subtracted, the cast."""
+    x = qkv + bias
+    dim = heads * (qkv.shape[-1] // (3 * heads))
+    q, k = (x[:, i * dim:(i + 1) * dim].unflatten(-1, (heads, -1)).unsqueeze(0) for i in (0, 1))
+    d = q.shape[-1]
+    cos4, sin4 = cos.reshape(1, -1, 1, d), sin.reshape(1, -1, 1, d)
+    sign = torch.arange(d, device=qkv.device) % 2 * 2 - 1
+
+    def rope(t):
+        swapped = t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (t.float() * cos4 + swapped.float() * (sin4 * sign)).to(t.dtype)
+
+    q = rope(torch.nn.functional.rms_norm(q, (d,), wq, 1e-6))
+    k = rope(torch.nn.functional.rms_norm(k, (d,), wk, 1e-6))
+    q8 = (q.float() * inv_q).clamp(-448.0, 448.0).to(FP8)
+    k8 = ((k.float() - k_mean) * inv_k).clamp(-448.0, 448.0).to(FP8)
+    return q8, k8
+
+
+def _triton_qk():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(qkv_ptr, bias_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, k_mean_ptr, inv_q_ptr, inv_k_ptr, q_ptr, k_ptr,
+               n_rows, eps, HEADS: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+        which = tl.program_id(1)  # 0: q, 1: k
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = (rows < n_rows)[:, None]
+        token = (rows // HEADS).to(tl.int64)[:, None]
+        head = (rows % HEADS)[:, None]
+        d = tl.arange(0, D)[None, :]
+        col = which * HEADS * D + head * D + d
+        x = tl.load(qkv_ptr + token * (3 * HEADS * D) + col, mask=ok, other=0.0).to(tl.float32)
+        x += tl.load(bias_ptr + col).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        if which == 0:
+            w = tl.load(wq_ptr + d).to(tl.float32)
+        else:
+            w = tl.load(wk_ptr + d).to(tl.float32)
+        y = (x * rstd * w).to(tl.bfloat16).to(tl.float32)  # the norm's output dtype, as the graph rounds it
+        even, odd = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
+        swapped = tl.reshape(tl.join(odd, even), (ROWS, D))
+        c = tl.load(cos_ptr + token * D + d, mask=ok, other=0.0)
+        s = tl.load(sin_ptr + token * D + d, mask=ok, other=0.0)
+        out = y * c + swapped * (s * ((d % 2) * 2 - 1).to(tl.float32))
+        out = out.to(tl.bfloat16).to(tl.float32)
+        if which == 0:
+            out = tl.minimum(tl.maximum(out * tl.load(inv_q_ptr), -448.0), 448.0)
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * D + d, out.to(q_ptr.dtype.element_ty), mask=ok)
+        else:
+            out = (out - tl.load(k_mean_ptr + head * D + d)) * tl.load(inv_k_ptr)
+            out = tl.minimum(tl.maximum(out, -448.0), 448.0)
+            tl.store(k_ptr + rows.to(tl.int64)[:, None] * D + d, out.to(k_ptr.dtype.element_ty), mask=ok)
+
+    return triton, kernel
+
+
+def qk_triton(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int, rows: int, warps: int):
+    triton, kernel = _QK_KERNEL
+    tokens = qkv.shape[0]
+    d = qkv.shape[-1] // (3 * heads)
+    q8 = torch.empty(1, tokens, heads, d, device=qkv.device, dtype=FP8)
+    k8 = torch.empty_like(q8)
+    n_rows = tokens * heads
+    kernel[(triton.cdiv(n_rows, rows), 2)](qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, q8, k8, n_rows, 1e-6,
+                                          HEADS=heads, D=d, ROWS=rows, num_warps=warps)
+    return q8, k8
+
+
+_QK_KERNEL = None
+
+
+def qk_rows(device, tokens: int, heads: int, d: int, iters: int, reps: int, interpreted: bool) -> list[dict]:
+    global _QK_KERNEL
+    gen = torch.Generator("cpu").manual_seed(1)
+    dim = heads * d
+    qkv = torch.randn(tokens, 3 * dim, generator=gen).to(device, torch.bfloat16)
+    bias = (torch.randn(3 * dim, generator=gen) * 0.1).to(device, torch.bfloat16)
+    wq, wk = ((1 + 0.1 * torch.randn(d, generator=gen)).to(device, torch.bfloat16) for _ in range(2))
+    angles = torch.rand(tokens, d // 2, generator=gen) * 6.28
+    cos = angles.cos().repeat_interleave(2, -1).to(device)
+    sin = angles.sin().repeat_interleave(2, -1).to(device)
+    k_mean = (torch.randn(1, 1, heads, d, generator=gen) * 0.3).to(device)
+    inv_q, inv_k = torch.tensor(448.0 / 8, device=device), torch.tensor(448.0 / 8, device=device)
+    args = (qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads)
+    ref_q, ref_k = (t.float() for t in qk_graph(*args))
+    moved = qkv.numel() * 2 * 2 // 3 + cos.numel() * 8 + 2 * tokens * dim
+    rows = []
+
+    def check(out) -> dict:
+        q8, k8 = out  # against the eager expression, in e4m3 steps: a one-step difference is a tie broken otherwise
+        return {"max_abs_diff_vs_eager": max(float((q8.float() - ref_q).abs().max()),
+                                             float((k8.float() - ref_k).abs().max())),
+                "frac_bytes_equal": round(float(((q8.float() == ref_q).float().mean()
+                                                 + (k8.float() == ref_k).float().mean()) / 2), 5)}
+
+    def record(way, fn, **extra):
+        entry = {"case": "qk_norm_rope_fp8", "way": way, "shape": [tokens, heads, d], **extra}
+        measure(rows, entry, fn, check, moved, device, iters, reps)
+
+    base = inductor_options(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(qk_graph, dynamic=False, options=base)
+    record("inductor", lambda: compiled(*args), options=base)
+    if _QK_KERNEL is None:
+        _QK_KERNEL = _triton_qk()
+    for tile_rows, warps in ((4, 2), (8, 4), (16, 4), (32, 8)):
+        record("triton", lambda r=tile_rows, w=warps: qk_triton(*args, r, w), rows=tile_rows, warps=warps)
+        if interpreted:
+            break
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- 2. GEMM scales
+GEMM_SHAPES = (  # (name, M, K, N) of FLUX.1-dev's block linears (bench_fp8_gemm.py)
+    ("single.qkv_mlp", 4608, 3072, 21504),
+    ("single.to_qkv", 4608, 3072, 9216),
+    ("single.proj_mlp", 4608, 3072, 12288),
+    ("single.proj_out", 4608, 15360, 3072),
+    ("dual.img.to_out", 4096, 3072, 3072),
+    ("dual.img.ff.up", 4096, 3072, 12288),
+    ("dual.img.ff.down", 4096, 12288, 3072),
+)
+
+
+def gemm_rows(device, iters: int, reps: int, tiny: bool) -> list[dict]:
+    shapes = (("tiny", 64, 128, 256),) if tiny else GEMM_SHAPES
+    rows = []
+    for name, m, k, n in shapes:
+        gen = torch.Generator("cpu").manual_seed(m + k + n)
+        x8 = (torch.randn(m, k, generator=gen) * 50).clamp(-448, 448).to(FP8).to(device)
+        w8 = (torch.randn(n, k, generator=gen) * 50).clamp(-448, 448).to(FP8).to(device)
+        row_scale = torch.full((m, 1), 0.01, device=device)
+        col_scale = torch.full((1, n), 0.001, device=device)
+        one_a, one_b = torch.tensor(0.01, device=device), torch.tensor(0.001, device=device)
+        entry = {"case": "scaled_mm", "shape": name, "M": m, "K": k, "N": n}
+        for way, sa, sb in (("rowwise", row_scale, col_scale), ("tensorwise", one_a, one_b)):
+            def fn(sa=sa, sb=sb):
+                return torch._scaled_mm(x8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+            try:
+                t = timed_ms(fn, device, iters, reps)
+                entry[f"{way}_us"] = t["us"]
+                entry[f"{way}_tflops"] = round(2.0 * m * k * n / (t["us"] * 1e-6) / 1e12, 1)
+            except Exception as exc:  # noqa: BLE001
+                entry[f"{way}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        log(str(entry))
+        rows.append(entry)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--cases", default="epilogue,qk,gemm")
+    parser.add_argument("--log-clocks", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    tokens, dim, mlp = (64, 256, 1024) if args.tiny else (4608, 3072, 12288)
+    clocks = ClockLog(args.log_clocks and device.type == "cuda")
+    result = {"benchmark": "bench_fp8_epilogues", "argv": sys.argv[1:],
+              "env": {"torch": torch.__version__, "python": platform.python_version(),
+                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+              "rows": []}
+    try:
+        import triton
+        result["env"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+    cases = args.cases.split(",")
+    clocks.mark()
+    if "epilogue" in cases:
+        result["rows"] += epilogue_rows(device, tokens, dim, mlp, args.iters, args.reps, interpreted)
+        write_result(args.out, result)
+    if "qk" in cases:
+        result["rows"] += qk_rows(device, tokens, *((4, 64) if args.tiny else (24, 128)), args.iters, args.reps,
+                                  interpreted)
+        write_result(args.out, result)
+    if "gemm" in cases:
+        result["rows"] += gemm_rows(device, args.iters, args.reps, args.tiny)
+    result["clocks"] = clocks.since_mark()
+    write_result(args.out, result)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

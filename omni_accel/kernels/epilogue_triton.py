@@ -1,0 +1,99 @@
+"""Triton kernels behind omni_accel/kernels/epilogue_fusion.py (imported only when a Triton path runs).
+
+``concat_gelu``: ``out = cast(cat([a * a_scale, gelu_tanh(h + bias)], dim=-1))`` over 2-D tiles. Every tile lies in
+one of the two inputs (the column block divides the first input's width), so a program branches once instead of
+every element evaluating both inputs under masks, the column index needs no division, and loads and stores are
+full-width vectors. That is what inductor's own kernel for the same expression lacks: on an H200, FLUX's single-block
+epilogue (4608 x 15360) took 104 us there and 54 us here (``benchmarks/bench_fp8_epilogues.py``).
+
+GELU: the tanh form written as ``h * sigmoid(2 k (h + 0.044715 h^3))``, the sigmoid as one ``exp2`` and one
+approximate reciprocal (rcp.approx, relative error ~2^-23, far below a bf16 or e4m3 output's rounding).
+
+Triton's interpreter (CI) rounds float32 -> e4m3 wrongly (127.9 -> 64 in Triton 3.9), so interpreted runs store the
+scaled, saturated float32 value and the caller casts it with torch; compiled runs cast in the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_triton import INTERPRETED, _launcher, _on_device
+
+
+
+@triton.jit
+def _concat_gelu_kernel(
+    a_ptr, a_scale_ptr, h_ptr, bias_ptr, inverse_ptr, out_ptr, n_rows,
+    stride_a_row, stride_a_head, stride_h_row,
+    A_COLS: tl.constexpr, A_HEAD: tl.constexpr, H_COLS: tl.constexpr,
+    A_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, CAST: tl.constexpr, APPROX: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = (rows < n_rows)[:, None]
+    rows = rows.to(tl.int64)[:, None]
+    first = tl.program_id(1) * BLOCK
+    cols = tl.arange(0, BLOCK)[None, :]
+    if first < A_COLS:
+        # the first input may be (rows, heads, head dim) with any row / head strides (an attention output)
+        head = first // A_HEAD
+        a = a_ptr + rows * stride_a_row + head * stride_a_head + (first - head * A_HEAD) + cols
+        y = tl.load(a, mask=row_ok, other=0.0).to(tl.float32)
+        if A_SCALED:
+            y = y * tl.load(a_scale_ptr)
+    else:
+        c = first - A_COLS + cols
+        h = tl.load(h_ptr + rows * stride_h_row + c, mask=row_ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            h += tl.load(bias_ptr + c).to(tl.float32)
+        # exp(-2 sqrt(2 / pi) z) as 2^(-log2(e) 2 sqrt(2 / pi) z)
+        e = tl.exp2(-2.302208198144325 * (h + 0.044715 * h * h * h))
+        if APPROX:
+            y = h * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e],
+                                              dtype=tl.float32, is_pure=True, pack=1)
+        else:  # the interpreter runs no PTX
+            y = h / (1.0 + e)
+    if CAST:
+        y = tl.minimum(tl.maximum(y * tl.load(inverse_ptr), -448.0), 448.0)  # e4m3's largest finite value
+    tl.store(out_ptr + rows * (A_COLS + H_COLS) + first + cols, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _tile(a_cols: int, a_head: int, h_cols: int) -> tuple[int, int, int] | None:
+    """(rows per program, column block, warps), or None when no power-of-two block divides both widths and the
+    first input's head width. Measured on an H200 at FLUX's shape: 4 rows x 512 columns 54 us, 1 x 1024 63 us."""
+    for block, rows, warps in ((512, 4, 4), (256, 8, 4), (128, 16, 4), (64, 32, 4), (32, 32, 2), (16, 32, 1)):
+        if a_cols % block == 0 and h_cols % block == 0 and (a_head == a_cols or a_head % block == 0):
+            return rows, block, warps
+    return None
+
+
+def supported(a_cols: int, a_head: int, h_cols: int) -> bool:
+    return _tile(a_cols, a_head, h_cols) is not None
+
+
+def concat_gelu(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor, bias: torch.Tensor | None,
+                inverse: torch.Tensor | None, out_dtype: torch.dtype,
+                tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """a: (rows, heads, head dim) with stride(-1) == 1 or None, h: (rows, H) with stride(-1) == 1 -> (rows, A + H).
+    ``tile``: (rows, column block, warps) instead of ``_tile``'s choice (the benchmark's sweep)."""
+    n_rows, h_cols = h.shape
+    heads, a_head = a.shape[1:] if a is not None else (0, 1)  # no first input: no column is its
+    a_cols = heads * a_head
+    rows, block, warps = tile or _tile(a_cols, a_head if a is not None else 0, h_cols)
+    cast = inverse is not None
+    store_dtype = torch.float32 if cast and INTERPRETED else out_dtype
+    out = torch.empty(n_rows, a_cols + h_cols, dtype=store_dtype, device=h.device)
+    if n_rows == 0:
+        return out.to(out_dtype)
+    grid = (triton.cdiv(n_rows, rows), (a_cols + h_cols) // block)
+    with _on_device(h):
+        _launcher(_concat_gelu_kernel, h.device)[grid](
+            a if a is not None else h, a_scale if a_scale is not None else h, h, bias if bias is not None else h,
+            inverse if cast else h, out, n_rows, a.stride(0) if a is not None else 0,
+            a.stride(1) if a is not None else 0, h.stride(0),
+            A_COLS=a_cols, A_HEAD=a_head, H_COLS=h_cols, A_SCALED=a_scale is not None, HAS_BIAS=bias is not None,
+            CAST=cast, APPROX=not INTERPRETED, ROWS=rows, BLOCK=block, num_warps=warps,
+        )
+    return out.to(out_dtype) if store_dtype != out_dtype else out

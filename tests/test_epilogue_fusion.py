@@ -1,0 +1,166 @@
+"""The epilogue-fusion graph pass (omni_accel/kernels/epilogue_fusion.py) on CPU: what it replaces, what it leaves,
+and that the replaced graph computes the same values. The Triton kernel itself runs in Triton's interpreter in
+tests/kernels_worker.py (test_kernels.py asserts its cases).
+
+The reference is the same function compiled without the pass (inductor's own fusion): bf16 outputs equal to it, e4m3
+outputs within one e4m3 step (|diff| <= 2^-3 |ref| + 2^-9) and almost every byte equal (a value at a rounding tie may
+go the other way). Both keep float32 between the bias, the GELU and the concatenation where eager rounds each to
+bf16, so against eager they differ by up to 2 bf16 ulps (checked too).
+"""
+
+import pytest
+import torch
+
+from omni_accel import compiler
+from omni_accel.compiler import sigmoid_gelu
+from omni_accel.kernels import epilogue_fusion
+from omni_accel.kernels.fp8 import FP8_DTYPE, quantize_static
+
+BF16 = torch.bfloat16
+S, H, D, MLP = 24, 2, 16, 96  # tokens, heads, head dim, MLP width
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        a8=(torch.randn(1, S, H, D, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE),
+        a_scale=torch.full((1, 1, 1, 1), 0.01),
+        a16=torch.randn(1, H, S, D, generator=g).to(BF16).transpose(1, 2),  # an SDPA output: (1, S, H, D) view
+        x=torch.randn(1, S, 40, generator=g).to(BF16),
+        w=(torch.randn(MLP, 40, generator=g) / 6).to(BF16),
+        bias=(torch.randn(MLP, generator=g) * 0.1).to(BF16),
+        inverse=torch.tensor(448.0 / 8),
+    )
+
+
+def _single_block_epilogue(a8, a_scale, a16, x, w, bias, inverse, fp8_attention: bool, cast: bool,
+                           gelu=sigmoid_gelu, a_first=True, dim=2):
+    """FLUX's single-stream block from attention output to proj_out's input, as the compiled FP8 stack runs it."""
+    a = (a8.float() * a_scale).to(BF16) if fp8_attention else a16
+    a = a.reshape(1, S, H * D)
+    h = (x.reshape(-1, 40) @ w.t()).reshape(1, S, MLP) + bias
+    if dim != 2:  # along the tokens: the MLP's first H * D channels, so that the widths agree
+        h = h[..., :H * D]
+    parts = [a, gelu(h)] if a_first else [gelu(h), a]
+    joint = torch.cat(parts, dim=dim)
+    if not cast:
+        return joint
+    return quantize_static(joint.reshape(-1, joint.shape[-1]), inverse)[0]
+
+
+def _compiled(fn, *args, with_pass: bool = True, **kwargs):
+    """(output, {rewrite kind: count}) of ``fn`` compiled with or without the pass."""
+    torch._dynamo.reset()
+    before = dict(epilogue_fusion.REWRITES)
+    # no FX graph cache: a graph loaded from it skips the passes, and the counts would read 0
+    options = {"fx_graph_cache": False}
+    if with_pass:
+        options[compiler.POST_GRAD_PASS] = epilogue_fusion.EPILOGUE_FUSION
+    out = torch.compile(fn, options=options)(*args, **kwargs)
+    delta = {k: v - before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items() if v != before.get(k, 0)}
+    return out, delta
+
+
+def _compiled_with_pass(fn, *args, **kwargs):
+    return _compiled(fn, *args, **kwargs)
+
+
+def _assert_bf16_close(out, ref, ulps: int = 1):
+    assert out.dtype == ref.dtype == BF16 and out.shape == ref.shape
+    assert ((out.float() - ref.float()).abs() <= ulps * 2.0 ** -7 * ref.float().abs() + 2.0 ** -12).all()
+
+
+def _assert_e4m3_close(out, ref):
+    assert out.dtype == ref.dtype == FP8_DTYPE and out.shape == ref.shape
+    o, r = out.float(), ref.float()
+    assert ((o - r).abs() <= 2.0 ** -3 * r.abs() + 2.0 ** -9).all()
+    assert (o == r).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("fp8_attention", [True, False])
+def test_fp8_concat_epilogue_becomes_one_operation_with_the_same_values(fp8_attention):
+    inputs = _inputs()
+    ref, _ = _compiled(_single_block_epilogue, **inputs, fp8_attention=fp8_attention, cast=True, with_pass=False)
+    out, delta = _compiled_with_pass(_single_block_epilogue, **inputs, fp8_attention=fp8_attention, cast=True)
+    assert delta == {"concat_gelu_fp8": 1}
+    _assert_e4m3_close(out, ref)
+    _assert_e4m3_close(out, _single_block_epilogue(**inputs, fp8_attention=fp8_attention, cast=True))
+
+
+def test_bf16_concat_epilogue_becomes_one_operation_with_the_same_values():
+    inputs = _inputs(1)
+    ref, _ = _compiled(_single_block_epilogue, **inputs, fp8_attention=False, cast=False, with_pass=False)
+    out, delta = _compiled_with_pass(_single_block_epilogue, **inputs, fp8_attention=False, cast=False)
+    assert delta == {"concat_gelu": 1}
+    assert torch.equal(out, ref)
+    _assert_bf16_close(out, _single_block_epilogue(**inputs, fp8_attention=False, cast=False), ulps=2)
+
+
+def _feed_forward_epilogue(x, w, bias, inverse, cast: bool):
+    """A dual-stream block's feed-forward between its two linears: GELU of the first's output (+ bias), cast for an
+    FP8 second linear."""
+    h = sigmoid_gelu((x.reshape(-1, 40) @ w.t()).reshape(1, S, MLP) + bias)
+    return quantize_static(h.reshape(-1, MLP), inverse)[0] if cast else h
+
+
+def test_a_gelu_feeding_an_fp8_linear_becomes_the_operation_without_a_first_input():
+    inputs = {k: v for k, v in _inputs(4).items() if k in ("x", "w", "bias", "inverse")}
+    ref, _ = _compiled(_feed_forward_epilogue, **inputs, cast=True, with_pass=False)
+    out, delta = _compiled_with_pass(_feed_forward_epilogue, **inputs, cast=True)
+    assert delta == {"gelu_fp8": 1}
+    _assert_e4m3_close(out, ref)
+    # a bf16 GELU is one inductor kernel already: left alone
+    _, delta = _compiled_with_pass(_feed_forward_epilogue, **inputs, cast=False)
+    assert delta == {}
+
+
+@pytest.mark.parametrize("variant", ["libdevice_gelu", "gelu_first", "token_dim"])
+def test_other_concatenations_are_left_to_inductor(variant):
+    """Only [x, sigmoid-form GELU] along the last dim is replaced: inductor's own GELU, the inputs swapped or a
+    concatenation along the tokens compile as they did, to the same values."""
+    inputs = _inputs(2)
+    kwargs = {"libdevice_gelu": dict(gelu=lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
+              "gelu_first": dict(a_first=False), "token_dim": dict(dim=1)}[variant]
+    cast = variant != "token_dim"
+    ref = _single_block_epilogue(**inputs, fp8_attention=True, cast=cast, **kwargs)
+    out, delta = _compiled_with_pass(_single_block_epilogue, **inputs, fp8_attention=True, cast=cast, **kwargs)
+    assert delta == {}
+    assert out.shape == ref.shape
+
+
+def test_flux_single_block_compiles_its_epilogue_into_the_operation():
+    """diffusers' FLUX single-stream block, with the sigmoid GELU compile=True installs: its concatenation of the
+    attention output and the MLP is the replaced one, and the block's output is unchanged."""
+    from omni_accel.testing import tiny_pipeline
+
+    pipe, _ = tiny_pipeline("flux")
+    block = pipe.transformer.single_transformer_blocks[0].to(BF16)
+    count, undo = compiler.use_sigmoid_gelu(block)
+    assert count == 1
+    g = torch.Generator().manual_seed(3)
+    dim = block.proj_out.out_features
+    hidden = torch.randn(1, 20, dim, generator=g).to(BF16)
+    text = torch.randn(1, 6, dim, generator=g).to(BF16)
+    temb = torch.randn(1, dim, generator=g).to(BF16)
+    with torch.no_grad():
+        ref, _ = _compiled(block, hidden, text, temb, with_pass=False)
+        out, delta = _compiled_with_pass(block, hidden, text, temb)
+    undo()
+    assert delta == {"concat_gelu": 1}
+    for o, r in zip(out, ref):
+        assert torch.equal(o, r)
+
+
+def test_compile_options_carry_the_pass_on_gpus_only(monkeypatch):
+    assert compiler.POST_GRAD_PASS not in compiler.compile_options(True, torch.device("cpu")).get("options", {})
+    options = compiler.compile_options(True, torch.device("cuda"))["options"]
+    assert options[compiler.POST_GRAD_PASS] is epilogue_fusion.EPILOGUE_FUSION
+    assert compiler._printable({"options": options})["options"][compiler.POST_GRAD_PASS] == "EpilogueFusionPass"
+    monkeypatch.setattr(compiler, "EPILOGUE_FUSION", False)
+    assert compiler.POST_GRAD_PASS not in compiler.compile_options(True, torch.device("cuda"))["options"]
+
+
+def test_the_pass_has_a_cache_key():
+    """inductor caches compiled graphs only for custom passes with a uuid; the compile-cache file relies on that."""
+    key = epilogue_fusion.EPILOGUE_FUSION.uuid()
+    assert isinstance(key, (str, bytes)) and key == epilogue_fusion.EpilogueFusionPass().uuid()
