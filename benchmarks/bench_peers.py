@@ -122,13 +122,15 @@ class Row:
     joint_streams: bool = True  # compiler.JOINT_STREAMS (False: FLUX's first single block compiles its own graph)
     cached_module_walk: bool = True  # cuda_graphs.CACHED_MODULE_WALK (False: parameters() + buffers() per replay)
     epilogue_fusion: bool = True  # compiler.EPILOGUE_FUSION (False: inductor's own concat + GELU + cast kernel)
+    qk_norm_rope: bool = True  # kernels.epilogue_fusion.QK_NORM_ROPE (False: inductor's q / k norm + rotary + cast)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
 SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_PAIR_SWAP", "rotary_pair_swap"),
             ("compiler", "JOINT_STREAMS", "joint_streams"),
             ("cuda_graphs", "CACHED_MODULE_WALK", "cached_module_walk"),
-            ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"))
+            ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"),
+            ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"))
 
 
 @contextlib.contextmanager
@@ -317,6 +319,10 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         inductor=_MK_PDL, cuda_only=True, epilogue_fusion=False,
         note="ours_fp8_fp8attn_static_fa_pdl with inductor's own concat + GELU + cast kernel (before the "
              "epilogue-fusion pass)"),
+    Row("ours_fp8_fp8attn_static_fa_pdl_noqk", _fp8attn(_FAST_STATIC), False, calibrates=True,
+        inductor=_MK_PDL, cuda_only=True, qk_norm_rope=False,
+        note="ours_fp8_fp8attn_static_fa_pdl with inductor's own q / k RMSNorm + rotary + cast kernel (the graph "
+             "pass's concat + GELU kernels kept)"),
     Row("ours_fp8_fp8attn_fa_pdl_noepilogue", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK_PDL,
         cuda_only=True, epilogue_fusion=False,
         note="ours_fp8_fp8attn_fa_pdl with inductor's own concat + GELU + cast kernel"),

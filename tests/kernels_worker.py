@@ -200,6 +200,40 @@ def concat_gelu_cases() -> dict:
     return results
 
 
+QK_NORM_ROPE_CASES = ("q-bias", "k-bias-mean", "k-batch2-nobias")
+
+
+def qk_norm_rope_cases() -> dict:
+    """FP8 attention's q / k kernel (RMSNorm + interleaved rotary + K's mean + static cast from a fused projection's
+    output) against its float32 torch formula; e4m3 stored as float32 and cast by torch in the interpreter."""
+    import torch
+
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.epilogue_fusion import qk_norm_rope_reference
+
+    results = {}
+    heads, d, seq = 3, 16, 7
+    for case in QK_NORM_ROPE_CASES:
+        try:
+            gen = torch.Generator().manual_seed(len(case) + 11)
+            batch = 2 if "batch2" in case else 1
+            src = torch.randn(batch * seq, 3 * heads * d, generator=gen).to(torch.bfloat16)
+            bias = None if "nobias" in case else (torch.randn(3 * heads * d, generator=gen) * 0.1).to(torch.bfloat16)
+            weight = (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
+            angles = torch.rand(seq, d // 2, generator=gen) * 6.28
+            cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+            k_mean = torch.randn(1, 1, heads, d, generator=gen) * 0.3 if "mean" in case else None
+            first_col = 0 if case.startswith("q") else heads * d
+            args = (src, bias, first_col, heads, weight, 1e-6, cos, sin, k_mean, torch.tensor(448.0 / 6))
+            got, want = epilogue_triton.qk_norm_rope(*args).float(), qk_norm_rope_reference(*args).float()
+            results[case] = {"shape": list(got.shape), "ref_shape": list(want.shape),
+                             "frac_equal": (got == want).float().mean().item(),
+                             "max_err_over_ref": ((got - want).abs() / (want.abs() + 2.0 ** -6)).max().item()}
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+    return results
+
+
 def pipeline_cases() -> dict:
     import torch
 
@@ -345,6 +379,7 @@ def main(out_path: str) -> int:
     result["kernels"] = kernel_cases()
     result["fp8_quant"] = fp8_quant_cases()
     result["concat_gelu"] = concat_gelu_cases()
+    result["qk_norm_rope"] = qk_norm_rope_cases()
     result["pipelines"] = pipeline_cases()
     result["fp8_attention"] = fp8_attention_cases()
     result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()

@@ -160,7 +160,70 @@ def test_compile_options_carry_the_pass_on_gpus_only(monkeypatch):
     assert compiler.POST_GRAD_PASS not in compiler.compile_options(True, torch.device("cuda"))["options"]
 
 
-def test_the_pass_has_a_cache_key():
-    """inductor caches compiled graphs only for custom passes with a uuid; the compile-cache file relies on that."""
+def test_the_pass_has_a_cache_key_that_follows_its_switch(monkeypatch):
+    """inductor caches compiled graphs only for custom passes with a uuid (the compile-cache file relies on that),
+    and a graph compiled without the q / k replacement must not be served to a process that has it."""
     key = epilogue_fusion.EPILOGUE_FUSION.uuid()
-    assert isinstance(key, (str, bytes)) and key == epilogue_fusion.EpilogueFusionPass().uuid()
+    assert isinstance(key, str) and key == epilogue_fusion.EpilogueFusionPass().uuid()
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE", False)
+    assert epilogue_fusion.EPILOGUE_FUSION.uuid() != key
+
+
+# ------------------------------------------------------------------ q / k: RMSNorm + rotary + static FP8 cast
+def _attention_operands(x, w_qkv, b_qkv, wq, wk, cos, sin, k_mean, inv_q, inv_k, inv_v, sequence_dim=1):
+    """What the compiled FP8 stack computes between a FLUX single block's fused q / k / v projection and cuDNN's FP8
+    attention: split, heads, the q / k RMSNorm, the pair-swap rotary, K's calibrated mean, the static casts."""
+    from diffusers.models import embeddings
+
+    from omni_accel.kernels.cudnn_fp8_attention import _static_e4m3
+
+    qkv = (x.reshape(-1, 40) @ w_qkv.t()).reshape(1, S, 3 * H * D) + b_qkv
+    q, k, v = (t.unflatten(-1, (H, -1)) for t in qkv.split(H * D, dim=-1))
+    q = torch.nn.functional.rms_norm(q, (D,), wq, 1e-6)
+    k = torch.nn.functional.rms_norm(k, (D,), wk, 1e-6)
+    rope = compiler._pair_swap_rotary(embeddings.apply_rotary_emb)
+    if sequence_dim == 2:  # heads first: the rows are not (token, head) pairs
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q, k = (rope(t, (cos, sin), sequence_dim=sequence_dim) for t in (q, k))
+    if sequence_dim == 2:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return _static_e4m3(q, inv_q), _static_e4m3(k.float() - k_mean, inv_k), _static_e4m3(v, inv_v)
+
+
+def _attention_inputs(seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(S, D // 2, generator=g) * 6.28
+    return dict(
+        x=torch.randn(1, S, 40, generator=g).to(BF16),
+        w_qkv=(torch.randn(3 * H * D, 40, generator=g) / 6).to(BF16),
+        b_qkv=(torch.randn(3 * H * D, generator=g) * 0.1).to(BF16),
+        wq=(1 + 0.1 * torch.randn(D, generator=g)).to(BF16), wk=(1 + 0.1 * torch.randn(D, generator=g)).to(BF16),
+        cos=angles.cos().repeat_interleave(2, -1), sin=angles.sin().repeat_interleave(2, -1),
+        k_mean=torch.randn(1, 1, H, D, generator=g) * 0.3,
+        inv_q=torch.full((1, 1, 1, 1), 448.0 / 8), inv_k=torch.full((1, 1, 1, 1), 448.0 / 8),
+        inv_v=torch.full((1, 1, 1, 1), 448.0 / 4))
+
+
+def test_fp8_attention_q_and_k_become_one_operation_each_with_the_same_values():
+    inputs = _attention_inputs()
+    ref, _ = _compiled(_attention_operands, **inputs, with_pass=False)
+    out, delta = _compiled_with_pass(_attention_operands, **inputs)
+    assert delta == {"qk_norm_rope_fp8": 2}  # q and k; v's plain cast stays with inductor
+    for o, r in zip(out, ref):
+        _assert_e4m3_close(o, r)
+    assert torch.equal(out[2], ref[2])
+
+
+def test_q_and_k_replacement_has_a_switch(monkeypatch):
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE", False)
+    _, delta = _compiled_with_pass(_attention_operands, **_attention_inputs(7))
+    assert delta == {}
+
+
+def test_q_and_k_in_another_layout_are_left_to_inductor():
+    """Heads before tokens (the rotary's sequence_dim=2): the rows are not the kernel's (token, head) pairs."""
+    inputs = _attention_inputs(6)
+    out, delta = _compiled_with_pass(_attention_operands, **inputs, sequence_dim=2)
+    assert delta == {}
+    ref, _ = _compiled(_attention_operands, **inputs, sequence_dim=2, with_pass=False)
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))

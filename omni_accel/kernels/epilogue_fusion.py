@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import operator
 import os
 
 import torch
@@ -46,10 +47,14 @@ FP8_MAX = 448.0
 _GELU_K = 2.0 * (2.0 / math.pi) ** 0.5  # compiler.sigmoid_gelu's 2 sqrt(2 / pi)
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _CONVERT = prims.convert_element_type.default
+_FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
+_FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else None
 
 # "concat_gelu_fp8" / "concat_gelu" / "gelu_fp8" -> how many this process replaced (graphs compiled here: one loaded
 # from inductor's cache ran its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
+# Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
+QK_NORM_ROPE = True
 
 
 # ---------------------------------------------------------------------------------------------- the operation
@@ -91,6 +96,42 @@ def concat_gelu(a, a_scale, h, bias, inverse, out_dtype):
 def _(a, a_scale, h, bias, inverse, out_dtype):
     a_cols = a.shape[1] * a.shape[2] if a is not None else 0
     return h.new_empty((h.shape[0], a_cols + h.shape[1]), dtype=out_dtype)
+
+
+def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int,
+                           weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                           k_mean: torch.Tensor | None, inverse: torch.Tensor) -> torch.Tensor:
+    """The q or k part of a fused projection's output -> e4m3 (rows, heads, D), in float32 (see epilogue_triton)."""
+    d = weight.numel()
+    x = src[:, first_col:first_col + heads * d].float()
+    if bias is not None:
+        x = x + bias[first_col:first_col + heads * d].float()
+    x = x.reshape(src.shape[0], heads, d)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    positions = torch.arange(src.shape[0], device=src.device) % cos.shape[0]
+    c, s = cos.float()[positions][:, None, :], sin.float()[positions][:, None, :]
+    sign = torch.arange(d, device=src.device) % 2 * 2 - 1
+    out = y * c + y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * (s * sign)
+    if k_mean is not None:
+        out = out - k_mean.float().reshape(heads, d)
+    return (out * inverse.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+@torch.library.custom_op("omni_accel::qk_norm_rope_fp8", mutates_args=(), schema=(
+    "(Tensor src, Tensor? bias, int first_col, int heads, Tensor weight, float eps, Tensor cos, Tensor sin, "
+    "Tensor? k_mean, Tensor inverse) -> Tensor"))
+def qk_norm_rope_fp8(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse):
+    if _use_triton(src.device):
+        from . import epilogue_triton
+
+        if epilogue_triton.qk_norm_rope_supported(weight.numel()):
+            return epilogue_triton.qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse)
+    return qk_norm_rope_reference(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse)
+
+
+@qk_norm_rope_fp8.register_fake
+def _(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse):
+    return src.new_empty((src.shape[0], heads, weight.numel()), dtype=FP8_DTYPE)
 
 
 # ------------------------------------------------------------------------------------------- graph matching
@@ -242,11 +283,14 @@ def _candidate(cat: fx.Node):
     h_val = _val(h)
     a_cols = _val(tensors[0]).shape[-1]
     h_cols = out.shape[-1] - a_cols
-    if not (isinstance(h_val, torch.Tensor) and h_val.is_contiguous() and h_val.shape[-1] == h_cols):
+    rows = out.numel() // out.shape[-1]
+    # the same rows on both sides: a GELU input broadcast by its bias (fewer rows than the output) is not taken
+    if not (isinstance(h_val, torch.Tensor) and h_val.is_contiguous() and h_val.shape[-1] == h_cols
+            and h_val.numel() == rows * h_cols):
         return None
     a, a_scale = _dequantized_source(tensors[0])
     a_val = _val(a)
-    if not isinstance(a_val, torch.Tensor) or _rows_heads(a_val, a_cols) is None:
+    if not (isinstance(a_val, torch.Tensor) and a_val.numel() == rows * a_cols) or _rows_heads(a_val, a_cols) is None:
         return None
     a_head = a_val.shape[-1] if _rows_heads(a_val, a_cols)[0] == "select0" else a_cols
     if out.is_cuda:
@@ -285,7 +329,8 @@ def _lone_gelu_candidate(node: fx.Node):
         return None
     h, bias = gelu
     h_val, out = _val(h), _val(node)
-    if not (isinstance(h_val, torch.Tensor) and h_val.is_contiguous() and h_val.shape[-1] == out.shape[-1]):
+    if not (isinstance(h_val, torch.Tensor) and h_val.is_contiguous() and h_val.shape[-1] == out.shape[-1]
+            and h_val.numel() == out.numel()):
         return None
     if out.is_cuda:
         from . import epilogue_triton
@@ -314,6 +359,196 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
     c.final.replace_all_uses_with(out)
 
 
+# --------------------------------------------------------------------- q / k: RMSNorm + rotary + static cast
+def _static_cast_source(cast):
+    """``cast`` = e4m3 of clamp(z * inverse, +-448): (z, inverse) or None (``_static_fp8_cast`` read backwards)."""
+    if not (_call(cast, _CONVERT) and cast.args[1] == FP8_DTYPE):
+        return None
+    c = cast.args[0]
+    if _call(c, aten.clamp.default) and _is_number(c.args[1], -FP8_MAX) and _is_number(c.args[2], FP8_MAX):
+        m = c.args[0]
+    elif (_call(c, aten.clamp_max.default) and _is_number(c.args[1], FP8_MAX)
+          and _call(c.args[0], aten.clamp_min.default) and _is_number(c.args[0].args[1], -FP8_MAX)):
+        m = c.args[0].args[0]
+    else:
+        return None
+    if not _call(m, aten.mul.Tensor):
+        return None
+    for z, inverse in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
+        if isinstance(z, fx.Node) and _is_scalar_tensor(inverse) and not _is_scalar_tensor(z):
+            return z, inverse
+    return None
+
+
+def _skip_round_trip(node):
+    """float32 of a 16-bit rounding of x -> x: the rotary's ``.to(x.dtype)`` before the cast's ``.float()``. Inductor's
+    own kernel keeps float32 there on GPUs (it drops such pairs), and so does the replacement."""
+    if (_call(node, _CONVERT) and node.args[1] == torch.float32 and _call(node.args[0], _CONVERT)
+            and node.args[0].args[1] in (torch.bfloat16, torch.float16) and len(node.args[0].users) == 1
+            and getattr(_val(node.args[0].args[0]), "dtype", None) == torch.float32):
+        return node.args[0].args[0]
+    return node
+
+
+def _mul_factors(node, depth: int = 3) -> list:
+    """The factors of a tree of tensor multiplications (each inner product used once)."""
+    if depth and _call(node, aten.mul.Tensor) and len(node.users) == 1:
+        return _mul_factors(node.args[0], depth - 1) + _mul_factors(node.args[1], depth - 1)
+    return [node]
+
+
+def _rms_norm_source(y16):
+    """``y16`` = 16-bit of x * rsqrt(mean(x^2, -1) + eps) * w with x = float32 of a source (torch's rms_norm as it
+    decomposes), or the first output of ``_fused_rms_norm``: (source, weight, eps) or None."""
+    if _call(y16, operator.getitem) and y16.args[1] == 0 and _call(y16.args[0], _FUSED_RMS_NORM):
+        x, _, weight, eps = (list(y16.args[0].args) + [None, None])[:4]
+        return (x, weight, eps) if weight is not None and isinstance(eps, float) else None
+    if not (_call(y16, _CONVERT) and y16.args[1] in (torch.bfloat16, torch.float16)):
+        return None
+    factors = _mul_factors(y16.args[0])
+    rsqrt = [f for f in factors if _call(f, aten.rsqrt.default)]
+    if len(factors) != 3 or len(rsqrt) != 1:
+        return None
+    total = rsqrt[0].args[0]
+    if not (_call(total, aten.add.Scalar, aten.add.Tensor) and isinstance(total.args[1], float)):
+        return None
+    mean = total.args[0]
+    if not (_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [_val(mean).dim() - 1])):
+        return None
+    square = mean.args[0]
+    if not (_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
+        return None
+    xf = square.args[0]
+    rest = [f for f in factors if f is not rsqrt[0]]
+    if xf not in rest:
+        return None
+    weight = rest[1] if rest[0] is xf else rest[0]
+    if not (isinstance(_val(weight), torch.Tensor) and _val(weight).dim() == 1):
+        return None
+    x = xf.args[0] if _call(xf, _CONVERT) and xf.args[1] == torch.float32 else xf
+    return x, weight, total.args[1]
+
+
+def _is_pair_sign(node) -> bool:
+    """``arange(D) % 2 * 2 - 1`` (the pair-swap rotary's signs, compiler._pair_swap_rotary) as the graph has it."""
+    if not (_call(node, aten.sub.Tensor) and node.args[1] == 1 and _call(node.args[0], aten.mul.Tensor)):
+        return False
+    rem = node.args[0].args[0]
+    return (node.args[0].args[1] == 2 and _call(rem, aten.remainder.Scalar) and rem.args[1] == 2
+            and _call(rem.args[0], prims.iota.default))
+
+
+def _pair_swap_rope(r):
+    """``r`` = float32(y) * cos + float32(swap(y)) * (sin * sign): (y, cos view, sin view) or None."""
+    if not _call(r, aten.add.Tensor):
+        return None
+    for plain, rotated in ((r.args[0], r.args[1]), (r.args[1], r.args[0])):
+        if not (_call(plain, aten.mul.Tensor) and _call(rotated, aten.mul.Tensor)):
+            continue
+        for yf, cos in ((plain.args[0], plain.args[1]), (plain.args[1], plain.args[0])):
+            if not (_call(yf, _CONVERT) and yf.args[1] == torch.float32):
+                continue
+            y = yf.args[0]
+            for swf, signed_sin in ((rotated.args[0], rotated.args[1]), (rotated.args[1], rotated.args[0])):
+                if not (_call(swf, _CONVERT) and swf.args[1] == torch.float32 and _call(signed_sin, aten.mul.Tensor)):
+                    continue
+                rev = _up_views(swf.args[0])
+                if not (_call(rev, prims.rev.default) and list(rev.args[1]) in ([-1], [_val(rev).dim() - 1])
+                        and _val(rev).shape[-1] == 2 and _up_views(rev.args[0]) is y):
+                    continue
+                sin, sign = signed_sin.args[:2]
+                if not _is_pair_sign(sign):
+                    sin, sign = sign, sin
+                if _is_pair_sign(sign):
+                    return y, cos, sin
+    return None
+
+
+def _projection_part(x, width: int):
+    """Where ``x`` (a view of ``width`` columns) comes from: a column slice of a fused projection's output, its bias
+    added on the way. Returns (the projection's output, bias or None, first column) or None."""
+    n = _up_views(x)
+    first_col = 0
+    if _call(n, operator.getitem) and _call(n.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+        split, index = n.args[0], n.args[1]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if dim not in (-1, _val(split.args[0]).dim() - 1):
+            return None
+        sizes = split.args[1]
+        first_col = sum(sizes[:index]) if isinstance(sizes, (list, tuple)) else index * sizes
+        n = _up_views(split.args[0])
+    bias = None
+    if _call(n, aten.add.Tensor) and len(n.users) == 1:
+        t, b = n.args[:2]
+        if (isinstance(_val(b), torch.Tensor) and _val(b).dim() == 1 and isinstance(_val(t), torch.Tensor)
+                and _val(b).shape[0] == _val(t).shape[-1]):
+            n, bias = _up_views(t), b
+    src = _val(n)
+    if not (isinstance(src, torch.Tensor) and src.is_contiguous() and first_col + width <= src.shape[-1]):
+        return None
+    return n, bias, first_col
+
+
+class _QkCandidate:
+    def __init__(self, cast, inverse, k_mean, src, bias, first_col, weight, eps, cos, sin, heads):
+        self.cast, self.inverse, self.k_mean = cast, inverse, k_mean
+        self.src, self.bias, self.first_col, self.weight, self.eps = src, bias, first_col, weight, eps
+        self.cos, self.sin, self.heads = cos, sin, heads
+
+
+def _qk_candidate(cast: fx.Node):
+    """``cast`` = static e4m3 cast of [rotary(rms_norm(part of a fused projection)) - K's mean]."""
+    found = _static_cast_source(cast)
+    if found is None:
+        return None
+    z, inverse = found
+    k_mean = None
+    z = _skip_round_trip(z)
+    if _call(z, aten.sub.Tensor):
+        z, k_mean = z.args[:2]
+        if not (isinstance(_val(k_mean), torch.Tensor) and _val(k_mean).is_contiguous()):
+            return None
+        z = _skip_round_trip(z)
+    rope = _pair_swap_rope(z)
+    norm = _rms_norm_source(rope[0]) if rope is not None else None
+    if norm is None:
+        return None
+    (_, cos4, sin4), (x, weight, eps) = rope, norm
+    xv, out = _val(x), _val(cast)
+    if xv.dim() != 4 or tuple(out.shape) != tuple(xv.shape) or not out.is_contiguous():
+        return None
+    batch, seq, heads, d = xv.shape
+    if _val(weight).shape[0] != d or (k_mean is not None and _val(k_mean).numel() != heads * d):
+        return None
+    tables = []
+    for table in (cos4, sin4):  # (1, S, 1, D) views of (S, D) tables: tokens on dim 1, as x has them
+        if tuple(_val(table).shape) != (1, seq, 1, d):
+            return None
+        source = _up_views(table)
+        if not (tuple(_val(source).shape) == (seq, d) and _val(source).is_contiguous()):
+            return None
+        tables.append(source)
+    part = _projection_part(x, heads * d)
+    if part is None or _val(part[0]).numel() != batch * seq * _val(part[0]).shape[-1]:
+        return None
+    if out.is_cuda:
+        from . import epilogue_triton
+
+        if not epilogue_triton.qk_norm_rope_supported(d):
+            return None
+    return _QkCandidate(cast, inverse, k_mean, *part, weight, eps, *tables, heads)
+
+
+def _rewrite_qk(graph: fx.Graph, c: _QkCandidate) -> None:
+    out = _val(c.cast)
+    with graph.inserting_before(c.cast):
+        src = _node(graph, aten.reshape.default, c.src, [-1, _val(c.src).shape[-1]])
+        fused = _node(graph, torch.ops.omni_accel.qk_norm_rope_fp8.default, src, c.bias, c.first_col, c.heads,
+                      c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse)
+        result = _node(graph, aten.reshape.default, fused, list(out.shape))
+    c.cast.replace_all_uses_with(result)
+
+
 class EpilogueFusionPass(CustomGraphPass):
     """The post-grad pass (``torch.compile(options={"post_grad_custom_post_pass": EPILOGUE_FUSION})``)."""
 
@@ -324,8 +559,15 @@ class EpilogueFusionPass(CustomGraphPass):
                 continue
             try:
                 candidate = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
+                qk = (_qk_candidate(node) if QK_NORM_ROPE and candidate is None and _call(node, _CONVERT)
+                      else None)
             except Exception:  # noqa: BLE001 -- an unexpected graph shape is left to inductor, never an error
                 logger.debug("omni_accel: epilogue fusion skipped %s", node, exc_info=True)
+                continue
+            if qk is not None:
+                _rewrite_qk(graph, qk)
+                REWRITES["qk_norm_rope_fp8"] += 1
+                done += 1
                 continue
             if candidate is None:
                 continue
@@ -340,7 +582,8 @@ class EpilogueFusionPass(CustomGraphPass):
     def uuid(self):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles
         here = os.path.dirname(os.path.abspath(__file__))
-        return get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
+        files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
+        return f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}"
 
 
 EPILOGUE_FUSION = EpilogueFusionPass()

@@ -97,3 +97,62 @@ def concat_gelu(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.T
             CAST=cast, APPROX=not INTERPRETED, ROWS=rows, BLOCK=block, num_warps=warps,
         )
     return out.to(out_dtype) if store_dtype != out_dtype else out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    src_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr, k_mean_ptr, inverse_ptr, out_ptr,
+    n_rows, seq, stride_src, first_col, eps,
+    HEADS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MEAN: tl.constexpr, CAST: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # rows are (token, head) pairs of one part (q or k) of a fused projection's output: row = token * HEADS + head
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = (rows < n_rows)[:, None]
+    token = (rows // HEADS).to(tl.int64)[:, None]
+    head = (rows % HEADS)[:, None]
+    d = tl.arange(0, D)[None, :]
+    col = first_col + head * D + d
+    x = tl.load(src_ptr + token * stride_src + col, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + col).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    y = x * rstd * tl.load(w_ptr + d).to(tl.float32)
+    # the rotary embedding on interleaved pairs: y * cos + swap(y) * sin * (-1, +1, ...), the swap in registers
+    even, odd = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
+    swapped = tl.reshape(tl.join(odd, even), (ROWS, D))
+    position = (token % seq) * D + d
+    c = tl.load(cos_ptr + position, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + position, mask=ok, other=0.0).to(tl.float32)
+    out = y * c + swapped * (s * ((d % 2) * 2 - 1).to(tl.float32))
+    if HAS_MEAN:
+        out -= tl.load(k_mean_ptr + head * D + d)
+    if CAST:
+        out = tl.minimum(tl.maximum(out * tl.load(inverse_ptr), -448.0), 448.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + d, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def qk_norm_rope_supported(head_dim: int) -> bool:
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0  # tl.arange needs a power of two
+
+
+def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int, weight: torch.Tensor,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor, k_mean: torch.Tensor | None,
+                 inverse: torch.Tensor) -> torch.Tensor:
+    """src (rows, C) with stride(-1) == 1, columns [first_col, first_col + heads * D) of it -> e4m3 (rows, heads, D):
+    RMSNorm per head, interleaved rotary embedding with cos / sin (S, D) (row r is token r % S), K's mean
+    subtracted, static cast."""
+    d = weight.numel()
+    n_rows = src.shape[0] * heads
+    store_dtype = torch.float32 if INTERPRETED else torch.float8_e4m3fn
+    out = torch.empty(src.shape[0], heads, d, dtype=store_dtype, device=src.device)
+    if n_rows:
+        rows = 8  # 8 (token, head) rows of 128 per program, 4 warps: 44 us at FLUX's q or k (bench_fp8_epilogues.py)
+        with _on_device(src):
+            _launcher(_qk_norm_rope_kernel, src.device)[(triton.cdiv(n_rows, rows),)](
+                src, bias if bias is not None else src, weight, cos, sin, k_mean if k_mean is not None else cos,
+                inverse, out, n_rows, cos.shape[0], src.stride(0), first_col, float(eps),
+                HEADS=heads, D=d, HAS_BIAS=bias is not None, HAS_MEAN=k_mean is not None, CAST=True, ROWS=rows,
+                num_warps=4,
+            )
+    return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
