@@ -123,6 +123,7 @@ class Row:
     cached_module_walk: bool = True  # cuda_graphs.CACHED_MODULE_WALK (False: parameters() + buffers() per replay)
     epilogue_fusion: bool = True  # compiler.EPILOGUE_FUSION (False: inductor's own concat + GELU + cast kernel)
     qk_norm_rope: bool = True  # kernels.epilogue_fusion.QK_NORM_ROPE (False: inductor's q / k norm + rotary + cast)
+    layernorm: bool = True  # kernels.epilogue_fusion.LAYERNORM (False: inductor's AdaLN norm + modulate + cast)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -130,7 +131,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("compiler", "JOINT_STREAMS", "joint_streams"),
             ("cuda_graphs", "CACHED_MODULE_WALK", "cached_module_walk"),
             ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"),
-            ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"))
+            ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"),
+            ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"))
 
 
 @contextlib.contextmanager
@@ -323,6 +325,10 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         inductor=_MK_PDL, cuda_only=True, qk_norm_rope=False,
         note="ours_fp8_fp8attn_static_fa_pdl with inductor's own q / k RMSNorm + rotary + cast kernel (the graph "
              "pass's concat + GELU kernels kept)"),
+    Row("ours_fp8_fp8attn_static_fa_pdl_noln", _fp8attn(_FAST_STATIC), False, calibrates=True,
+        inductor=_MK_PDL, cuda_only=True, layernorm=False,
+        note="ours_fp8_fp8attn_static_fa_pdl with inductor's own AdaLN norm + modulate + cast kernels (the graph "
+             "pass's other kernels kept)"),
     Row("ours_fp8_fp8attn_fa_pdl_noepilogue", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK_PDL,
         cuda_only=True, epilogue_fusion=False,
         note="ours_fp8_fp8attn_fa_pdl with inductor's own concat + GELU + cast kernel"),

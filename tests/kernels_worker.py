@@ -234,6 +234,38 @@ def qk_norm_rope_cases() -> dict:
     return results
 
 
+LAYERNORM_CASES = ("two-streams-two-casts", "one-stream-one-cast", "one-stream-three-casts")
+
+
+def layernorm_cases() -> dict:
+    """The AdaLN kernel (LayerNorm * (1 + scale) + shift, one static e4m3 cast per linear reading it) against its
+    float32 torch formula; e4m3 stored as float32 and cast by torch in the interpreter."""
+    import torch
+
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.epilogue_fusion import layernorm_modulate_reference
+
+    results = {}
+    for case in LAYERNORM_CASES:
+        try:
+            gen = torch.Generator().manual_seed(len(case))
+            two = case.startswith("two")
+            a = torch.randn(6, 48, generator=gen).to(torch.bfloat16)
+            b = torch.randn(11, 48, generator=gen).to(torch.bfloat16) if two else None
+            scale, shift = ((torch.randn(48, generator=gen) * 0.2).to(torch.bfloat16) for _ in range(2))
+            count = 2 if two else 3 if "three" in case else 1
+            inverses = [torch.tensor(448.0 / 6), torch.tensor(448.0 / 3), torch.tensor(448.0 / 12)][:count]
+            args = (a, b, scale, shift, 1e-6, inverses)
+            got = epilogue_triton.layernorm_modulate_cast(*args).float()
+            want = layernorm_modulate_reference(*args).float()
+            results[case] = {"shape": list(got.shape), "ref_shape": list(want.shape),
+                             "frac_equal": (got == want).float().mean().item(),
+                             "max_err_over_ref": ((got - want).abs() / (want.abs() + 2.0 ** -6)).max().item()}
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+    return results
+
+
 def pipeline_cases() -> dict:
     import torch
 
@@ -380,6 +412,7 @@ def main(out_path: str) -> int:
     result["fp8_quant"] = fp8_quant_cases()
     result["concat_gelu"] = concat_gelu_cases()
     result["qk_norm_rope"] = qk_norm_rope_cases()
+    result["layernorm"] = layernorm_cases()
     result["pipelines"] = pipeline_cases()
     result["fp8_attention"] = fp8_attention_cases()
     result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()

@@ -166,7 +166,9 @@ def test_the_pass_has_a_cache_key_that_follows_its_switch(monkeypatch):
     key = epilogue_fusion.EPILOGUE_FUSION.uuid()
     assert isinstance(key, str) and key == epilogue_fusion.EpilogueFusionPass().uuid()
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE", False)
-    assert epilogue_fusion.EPILOGUE_FUSION.uuid() != key
+    without_qk = epilogue_fusion.EPILOGUE_FUSION.uuid()
+    monkeypatch.setattr(epilogue_fusion, "LAYERNORM", False)
+    assert len({key, without_qk, epilogue_fusion.EPILOGUE_FUSION.uuid()}) == 3
 
 
 # ------------------------------------------------------------------ q / k: RMSNorm + rotary + static FP8 cast
@@ -227,3 +229,52 @@ def test_q_and_k_in_another_layout_are_left_to_inductor():
     assert delta == {}
     ref, _ = _compiled(_attention_operands, **inputs, sequence_dim=2, with_pass=False)
     assert all(torch.equal(o, r) for o, r in zip(out, ref))
+
+
+# ------------------------------------------------------------- LayerNorm + modulate + static cast(s), the AdaLN input
+def _adaln_input(text, image, emb, inv_a, inv_b, two: bool, streams: bool = True, three: bool = False):
+    """FLUX's single-stream block from its two streams to its FP8 linears' inputs: the concatenation, AdaLN's
+    LayerNorm * (1 + scale) + shift, and one static cast per linear that reads it."""
+    from omni_accel.kernels.fp8 import quantize_static
+
+    x = torch.cat([text, image], dim=1) if streams else image
+    shift, scale, _ = emb.chunk(3, dim=1)
+    y = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+    rows = y.reshape(-1, y.shape[-1])
+    first = quantize_static(rows, inv_a)[0]
+    if three:  # separate q, k and v projections
+        return first, quantize_static(rows, inv_b)[0], quantize_static(rows, inv_a * 2)[0]
+    return (first, quantize_static(rows, inv_b)[0]) if two else first
+
+
+def _adaln_inputs(seed: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return dict(text=torch.randn(1, 6, 48, generator=g).to(BF16), image=torch.randn(1, 18, 48, generator=g).to(BF16),
+                emb=(torch.randn(1, 3 * 48, generator=g) * 0.2).to(BF16),
+                inv_a=torch.tensor(448.0 / 6), inv_b=torch.tensor(448.0 / 3))
+
+
+@pytest.mark.parametrize("two, streams, three", [(True, True, False), (False, True, False), (False, False, False),
+                                                (False, False, True)])
+def test_adaln_norm_feeding_fp8_linears_becomes_one_operation(two, streams, three):
+    inputs = _adaln_inputs()
+    ref, _ = _compiled(_adaln_input, **inputs, two=two, streams=streams, three=three, with_pass=False)
+    out, delta = _compiled_with_pass(_adaln_input, **inputs, two=two, streams=streams, three=three)
+    assert delta == {"layernorm_modulate_fp8": 1}
+    many = two or three
+    for o, r in zip(out if many else [out], ref if many else [ref]):
+        _assert_e4m3_close(o, r)
+
+
+def test_a_norm_with_a_16_bit_use_is_left_to_inductor():
+    """One use of the modulated output stays bf16 (a residual, a bf16 linear): the norm is not replaced."""
+    def norm_and_keep(text, image, emb, inv_a, inv_b):
+        from omni_accel.kernels.fp8 import quantize_static
+
+        x = torch.cat([text, image], dim=1)
+        shift, scale, _ = emb.chunk(3, dim=1)
+        y = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        return quantize_static(y.reshape(-1, y.shape[-1]), inv_a)[0], y * 2
+
+    out, delta = _compiled_with_pass(norm_and_keep, **_adaln_inputs(9))
+    assert delta == {}

@@ -100,6 +100,15 @@ def test_qk_norm_rope_kernel_matches_its_formula(interpreted, case):
     assert r["frac_equal"] > 0.97 and r["max_err_over_ref"] <= 2.0 ** -3, r
 
 
+@pytest.mark.parametrize("case", WORKER.LAYERNORM_CASES)
+def test_layernorm_modulate_cast_kernel_matches_its_formula(interpreted, case):
+    """The AdaLN kernel: e4m3 bytes as the float32 formula's, a rounding tie aside (one step, 2^-3)."""
+    r = interpreted["layernorm"][case]
+    assert "error" not in r, r.get("error")
+    assert r["shape"] == r["ref_shape"]
+    assert r["frac_equal"] > 0.97 and r["max_err_over_ref"] <= 2.0 ** -3, r
+
+
 @pytest.mark.parametrize("family", WORKER.PIPELINE_FAMILIES)
 def test_triton_path_pipeline_matches_plain_and_restores(interpreted, family):
     r = interpreted["pipelines"][family]

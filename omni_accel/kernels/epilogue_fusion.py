@@ -37,6 +37,7 @@ import os
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else No
 REWRITES: collections.Counter = collections.Counter()
 # Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
 QK_NORM_ROPE = True
+# Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
+LAYERNORM = True
 
 
 # ---------------------------------------------------------------------------------------------- the operation
@@ -134,6 +137,36 @@ def _(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse):
     return src.new_empty((src.shape[0], heads, weight.numel()), dtype=FP8_DTYPE)
 
 
+def layernorm_modulate_reference(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
+                                 eps: float, inverses: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of a then b -> e4m3 (len(inverses), rows, C) of LayerNorm(x) * (1 + scale) + shift, in float32."""
+    x = torch.cat([a, b]) if b is not None else a
+    y = torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    y = y * (1 + scale.float().reshape(-1)) + shift.float().reshape(-1)
+    return torch.stack([(y * inverse.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+                        for inverse in inverses])
+
+
+@torch.library.custom_op("omni_accel::layernorm_modulate_fp8", mutates_args=(), schema=(
+    "(Tensor a, Tensor? b, Tensor scale, Tensor shift, float eps, Tensor inverse, Tensor? second_inverse, "
+    "Tensor? third_inverse) -> Tensor"))
+def layernorm_modulate_fp8(a, b, scale, shift, eps, inverse, second_inverse, third_inverse):
+    inverses = [x for x in (inverse, second_inverse, third_inverse) if x is not None]
+    if _use_triton(a.device):
+        from . import epilogue_triton
+
+        if b is None or epilogue_triton.layernorm_modulate_rows(a.shape[0]) is not None:
+            return epilogue_triton.layernorm_modulate_cast(a, b, scale, shift, eps, inverses)
+    return layernorm_modulate_reference(a, b, scale, shift, eps, inverses)
+
+
+@layernorm_modulate_fp8.register_fake
+def _(a, b, scale, shift, eps, inverse, second_inverse, third_inverse):
+    rows = a.shape[0] + (b.shape[0] if b is not None else 0)
+    count = 1 + (second_inverse is not None) + (third_inverse is not None)
+    return a.new_empty((count, rows, a.shape[-1]), dtype=FP8_DTYPE)
+
+
 # ------------------------------------------------------------------------------------------- graph matching
 def _call(node, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
@@ -168,7 +201,11 @@ def _static_fp8_cast(node: fx.Node):
     n = node
     while (user := _only_user(n)) is not None and _call(user, *_VIEWS):
         n = user
-    n = _only_user(n)
+    return _cast_from_float32(_only_user(n))
+
+
+def _cast_from_float32(n):
+    """``_static_fp8_cast`` from its float32 conversion on."""
     if not (_call(n, _CONVERT) and n.args[1] == torch.float32):
         return None
     mul = _only_user(n)
@@ -549,6 +586,125 @@ def _rewrite_qk(graph: fx.Graph, c: _QkCandidate) -> None:
     c.cast.replace_all_uses_with(result)
 
 
+# ---------------------------------------------------------- LayerNorm + modulate + static cast(s), the AdaLN input
+def _static_fp8_casts(node: fx.Node):
+    """Every use of ``node`` is a static e4m3 cast (``_static_fp8_cast`` per use, views first): [(cast, inverse)], or
+    None. One to three uses: a norm whose output feeds one FP8 linear, two (FLUX's single blocks: q / k / v and MLP)
+    or three (separate q, k and v projections)."""
+    casts = []
+
+    def collect(n) -> bool:
+        for user in n.users:
+            if _call(user, *_VIEWS):
+                if not collect(user):
+                    return False
+            elif (found := _cast_from_float32(user)) is not None:
+                casts.append(found)
+            else:
+                return False
+        return True
+
+    return casts if collect(node) and 1 <= len(casts) <= 3 else None
+
+
+def _layernorm_source(node):
+    """``node`` = 16-bit of (x - mean) * rsqrt(var + eps) from var_mean(float32(x), -1, correction=0): (x, eps)."""
+    if not (_call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16)):
+        return None
+    mul = node.args[0]
+    if not (_call(mul, aten.mul.Tensor) and len(mul.users) == 1):
+        return None
+    sub, rsqrt = mul.args[:2] if _call(mul.args[1], aten.rsqrt.default) else mul.args[1::-1]
+    if not (_call(rsqrt, aten.rsqrt.default) and _call(sub, aten.sub.Tensor)):
+        return None
+    total = rsqrt.args[0]
+    if not (_call(total, aten.add.Tensor, aten.add.Scalar) and isinstance(total.args[1], float)):
+        return None
+    var, mean = total.args[0], sub.args[1]
+    if not (_call(var, operator.getitem) and var.args[1] == 0 and _call(mean, operator.getitem) and mean.args[1] == 1
+            and var.args[0] is mean.args[0] and _call(var.args[0], aten.var_mean.correction)):
+        return None
+    stats = var.args[0]
+    xf = stats.args[0]
+    dims = stats.args[1] if len(stats.args) > 1 else stats.kwargs.get("dim")
+    if (sub.args[0] is not xf or stats.kwargs.get("correction", 1) != 0 or not stats.kwargs.get("keepdim", False)
+            or list(dims or ()) not in ([-1], [_val(xf).dim() - 1])):
+        return None
+    x = xf.args[0] if _call(xf, _CONVERT) and xf.args[1] == torch.float32 else xf
+    return x, total.args[1]
+
+
+def _modulation(node):
+    """``node`` = y * (1 + scale) + shift with scale / shift of one row (batch 1, broadcast over the tokens):
+    (y, scale source, shift source) as (C,)-viewable nodes, or None."""
+    if not _call(node, aten.add.Tensor):
+        return None
+    for product, shift in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        if not (_call(product, aten.mul.Tensor) and len(product.users) == 1):
+            continue
+        for y, one_plus in ((product.args[0], product.args[1]), (product.args[1], product.args[0])):
+            if not (_call(one_plus, aten.add.Tensor) and one_plus.args[1] == 1):
+                continue
+            scale = one_plus.args[0]
+            row = _val(y).shape[-1] if isinstance(_val(y), torch.Tensor) else None
+            if all(isinstance(_val(t), torch.Tensor) and _val(t).numel() == row and _val(t).stride(-1) == 1
+                   for t in (scale, shift)):
+                return y, scale, shift
+    return None
+
+
+class _NormCandidate:
+    def __init__(self, y16, casts, a, b, scale, shift, eps):
+        self.y16, self.casts, self.a, self.b, self.scale, self.shift, self.eps = y16, casts, a, b, scale, shift, eps
+
+
+def _norm_candidate(node: fx.Node):
+    """``node`` = the modulated 16-bit norm output whose every use is a static e4m3 cast."""
+    if not (_call(node, aten.add.Tensor) and isinstance(_val(node), torch.Tensor)
+            and _val(node).dtype in (torch.bfloat16, torch.float16)):
+        return None
+    casts = _static_fp8_casts(node)
+    mod = _modulation(node) if casts else None
+    norm = _layernorm_source(mod[0]) if mod is not None else None
+    if norm is None:
+        return None
+    x, eps = norm
+    out = _val(node)
+    if out.dim() != 3 or out.shape[0] != 1:
+        return None
+    parts = x.args[0] if _call(x, aten.cat.default) and x.args[1] in (1, -2) and len(x.args[0]) == 2 else [x]
+    if not all(isinstance(_val(p), torch.Tensor) and _val(p).is_contiguous() and _val(p).shape[-1] == out.shape[-1]
+               for p in parts):
+        return None
+    a, b = (parts[0], parts[1]) if len(parts) == 2 else (parts[0], None)
+    if out.is_cuda and b is not None:
+        from . import epilogue_triton
+
+        if epilogue_triton.layernorm_modulate_rows(_val(a).numel() // out.shape[-1]) is None:
+            return None
+    return _NormCandidate(node, casts, a, b, mod[1], mod[2], eps)
+
+
+def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
+    cols = _val(c.y16).shape[-1]
+    # after every input (each cast's own inverse scale is defined before that cast); the uses of an earlier cast
+    # that now come before the operation are put back in order by the topological sort after the pass
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max((cast for cast, _ in c.casts), key=order.__getitem__)
+    with graph.inserting_before(last):
+        a = _node(graph, aten.reshape.default, c.a, [-1, cols])
+        b = _node(graph, aten.reshape.default, c.b, [-1, cols]) if c.b is not None else None
+        scale = _node(graph, aten.reshape.default, c.scale, [cols])
+        shift = _node(graph, aten.reshape.default, c.shift, [cols])
+        inverses = [inverse for _, inverse in c.casts] + [None, None]
+        fused = _node(graph, torch.ops.omni_accel.layernorm_modulate_fp8.default, a, b, scale, shift, c.eps,
+                      *inverses[:3])
+        results = [_node(graph, aten.reshape.default, _node(graph, aten.select.int, fused, 0, i),
+                         list(_val(cast).shape)) for i, (cast, _) in enumerate(c.casts)]
+    for (cast, _), result in zip(c.casts, results):
+        cast.replace_all_uses_with(result)
+
+
 class EpilogueFusionPass(CustomGraphPass):
     """The post-grad pass (``torch.compile(options={"post_grad_custom_post_pass": EPILOGUE_FUSION})``)."""
 
@@ -561,8 +717,14 @@ class EpilogueFusionPass(CustomGraphPass):
                 candidate = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
                 qk = (_qk_candidate(node) if QK_NORM_ROPE and candidate is None and _call(node, _CONVERT)
                       else None)
+                norm = _norm_candidate(node) if LAYERNORM and candidate is None and qk is None else None
             except Exception:  # noqa: BLE001 -- an unexpected graph shape is left to inductor, never an error
                 logger.debug("omni_accel: epilogue fusion skipped %s", node, exc_info=True)
+                continue
+            if norm is not None:
+                _rewrite_norm(graph, norm)
+                REWRITES["layernorm_modulate_fp8"] += 1
+                done += 1
                 continue
             if qk is not None:
                 _rewrite_qk(graph, qk)
@@ -576,6 +738,7 @@ class EpilogueFusionPass(CustomGraphPass):
             REWRITES[kind + ("_fp8" if candidate.inverse is not None else "")] += 1
             done += 1
         if done:
+            stable_topological_sort(graph)
             graph.eliminate_dead_code()
             logger.debug("omni_accel: %d concatenation epilogues fused", done)
 
@@ -583,7 +746,7 @@ class EpilogueFusionPass(CustomGraphPass):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles
         here = os.path.dirname(os.path.abspath(__file__))
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
-        return f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}"
+        return f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
 
 
 EPILOGUE_FUSION = EpilogueFusionPass()

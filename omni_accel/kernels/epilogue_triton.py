@@ -156,3 +156,61 @@ def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, h
                 num_warps=4,
             )
     return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
+
+
+@triton.jit
+def _layernorm_modulate_cast_kernel(
+    a_ptr, b_ptr, scale_ptr, shift_ptr, inverse0_ptr, inverse1_ptr, inverse2_ptr, out_ptr,
+    n_rows, rows_a, eps,
+    C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, COUNT: tl.constexpr,
+):
+    # rows [0, rows_a) come from a, the rest from b (the text and image streams a block concatenates); ROWS divides
+    # rows_a, so a program reads one of them
+    first = tl.program_id(0) * ROWS
+    rows = first + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < C)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    if SPLIT and first >= rows_a:
+        x = tl.load(b_ptr + (rows64 - rows_a) * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(a_ptr + rows64 * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1)[:, None] / C
+    centered = tl.where(mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / C + eps)
+    scale = tl.load(scale_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
+    shift = tl.load(shift_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
+    y = centered * rstd * (1.0 + scale) + shift
+    out = out_ptr + rows64 * C + cols[None, :]
+    q = tl.minimum(tl.maximum(y * tl.load(inverse0_ptr), -448.0), 448.0)
+    tl.store(out, q.to(out_ptr.dtype.element_ty), mask=mask)
+    if COUNT > 1:  # more linears read the same normalized rows, each with its own scale
+        q = tl.minimum(tl.maximum(y * tl.load(inverse1_ptr), -448.0), 448.0)
+        tl.store(out + n_rows * C, q.to(out_ptr.dtype.element_ty), mask=mask)
+    if COUNT > 2:
+        q = tl.minimum(tl.maximum(y * tl.load(inverse2_ptr), -448.0), 448.0)
+        tl.store(out + 2 * n_rows * C, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def layernorm_modulate_rows(rows_a: int) -> int | None:
+    """Rows per program that divide the first stream's rows (a program reads one stream), or None."""
+    return next((r for r in (2, 1) if rows_a % r == 0), None)
+
+
+def layernorm_modulate_cast(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
+                            eps: float, inverses: list[torch.Tensor]) -> torch.Tensor:
+    """LayerNorm (no affine) of the rows of a then b ((rows, C), contiguous), * (1 + scale) + shift ((C,) views),
+    cast to e4m3 once per inverse scale: (len(inverses), rows, C)."""
+    c = a.shape[-1]
+    n_rows = a.shape[0] + (b.shape[0] if b is not None else 0)
+    store_dtype = torch.float32 if INTERPRETED else torch.float8_e4m3fn
+    out = torch.empty(len(inverses), n_rows, c, dtype=store_dtype, device=a.device)
+    rows = layernorm_modulate_rows(a.shape[0]) if b is not None else 2
+    if n_rows:
+        with _on_device(a):
+            _launcher(_layernorm_modulate_cast_kernel, a.device)[(triton.cdiv(n_rows, rows),)](
+                a, b if b is not None else a, scale, shift, inverses[0], inverses[min(1, len(inverses) - 1)],
+                inverses[-1], out, n_rows, a.shape[0], float(eps), C=c, BLOCK=triton.next_power_of_2(c), ROWS=rows,
+                SPLIT=b is not None, COUNT=len(inverses), num_warps=8,
+            )
+    return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
