@@ -1,29 +1,33 @@
-"""A graph pass for ``compile=True``: the concatenation that feeds a linear, with a GELU on one side, in one kernel.
+"""A graph pass for ``compile=True``: the memory-bound epilogues around FP8 linears and attention, each in one
+hand-written kernel (epilogue_triton.py) instead of inductor's generated one.
 
 What it finds, in the ATen graph inductor is about to lower (a post-grad custom pass, so it sees every block's graph
-whatever model code produced it):
+whatever model code produced it), and what each becomes:
 
-    out = cat([a, gelu(h [+ bias])], dim=-1)          # the next linear's input
-    out = static_fp8_cast(cat([...]))                  # the same, when that linear is an FP8 one with a static scale
-    out = static_fp8_cast(gelu(h [+ bias]))            # an MLP's GELU feeding an FP8 down projection
+    cat([a, gelu(h [+ bias])], dim=-1) [-> static_fp8_cast]    omni_accel::concat_gelu          (a linear's input)
+    gelu(h [+ bias]) -> static_fp8_cast                         omni_accel::concat_gelu, no a    (an FP8 down projection)
+    layer_norm(x) * (1 + scale) + shift -> 1-3 static casts     omni_accel::layernorm_modulate_fp8   (AdaLN's norm)
+    rotary(rms_norm(q or k of a fused projection)) [- mean] -> static cast   omni_accel::qk_norm_rope_fp8 (FP8 attention)
 
-where ``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16) and ``gelu`` is
-the sigmoid form of the tanh GELU that ``compile=True`` installs (``compiler.sigmoid_gelu``). FLUX's single-stream
-blocks have the first two: ``proj_out(cat([attention, act_mlp(proj_mlp(x))]))``; its dual-stream blocks' feed-forwards
-the third.
+``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16); ``gelu`` is the
+sigmoid form of the tanh GELU that ``compile=True`` installs (``compiler.sigmoid_gelu``); ``static_fp8_cast`` is what
+an FP8 linear (or FP8 attention) with calibrated scales does to its input; ``rotary`` is the pair-swap form
+``compile=True`` installs; ``x`` may be the concatenation of a joint block's two streams. FLUX's single-stream blocks
+have all four (``proj_out(cat([attention, act_mlp(proj_mlp(x))]))``), its dual-stream blocks the feed-forward's GELU
+and the norms, Qwen-Image's blocks the GELU and the norms.
 
-Why: inductor fuses the expression into one kernel, but its concatenation is a per-element choice between the two
-inputs (both evaluated under masks, with a division and a modulo for the column of every element), which made the
-kernel instruction-bound: 104 us per call at FLUX's 4608 x 15360 where the bytes need ~50. The replacement,
-``omni_accel::concat_gelu`` (epilogue_triton.py), tiles the output so each tile reads one input: 54 us
-(``benchmarks/bench_fp8_epilogues.py``); in a whole FP8 FLUX forward on an H200 the 38 calls went from 4.63 to 2.15
-ms. A lone GELU + cast gets the same kernel without its first input (inductor's took 77 us per FLUX feed-forward
-call). The values are the same expression in float32 (the GELU's reciprocal is
-the hardware's approximate one, ~1 ulp of float32).
+Why: inductor's kernels for these ran on instructions, not memory. Its concatenation is a per-element choice between
+the two inputs (both evaluated under masks, a division and a modulo per element's column): 104 us per call at FLUX's
+4608 x 15360 where the bytes need ~50, 54 us in the 2-D-tiled kernel. The interleaved rotary's pair swap became a
+gather per element (78 us for FLUX's q and k, 2 x 23 us with the swap in registers); the norm read a concatenation
+the same way (25-39 us, 16 us). Measured on an H200: docs/kernels.md and ``benchmarks/bench_fp8_epilogues.py``. The
+values are the same float32 expressions inductor's kernels compute (the GELU's reciprocal is the hardware's
+approximate one, ~1 ulp of float32); the AdaLN kernel keeps float32 where inductor's rounded to bf16 in between.
 
-Nothing else is changed: a graph without the pattern, or one whose tensors the kernel does not take (column widths no
-power-of-two tile divides, an input whose rows are not evenly strided), compiles as before. The pass counts what it
-replaced in ``REWRITES``.
+Nothing else is changed: a graph without the patterns, or one whose tensors the kernels do not take (widths no
+power-of-two tile divides, rows that are not evenly strided, a batch above 1 for the norm, another rotary layout),
+compiles as before, and an unexpected graph is left to inductor rather than failing the compile. The pass counts what
+it replaced in ``REWRITES``; ``QK_NORM_ROPE`` and ``LAYERNORM`` switch two of its parts off (A/B runs).
 """
 
 from __future__ import annotations
@@ -51,8 +55,8 @@ _CONVERT = prims.convert_element_type.default
 _FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
 _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else None
 
-# "concat_gelu_fp8" / "concat_gelu" / "gelu_fp8" -> how many this process replaced (graphs compiled here: one loaded
-# from inductor's cache ran its passes when it was first compiled)
+# "concat_gelu_fp8" / "concat_gelu" / "gelu_fp8" / "layernorm_modulate_fp8" / "qk_norm_rope_fp8" -> how many this
+# process replaced (graphs compiled here: one loaded from inductor's cache ran its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
 # Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
 QK_NORM_ROPE = True
@@ -555,7 +559,8 @@ def _qk_candidate(cast: fx.Node):
     if xv.dim() != 4 or tuple(out.shape) != tuple(xv.shape) or not out.is_contiguous():
         return None
     batch, seq, heads, d = xv.shape
-    if _val(weight).shape[0] != d or (k_mean is not None and _val(k_mean).numel() != heads * d):
+    # K's mean is one vector per head, (1, 1, heads, D) as AttentionScales keeps it
+    if _val(weight).shape[0] != d or (k_mean is not None and tuple(_val(k_mean).shape) != (1, 1, heads, d)):
         return None
     tables = []
     for table in (cos4, sin4):  # (1, S, 1, D) views of (S, D) tables: tokens on dim 1, as x has them
