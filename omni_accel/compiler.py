@@ -47,8 +47,9 @@ INDUCTOR_OPTIONS: dict | None = None
 # Whether compiled blocks on a GPU compute tanh-GELU through the sigmoid identity (below); benchmarks' A/B rows set it.
 SIGMOID_GELU = True
 
-# Whether compiled blocks on a GPU get the epilogue-fusion graph pass (kernels/epilogue_fusion.py: a concatenation
-# with a GELU on one side, feeding a linear, in one hand-written kernel); benchmarks' A/B rows set it.
+# Whether compiled blocks on a GPU get the epilogue-fusion graph pass (kernels/epilogue_fusion.py: the concatenation +
+# GELU, AdaLN norm and q / k norm + rotary epilogues around FP8 linears and attention in hand-written kernels);
+# benchmarks' A/B rows set it.
 EPILOGUE_FUSION = True
 POST_GRAD_PASS = "post_grad_custom_post_pass"  # the inductor option that carries it
 
@@ -161,9 +162,9 @@ def compile_options(mode: bool | str, device: torch.device) -> dict:
     options = {"dynamic": False}
     extra = {k: v for k, v in (extra or {}).items() if k != "triton.enable_pdl" or inductor_has_pdl()}
     if EPILOGUE_FUSION and device.type == "cuda":
-        from .kernels.epilogue_fusion import EPILOGUE_FUSION as epilogue_pass
+        from .kernels.epilogue_fusion import GRAPH_PASS
 
-        extra[POST_GRAD_PASS] = epilogue_pass
+        extra[POST_GRAD_PASS] = GRAPH_PASS
     if extra:
         options["options"] = extra
         if extra.get("triton.multi_kernel"):

@@ -55,7 +55,7 @@ def _compiled(fn, *args, with_pass: bool = True, **kwargs):
     # no FX graph cache: a graph loaded from it skips the passes, and the counts would read 0
     options = {"fx_graph_cache": False}
     if with_pass:
-        options[compiler.POST_GRAD_PASS] = epilogue_fusion.EPILOGUE_FUSION
+        options[compiler.POST_GRAD_PASS] = epilogue_fusion.GRAPH_PASS
     out = torch.compile(fn, options=options)(*args, **kwargs)
     delta = {k: v - before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items() if v != before.get(k, 0)}
     return out, delta
@@ -154,7 +154,7 @@ def test_flux_single_block_compiles_its_epilogue_into_the_operation():
 def test_compile_options_carry_the_pass_on_gpus_only(monkeypatch):
     assert compiler.POST_GRAD_PASS not in compiler.compile_options(True, torch.device("cpu")).get("options", {})
     options = compiler.compile_options(True, torch.device("cuda"))["options"]
-    assert options[compiler.POST_GRAD_PASS] is epilogue_fusion.EPILOGUE_FUSION
+    assert options[compiler.POST_GRAD_PASS] is epilogue_fusion.GRAPH_PASS
     assert compiler._printable({"options": options})["options"][compiler.POST_GRAD_PASS] == "EpilogueFusionPass"
     monkeypatch.setattr(compiler, "EPILOGUE_FUSION", False)
     assert compiler.POST_GRAD_PASS not in compiler.compile_options(True, torch.device("cuda"))["options"]
@@ -163,12 +163,12 @@ def test_compile_options_carry_the_pass_on_gpus_only(monkeypatch):
 def test_the_pass_has_a_cache_key_that_follows_its_switch(monkeypatch):
     """inductor caches compiled graphs only for custom passes with a uuid (the compile-cache file relies on that),
     and a graph compiled without the q / k replacement must not be served to a process that has it."""
-    key = epilogue_fusion.EPILOGUE_FUSION.uuid()
+    key = epilogue_fusion.GRAPH_PASS.uuid()
     assert isinstance(key, str) and key == epilogue_fusion.EpilogueFusionPass().uuid()
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE", False)
-    without_qk = epilogue_fusion.EPILOGUE_FUSION.uuid()
+    without_qk = epilogue_fusion.GRAPH_PASS.uuid()
     monkeypatch.setattr(epilogue_fusion, "LAYERNORM", False)
-    assert len({key, without_qk, epilogue_fusion.EPILOGUE_FUSION.uuid()}) == 3
+    assert len({key, without_qk, epilogue_fusion.GRAPH_PASS.uuid()}) == 3
 
 
 # ------------------------------------------------------------------ q / k: RMSNorm + rotary + static FP8 cast

@@ -136,10 +136,10 @@ def test_compile_never_asks_inductor_for_cuda_graphs_or_autotuning(monkeypatch):
     whose inductor lacks PDL gets multi-kernel alone (torch.compile refuses unknown options)."""
     from omni_accel import compiler
 
-    from omni_accel.kernels.epilogue_fusion import EPILOGUE_FUSION
+    from omni_accel.kernels.epilogue_fusion import GRAPH_PASS
 
     assert compiler.inductor_has_pdl()  # this torch has it
-    graph_pass = {compiler.POST_GRAD_PASS: EPILOGUE_FUSION}
+    graph_pass = {compiler.POST_GRAD_PASS: GRAPH_PASS}
     for mode in (True, "max"):
         assert compiler.compile_options(mode, torch.device("cpu")) == {"dynamic": False}
         assert compiler.compile_options(mode, torch.device("cuda")) == {

@@ -711,7 +711,7 @@ def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
 
 
 class EpilogueFusionPass(CustomGraphPass):
-    """The post-grad pass (``torch.compile(options={"post_grad_custom_post_pass": EPILOGUE_FUSION})``)."""
+    """The post-grad pass (``torch.compile(options={"post_grad_custom_post_pass": GRAPH_PASS})``)."""
 
     def __call__(self, graph: fx.Graph) -> None:
         done = 0
@@ -754,4 +754,4 @@ class EpilogueFusionPass(CustomGraphPass):
         return f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
 
 
-EPILOGUE_FUSION = EpilogueFusionPass()
+GRAPH_PASS = EpilogueFusionPass()
