@@ -117,14 +117,15 @@ def test_graphs_check_runs_its_case_on_cpu_and_says_the_graphs_did_not_replay(ca
 
 def test_peers_bench_tiny_cpu_rows_summary_and_table(tmp_path, capsys, monkeypatch):
     """bench_peers.py's GPU-run code on tiny models: one peer and one of ours per model, the ratio summary and the
-    README table from the result file; a row that cannot run here is listed as skipped with the reason."""
+    README table from the result file (with the back-to-back loop column, asked for by --loop-forwards); a row that
+    cannot run here is listed as skipped with the reason."""
     spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_peers", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     out = tmp_path / "peers.json"
     assert bench.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
-                       "diffusers_eager,ours_bf16,torchao_fp8_rowwise", "--out", str(out)]) == 0
+                       "diffusers_eager,ours_bf16,torchao_fp8_rowwise", "--loop-forwards", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"diffusers_eager", "ours_bf16"} and not any("error" in r for r in rows.values())
@@ -134,10 +135,17 @@ def test_peers_bench_tiny_cpu_rows_summary_and_table(tmp_path, capsys, monkeypat
     summary = result["summary"]["flux"]
     assert summary["ours_best_lossless"] == "ours_bf16"
     assert summary["lossless_vs_diffusers_eager"] == round(rows["diffusers_eager"]["ms"] / rows["ours_bf16"]["ms"], 3)
+    assert rows["ours_bf16"]["ms_loop"] > 0 and rows["ours_bf16"]["ms_per_step_loop"] == rows["ours_bf16"]["ms_loop"]
+    assert summary["lossless_vs_diffusers_eager_loop"] == round(
+        rows["diffusers_eager"]["ms_loop"] / rows["ours_bf16"]["ms_loop"], 3)
     capsys.readouterr()
     assert bench.main(["--table-from", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| flux | ours_bf16 |" in table and "| flux | diffusers_eager |" in table
+    assert "| ms/step in a loop |" in table
+    with pytest.raises(SystemExit):
+        bench.main(["--loop-forwards", "-1", "--out", str(tmp_path / "x.json")])
+    assert "--loop-forwards -1: give a number of forwards (>= 1), or 0 for none" in capsys.readouterr().err
 
 
 def test_peers_bench_static_attention_scales_row_on_the_cpu(tmp_path, monkeypatch, cudnn_fp8_on_cpu):
