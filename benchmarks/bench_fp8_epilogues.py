@@ -44,8 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_transformer import ClockLog, log  # noqa: E402
 from benchmarks.timing import back_to_back_ms, write_result  # noqa: E402
 
+from diffusers.models import embeddings  # noqa: E402
+
+from omni_accel.compiler import _TWO_SQRT_2_OVER_PI as K_GELU, _pair_swap_rotary, sigmoid_gelu  # noqa: E402
+from omni_accel.kernels.cudnn_fp8_attention import _static_e4m3 as static_cast  # noqa: E402
+
 FP8 = torch.float8_e4m3fn
-K_GELU = 2.0 * (2.0 / 3.141592653589793) ** 0.5
+# the library's pair-swap rotary, what compile=True gives FLUX's attention processors
+PAIR_SWAP_ROTARY = _pair_swap_rotary(embeddings.apply_rotary_emb)
 
 
 def timed_ms(fn, device: torch.device, iters: int, reps: int) -> dict:
@@ -79,26 +85,20 @@ def inductor_options(device: torch.device) -> dict:
 
 
 # ------------------------------------------------------------------------------------- 1. concat + GELU + cast
-def sigmoid_gelu(x):
-    xf = x.float()
-    return (xf * torch.sigmoid(K_GELU * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
-
-
+# (the library's own sigmoid GELU and static cast: the expression its compiled blocks hand inductor)
 def epilogue_graph(attn, attn_scale, h, bias, inverse):
     """What the compiled single block computes: the attention output dequantized (FP8 attention) or as it is, the
     MLP's GELU, the concatenation, the static cast (or none: bf16)."""
     a = (attn.float() * attn_scale).to(torch.bfloat16) if attn.dtype == FP8 else attn
     g = sigmoid_gelu(h + bias)
     x = torch.cat([a, g], dim=-1)
-    if inverse is None:
-        return x
-    return (x.float() * inverse).clamp(-448.0, 448.0).to(FP8)
+    return x if inverse is None else static_cast(x, inverse)
 
 
 def epilogue_pushed(attn, attn_scale, h, bias, inverse):
     """The same values with the cast applied to each input before the concatenation."""
     def cast(x):
-        return x if inverse is None else (x.float() * inverse).clamp(-448.0, 448.0).to(FP8)
+        return x if inverse is None else static_cast(x, inverse)
 
     a = (attn.float() * attn_scale).to(torch.bfloat16) if attn.dtype == FP8 else attn
     return torch.cat([cast(a), cast(sigmoid_gelu(h + bias))], dim=-1)
@@ -170,18 +170,9 @@ def qk_graph(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):
     dim = heads * (qkv.shape[-1] // (3 * heads))
     q, k = (x[:, i * dim:(i + 1) * dim].unflatten(-1, (heads, -1)).unsqueeze(0) for i in (0, 1))
     d = q.shape[-1]
-    cos4, sin4 = cos.reshape(1, -1, 1, d), sin.reshape(1, -1, 1, d)
-    sign = torch.arange(d, device=qkv.device) % 2 * 2 - 1
-
-    def rope(t):
-        swapped = t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return (t.float() * cos4 + swapped.float() * (sin4 * sign)).to(t.dtype)
-
-    q = rope(torch.nn.functional.rms_norm(q, (d,), wq, 1e-6))
-    k = rope(torch.nn.functional.rms_norm(k, (d,), wk, 1e-6))
-    q8 = (q.float() * inv_q).clamp(-448.0, 448.0).to(FP8)
-    k8 = ((k.float() - k_mean) * inv_k).clamp(-448.0, 448.0).to(FP8)
-    return q8, k8
+    q = PAIR_SWAP_ROTARY(torch.nn.functional.rms_norm(q, (d,), wq, 1e-6), (cos, sin), sequence_dim=1)
+    k = PAIR_SWAP_ROTARY(torch.nn.functional.rms_norm(k, (d,), wk, 1e-6), (cos, sin), sequence_dim=1)
+    return static_cast(q, inv_q), static_cast(k.float() - k_mean, inv_k)
 
 
 def qk_triton(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):

@@ -162,6 +162,15 @@ def fp8_quant_cases() -> dict:
     return results
 
 
+def agreement(out, ref, floor: float) -> dict:
+    """How a kernel's output agrees with its torch formula's: shapes, the fraction of equal values, the largest
+    error relative to |ref| + floor."""
+    got, want = out.float(), ref.float()
+    return {"dtype": str(out.dtype), "shape": list(out.shape), "ref_shape": list(ref.shape),
+            "frac_equal": (got == want).float().mean().item(),
+            "max_err_over_ref": ((got - want).abs() / (want.abs() + floor)).max().item()}
+
+
 CONCAT_GELU_CASES = ("fp8-attention-bias", "bf16-strided-heads", "bf16-bias-rows17", "fp8-no-first-input")
 
 
@@ -189,12 +198,8 @@ def concat_gelu_cases() -> dict:
             else:  # (rows, heads, head dim) as a transposed (heads, rows, head dim) tensor: head stride != head dim
                 a = torch.randn(2, rows, 16, generator=gen).to(torch.bfloat16).transpose(0, 1)
                 a_scale, inverse, out_dtype = None, None, torch.bfloat16
-            out = epilogue_triton.concat_gelu(a, a_scale, h, bias, inverse, out_dtype)
-            ref = concat_gelu_reference(a, a_scale, h, bias, inverse, out_dtype)
-            got, want = out.float(), ref.float()
-            results[case] = {"dtype": str(out.dtype), "shape": list(out.shape), "ref_shape": list(ref.shape),
-                             "frac_equal": (got == want).float().mean().item(),
-                             "max_err_over_ref": ((got - want).abs() / (want.abs() + 1e-3)).max().item()}
+            args = (a, a_scale, h, bias, inverse, out_dtype)
+            results[case] = agreement(epilogue_triton.concat_gelu(*args), concat_gelu_reference(*args), 1e-3)
         except Exception:
             results[case] = {"error": traceback.format_exc()}
     return results
@@ -225,10 +230,7 @@ def qk_norm_rope_cases() -> dict:
             k_mean = torch.randn(1, 1, heads, d, generator=gen) * 0.3 if "mean" in case else None
             first_col = 0 if case.startswith("q") else heads * d
             args = (src, bias, first_col, heads, weight, 1e-6, cos, sin, k_mean, torch.tensor(448.0 / 6))
-            got, want = epilogue_triton.qk_norm_rope(*args).float(), qk_norm_rope_reference(*args).float()
-            results[case] = {"shape": list(got.shape), "ref_shape": list(want.shape),
-                             "frac_equal": (got == want).float().mean().item(),
-                             "max_err_over_ref": ((got - want).abs() / (want.abs() + 2.0 ** -6)).max().item()}
+            results[case] = agreement(epilogue_triton.qk_norm_rope(*args), qk_norm_rope_reference(*args), 2.0 ** -6)
         except Exception:
             results[case] = {"error": traceback.format_exc()}
     return results
@@ -256,11 +258,8 @@ def layernorm_cases() -> dict:
             count = 2 if two else 3 if "three" in case else 1
             inverses = [torch.tensor(448.0 / 6), torch.tensor(448.0 / 3), torch.tensor(448.0 / 12)][:count]
             args = (a, b, scale, shift, 1e-6, inverses)
-            got = epilogue_triton.layernorm_modulate_cast(*args).float()
-            want = layernorm_modulate_reference(*args).float()
-            results[case] = {"shape": list(got.shape), "ref_shape": list(want.shape),
-                             "frac_equal": (got == want).float().mean().item(),
-                             "max_err_over_ref": ((got - want).abs() / (want.abs() + 2.0 ** -6)).max().item()}
+            results[case] = agreement(epilogue_triton.layernorm_modulate_cast(*args),
+                                      layernorm_modulate_reference(*args), 2.0 ** -6)
         except Exception:
             results[case] = {"error": traceback.format_exc()}
     return results

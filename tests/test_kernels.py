@@ -91,19 +91,12 @@ def test_concat_gelu_kernel_matches_its_formula(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
-@pytest.mark.parametrize("case", WORKER.QK_NORM_ROPE_CASES)
-def test_qk_norm_rope_kernel_matches_its_formula(interpreted, case):
-    """FP8 attention's q / k kernel: e4m3 bytes as the float32 formula's, a rounding tie aside (one step, 2^-3)."""
-    r = interpreted["qk_norm_rope"][case]
-    assert "error" not in r, r.get("error")
-    assert r["shape"] == r["ref_shape"]
-    assert r["frac_equal"] > 0.97 and r["max_err_over_ref"] <= 2.0 ** -3, r
-
-
-@pytest.mark.parametrize("case", WORKER.LAYERNORM_CASES)
-def test_layernorm_modulate_cast_kernel_matches_its_formula(interpreted, case):
-    """The AdaLN kernel: e4m3 bytes as the float32 formula's, a rounding tie aside (one step, 2^-3)."""
-    r = interpreted["layernorm"][case]
+@pytest.mark.parametrize("kernel, case", [("qk_norm_rope", c) for c in WORKER.QK_NORM_ROPE_CASES]
+                         + [("layernorm", c) for c in WORKER.LAYERNORM_CASES])
+def test_fp8_epilogue_kernel_matches_its_formula(interpreted, kernel, case):
+    """FP8 attention's q / k kernel and the AdaLN kernel: e4m3 bytes as the float32 formula's, a rounding tie aside
+    (one step, 2^-3)."""
+    r = interpreted[kernel][case]
     assert "error" not in r, r.get("error")
     assert r["shape"] == r["ref_shape"]
     assert r["frac_equal"] > 0.97 and r["max_err_over_ref"] <= 2.0 ** -3, r

@@ -213,9 +213,13 @@ def _cast_from_float32(n):
     if not (_call(n, _CONVERT) and n.args[1] == torch.float32):
         return None
     mul = _only_user(n)
-    if not (_call(mul, aten.mul.Tensor) and n in mul.args):
-        return None
-    inverse = mul.args[1] if mul.args[0] is n else mul.args[0]
+    return _cast_after_mul(mul, n) if _call(mul, aten.mul.Tensor) and n in mul.args else None
+
+
+def _cast_after_mul(mul: fx.Node, operand):
+    """``mul`` = operand * inverse (a one-value float32 tensor), then clamp(+-448) and the e4m3 cast: (the e4m3 node,
+    the inverse scale node) or None."""
+    inverse = mul.args[1] if mul.args[0] is operand else mul.args[0]
     if not _is_scalar_tensor(inverse):
         return None
     n = _only_user(mul)
@@ -232,18 +236,33 @@ def _cast_from_float32(n):
     return cast, inverse
 
 
-def _product_factors(node, x, depth: int = 4):
-    """The factors of a tree of multiplications down to ``x``: (how many x, [constants]) or None."""
-    if node is x:
-        return 1, []
-    if isinstance(node, (int, float)) and not isinstance(node, bool):
-        return 0, [float(node)]
-    if depth == 0 or not _call(node, aten.mul.Tensor) or len(node.users) != 1:
-        return None
-    left, right = (_product_factors(arg, x, depth - 1) for arg in node.args[:2])
-    if left is None or right is None:
-        return None
-    return left[0] + right[0], left[1] + right[1]
+def _mul_factors(node, depth: int = 3) -> list:
+    """The factors of a tree of tensor multiplications (each inner product used once): nodes and numbers."""
+    if depth and _call(node, aten.mul.Tensor) and len(node.users) == 1:
+        return _mul_factors(node.args[0], depth - 1) + _mul_factors(node.args[1], depth - 1)
+    return [node]
+
+
+def _split_bias(node):
+    """``node`` = t + bias, used once, with a bias of t's last-dim size (t of two dims or more): (t up through its
+    views, bias), else (node, None)."""
+    if _call(node, aten.add.Tensor) and len(node.users) == 1:
+        t, bias = node.args[:2]
+        bias_val, t_val = _val(bias), _val(t)
+        if (isinstance(bias_val, torch.Tensor) and isinstance(t_val, torch.Tensor) and bias_val.dim() == 1
+                and t_val.dim() >= 2 and bias_val.shape[0] == t_val.shape[-1]):
+            return _up_views(t), bias
+    return node, None
+
+
+def _kernel_takes(out: torch.Tensor, supported) -> bool:
+    """Whether the Triton kernel takes this call (``supported(epilogue_triton)``); off the GPU the operation runs its
+    torch reference, which takes any shape."""
+    if not out.is_cuda:
+        return True
+    from . import epilogue_triton
+
+    return supported(epilogue_triton)
 
 
 def _sigmoid_gelu_source(node: fx.Node):
@@ -264,18 +283,12 @@ def _sigmoid_gelu_source(node: fx.Node):
     if not (_call(total, aten.add.Tensor) and x in total.args[:2]):
         return None
     cube = total.args[1] if total.args[0] is x else total.args[0]
-    factors = _product_factors(cube, x)
-    if factors is None or factors[0] != 3 or len(factors[1]) != 1 or not _is_number(factors[1][0], 0.044715):
+    factors = _mul_factors(cube, depth=4)
+    rest = [f for f in factors if f is not x]
+    if len(factors) - len(rest) != 3 or len(rest) != 1 or not _is_number(rest[0], 0.044715):
         return None
     source = x.args[0] if _call(x, _CONVERT) and x.args[1] == torch.float32 else x
-    source = _up_views(source)
-    if _call(source, aten.add.Tensor) and len(source.users) == 1:
-        t, bias = source.args[:2]
-        bias_val, t_val = _val(bias), _val(t)
-        if (isinstance(bias_val, torch.Tensor) and isinstance(t_val, torch.Tensor) and bias_val.dim() == 1
-                and bias_val.shape[0] == t_val.shape[-1] and t_val.dim() >= 2):
-            return _up_views(t), bias
-    return source, None
+    return _split_bias(_up_views(source))
 
 
 def _dequantized_source(node: fx.Node):
@@ -305,8 +318,8 @@ def _rows_heads(val: torch.Tensor, cols: int):
 
 
 class _Candidate:
-    def __init__(self, cat, a, a_scale, h, bias, final, inverse):
-        self.cat, self.a, self.a_scale, self.h, self.bias = cat, a, a_scale, h, bias
+    def __init__(self, cat, a, a_scale, a_layout, h, bias, final, inverse):
+        self.cat, self.a, self.a_scale, self.a_layout, self.h, self.bias = cat, a, a_scale, a_layout, h, bias
         self.final, self.inverse = final, inverse
 
 
@@ -331,17 +344,15 @@ def _candidate(cat: fx.Node):
         return None
     a, a_scale = _dequantized_source(tensors[0])
     a_val = _val(a)
-    if not (isinstance(a_val, torch.Tensor) and a_val.numel() == rows * a_cols) or _rows_heads(a_val, a_cols) is None:
+    layout = _rows_heads(a_val, a_cols) if isinstance(a_val, torch.Tensor) and a_val.numel() == rows * a_cols else None
+    if layout is None:
         return None
-    a_head = a_val.shape[-1] if _rows_heads(a_val, a_cols)[0] == "select0" else a_cols
-    if out.is_cuda:
-        from . import epilogue_triton
-
-        if not epilogue_triton.supported(a_cols, a_head, h_cols):
-            return None  # (elsewhere the operation runs its torch reference, which takes any width)
+    a_head = a_val.shape[-1] if layout[0] == "select0" else a_cols
+    if not _kernel_takes(out, lambda kernels: kernels.supported(a_cols, a_head, h_cols)):
+        return None
     cast = _static_fp8_cast(cat)
     final, inverse = cast if cast is not None else (cat, None)
-    return _Candidate(cat, a, a_scale, h, bias, final, inverse)
+    return _Candidate(cat, a, a_scale, layout, h, bias, final, inverse)
 
 
 def _fake(fn, *args):
@@ -373,12 +384,9 @@ def _lone_gelu_candidate(node: fx.Node):
     if not (isinstance(h_val, torch.Tensor) and h_val.is_contiguous() and h_val.shape[-1] == out.shape[-1]
             and h_val.numel() == out.numel()):
         return None
-    if out.is_cuda:
-        from . import epilogue_triton
-
-        if not epilogue_triton.supported(0, 0, out.shape[-1]):
-            return None
-    return _Candidate(node, None, None, h, bias, *cast)
+    if not _kernel_takes(out, lambda kernels: kernels.supported(0, 0, out.shape[-1])):
+        return None
+    return _Candidate(node, None, None, None, h, bias, *cast)
 
 
 def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
@@ -390,7 +398,7 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
         if lone:
             a3 = None
         else:
-            how, shape = _rows_heads(_val(c.a), a_cols)
+            how, shape = c.a_layout
             a3 = (_node(graph, aten.reshape.default, c.a, shape) if how == "reshape"
                   else _node(graph, aten.select.int, c.a, 0, 0))
         h2 = _node(graph, aten.reshape.default, c.h, [-1, h_cols])
@@ -402,22 +410,19 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
 
 # --------------------------------------------------------------------- q / k: RMSNorm + rotary + static cast
 def _static_cast_source(cast):
-    """``cast`` = e4m3 of clamp(z * inverse, +-448): (z, inverse) or None (``_static_fp8_cast`` read backwards)."""
+    """``cast`` = e4m3 of clamp(z * inverse, +-448): (z, inverse) or None (``_cast_after_mul`` found from its end)."""
     if not (_call(cast, _CONVERT) and cast.args[1] == FP8_DTYPE):
         return None
-    c = cast.args[0]
-    if _call(c, aten.clamp.default) and _is_number(c.args[1], -FP8_MAX) and _is_number(c.args[2], FP8_MAX):
-        m = c.args[0]
-    elif (_call(c, aten.clamp_max.default) and _is_number(c.args[1], FP8_MAX)
-          and _call(c.args[0], aten.clamp_min.default) and _is_number(c.args[0].args[1], -FP8_MAX)):
-        m = c.args[0].args[0]
-    else:
-        return None
+    m = cast.args[0]
+    while _call(m, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
+        m = m.args[0]
     if not _call(m, aten.mul.Tensor):
         return None
-    for z, inverse in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
-        if isinstance(z, fx.Node) and _is_scalar_tensor(inverse) and not _is_scalar_tensor(z):
-            return z, inverse
+    for z in m.args[:2]:
+        if isinstance(z, fx.Node) and not _is_scalar_tensor(z):
+            found = _cast_after_mul(m, z)
+            if found is not None and found[0] is cast:
+                return z, found[1]
     return None
 
 
@@ -429,13 +434,6 @@ def _skip_round_trip(node):
             and getattr(_val(node.args[0].args[0]), "dtype", None) == torch.float32):
         return node.args[0].args[0]
     return node
-
-
-def _mul_factors(node, depth: int = 3) -> list:
-    """The factors of a tree of tensor multiplications (each inner product used once)."""
-    if depth and _call(node, aten.mul.Tensor) and len(node.users) == 1:
-        return _mul_factors(node.args[0], depth - 1) + _mul_factors(node.args[1], depth - 1)
-    return [node]
 
 
 def _rms_norm_source(y16):
@@ -518,12 +516,7 @@ def _projection_part(x, width: int):
         sizes = split.args[1]
         first_col = sum(sizes[:index]) if isinstance(sizes, (list, tuple)) else index * sizes
         n = _up_views(split.args[0])
-    bias = None
-    if _call(n, aten.add.Tensor) and len(n.users) == 1:
-        t, b = n.args[:2]
-        if (isinstance(_val(b), torch.Tensor) and _val(b).dim() == 1 and isinstance(_val(t), torch.Tensor)
-                and _val(b).shape[0] == _val(t).shape[-1]):
-            n, bias = _up_views(t), b
+    n, bias = _split_bias(n)
     src = _val(n)
     if not (isinstance(src, torch.Tensor) and src.is_contiguous() and first_col + width <= src.shape[-1]):
         return None
@@ -573,11 +566,8 @@ def _qk_candidate(cast: fx.Node):
     part = _projection_part(x, heads * d)
     if part is None or _val(part[0]).numel() != batch * seq * _val(part[0]).shape[-1]:
         return None
-    if out.is_cuda:
-        from . import epilogue_triton
-
-        if not epilogue_triton.qk_norm_rope_supported(d):
-            return None
+    if not _kernel_takes(out, lambda kernels: kernels.qk_norm_rope_supported(d)):
+        return None
     return _QkCandidate(cast, inverse, k_mean, *part, weight, eps, *tables, heads)
 
 
@@ -682,11 +672,9 @@ def _norm_candidate(node: fx.Node):
                for p in parts):
         return None
     a, b = (parts[0], parts[1]) if len(parts) == 2 else (parts[0], None)
-    if out.is_cuda and b is not None:
-        from . import epilogue_triton
-
-        if epilogue_triton.layernorm_modulate_rows(_val(a).numel() // out.shape[-1]) is None:
-            return None
+    rows_a = _val(a).numel() // out.shape[-1]
+    if b is not None and not _kernel_takes(out, lambda kernels: kernels.layernorm_modulate_rows(rows_a) is not None):
+        return None
     return _NormCandidate(node, casts, a, b, mod[1], mod[2], eps)
 
 
@@ -710,6 +698,19 @@ def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
         cast.replace_all_uses_with(result)
 
 
+def _match(node: fx.Node):
+    """(REWRITES kind, rewrite function, candidate) of the first pattern ``node`` ends, or None."""
+    found = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
+    if found is not None:
+        kind = ("gelu" if found.a is None else "concat_gelu") + ("_fp8" if found.inverse is not None else "")
+        return kind, _rewrite, found
+    if QK_NORM_ROPE and _call(node, _CONVERT) and (found := _qk_candidate(node)) is not None:
+        return "qk_norm_rope_fp8", _rewrite_qk, found
+    if LAYERNORM and (found := _norm_candidate(node)) is not None:
+        return "layernorm_modulate_fp8", _rewrite_norm, found
+    return None
+
+
 class EpilogueFusionPass(CustomGraphPass):
     """The post-grad pass (``torch.compile(options={"post_grad_custom_post_pass": GRAPH_PASS})``)."""
 
@@ -719,33 +720,19 @@ class EpilogueFusionPass(CustomGraphPass):
             if node.graph is not graph or not node.users:  # erased, or left without uses by an earlier rewrite
                 continue
             try:
-                candidate = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
-                qk = (_qk_candidate(node) if QK_NORM_ROPE and candidate is None and _call(node, _CONVERT)
-                      else None)
-                norm = _norm_candidate(node) if LAYERNORM and candidate is None and qk is None else None
+                match = _match(node)
             except Exception:  # noqa: BLE001 -- an unexpected graph shape is left to inductor, never an error
                 logger.debug("omni_accel: epilogue fusion skipped %s", node, exc_info=True)
                 continue
-            if norm is not None:
-                _rewrite_norm(graph, norm)
-                REWRITES["layernorm_modulate_fp8"] += 1
+            if match is not None:
+                kind, rewrite, candidate = match
+                rewrite(graph, candidate)
+                REWRITES[kind] += 1
                 done += 1
-                continue
-            if qk is not None:
-                _rewrite_qk(graph, qk)
-                REWRITES["qk_norm_rope_fp8"] += 1
-                done += 1
-                continue
-            if candidate is None:
-                continue
-            _rewrite(graph, candidate)
-            kind = "gelu" if candidate.a is None else "concat_gelu"
-            REWRITES[kind + ("_fp8" if candidate.inverse is not None else "")] += 1
-            done += 1
         if done:
             stable_topological_sort(graph)
             graph.eliminate_dead_code()
-            logger.debug("omni_accel: %d concatenation epilogues fused", done)
+            logger.debug("omni_accel: %d epilogues fused", done)
 
     def uuid(self):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles
