@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -242,3 +243,24 @@ def test_kernel_gaps_sum_the_idle_between_kernels_and_name_both_sides(monkeypatc
     assert gaps["longest"][0] == {"us": 10.0, "after": "triton_poi_fused_add", "before":
                                   "cudnn_generated_fort_native_sdpa"}
     assert bench.kernel_gaps([])["count"] == 0
+
+
+def test_fp8_epilogues_bench_tiny_cpu_rows(tmp_path):
+    """bench_fp8_epilogues.py's GPU-run code on tiny shapes, its Triton rows in Triton's interpreter (a subprocess:
+    TRITON_INTERPRET must be set before triton is imported): every way of every case runs, and the library kernel's
+    output is no further from the float32 formula than inductor's in e4m3, at most twice as far in bf16 (the
+    interpreter truncates to bf16 where the GPU rounds)."""
+    out = tmp_path / "epilogues.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fp8_epilogues.py"), "--device",
+                           "cpu", "--tiny", "--iters", "1", "--reps", "1", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
+    ways = {(r["case"], r.get("way")) for r in rows}
+    assert {("concat_gelu_fp8", "inductor"), ("concat_gelu_fp8", "triton"), ("concat_gelu_bf16", "triton"),
+            ("qk_norm_rope_fp8", "inductor"), ("qk_norm_rope_fp8", "triton"), ("scaled_mm", None)} <= ways
+    err = {(r["case"], r.get("way")): r.get("max_abs_err") for r in rows}
+    assert err[("concat_gelu_fp8", "triton")] <= err[("concat_gelu_fp8", "inductor")] + 1e-6
+    assert err[("concat_gelu_bf16", "triton")] <= 2 * err[("concat_gelu_bf16", "inductor")]
