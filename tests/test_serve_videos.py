@@ -77,13 +77,23 @@ def mp4_frames(data: bytes) -> np.ndarray:
     return frames.astype(np.int16)
 
 
-def same_clip(a: np.ndarray, b: np.ndarray) -> bool:
-    """Two decoded MP4s of the same frames: x264's threads make the bytes differ run to run (measured on these clips:
-    mean |diff| <= 0.08 levels); the tiny Wan's clip of another seed differs by ~0.8 on average."""
-    return a.shape == b.shape and float(np.abs(a - b).mean()) < 0.25
+def record_encoded_frames(monkeypatch) -> list:
+    """The frames the server hands to the MP4 encoder, as uint8 arrays: the pipeline's output before the lossy
+    codec. (Comparing decoded MP4s instead is not stable: a sub-level change in the frames moves x264's rate-control
+    decisions, which moves decoded pixels by whole levels.)"""
+    from omni_accel import video_io
+
+    recorded, encode = [], video_io.encode_mp4
+
+    def recording(frames, fps):
+        recorded.append(video_io.frames_to_array(frames).astype(np.int16))
+        return encode(frames, fps)
+
+    monkeypatch.setattr(video_io, "encode_mp4", recording)
+    return recorded
 
 
-def test_openai_client_lifecycle_text_to_video(t2v, dirs):
+def test_openai_client_lifecycle_text_to_video(t2v, dirs, monkeypatch):
     """create_and_poll -> completed with the rounding reported; the MP4 has the frames and size asked for and
     matches the plain pipeline's clip; the thumbnail is its first frame; list pages newest first; delete frees the
     files; /v1/models lists both models; the acceleration flags reached the video model."""
@@ -92,6 +102,7 @@ def test_openai_client_lifecycle_text_to_video(t2v, dirs):
     from omni_accel.serve.videos import run_video_spec
 
     c = client(t2v.url)
+    encoded = record_encoded_frames(monkeypatch)
     video = c.videos.create_and_poll(prompt="a cat walks on grass", size="32x32", seconds="1", poll_interval_ms=100,
                                      extra_body={"fps": 4, "num_inference_steps": 2, "seed": 3})
     assert (video.status, video.progress, video.size, video.seconds) == ("completed", 100, "32x32", "1.25")
@@ -99,18 +110,22 @@ def test_openai_client_lifecycle_text_to_video(t2v, dirs):
         "seconds=1 x fps=4 = 4 frames; WanPipeline makes 4 * k + 1 frames, so 5 (1.25 s at 4 fps)")
     served = mp4_frames(c.videos.download_content(video.id).content)
     assert served.shape == (5, 32, 32, 3)
+    (frames,) = encoded
+    codec_error = float(np.abs(served - frames).mean())
+    assert codec_error < 4, codec_error  # yuv420p halves the colour resolution of these noise-like frames: ~2.5
     thumbnail = np.asarray(Image.open(io.BytesIO(c.videos.download_content(video.id, variant="thumbnail").content)))
-    assert thumbnail.shape == (32, 32, 3) and np.abs(thumbnail.astype(np.int16) - served[0]).mean() < 4
+    assert np.array_equal(thumbnail, frames[0])  # PNG: lossless
 
-    # the same clip from the plain pipeline (no acceleration), encoded the same way
+    # the same clip from the plain pipeline (no acceleration)
     from omni_accel.serve.engine import LoadedModel
-    from omni_accel.video_io import encode_mp4
+    from omni_accel.video_io import frames_to_array
 
     plain = LoadedModel.from_pipeline(DiffusionPipeline.from_pretrained(dirs["wan"]), "plain")
     spec = {"prompt": "a cat walks on grass", "width": 32, "height": 32, "num_frames": 5, "steps": 2, "seed": 3}
-    reference = mp4_frames(encode_mp4(run_video_spec(plain, spec), 4))
-    assert same_clip(served, reference)  # fuse_qkv + sdpa are lossless (fp32)
-    assert not same_clip(served, mp4_frames(encode_mp4(run_video_spec(plain, {**spec, "seed": 4}), 4)))
+    reference = frames_to_array(run_video_spec(plain, spec)).astype(np.int16)
+    assert np.abs(frames - reference).max() <= 1  # fuse_qkv + sdpa are lossless up to fp32 summation order
+    other_seed = frames_to_array(run_video_spec(plain, {**spec, "seed": 4})).astype(np.int16)
+    assert np.abs(frames - other_seed).mean() > 0.5, np.abs(frames - other_seed).mean()
     applied = {p["pass"] for p in t2v.video.pipe.omni_accel.report()["applied"]}
     assert {"fuse_qkv", "attention"} <= applied
 
@@ -342,12 +357,12 @@ def test_a_non_video_pipeline_is_refused_as_video_model(dirs):
 
 def test_torchrun_two_ranks_serve_videos(dirs, tmp_path):
     """torchrun, 2 gloo ranks, --sp 2: rank 0 serves /v1/videos, both ranks run the sequence-parallel Wan call,
-    and the clip equals the single-process one."""
+    and the clip equals the single-process one (its first frame compared losslessly through the thumbnail)."""
     from diffusers import DiffusionPipeline
 
     from omni_accel.serve.engine import LoadedModel
     from omni_accel.serve.videos import run_video_spec
-    from omni_accel.video_io import encode_mp4
+    from omni_accel.video_io import frames_to_array
 
     port = free_port()
     log = tmp_path / "torchrun.log"
@@ -365,6 +380,7 @@ def test_torchrun_two_ranks_serve_videos(dirs, tmp_path):
                                         extra_body={"num_frames": 5, "num_inference_steps": 2, "seed": 5})
         assert made.status == "completed", made.error
         served = mp4_frames(c.videos.download_content(made.id).content)
+        first = np.asarray(Image.open(io.BytesIO(c.videos.download_content(made.id, variant="thumbnail").content)))
         deadline = time.time() + 30
         while "rank 1 ran batch 1 (video" not in log.read_text() and time.time() < deadline:
             time.sleep(0.2)
@@ -375,8 +391,10 @@ def test_torchrun_two_ranks_serve_videos(dirs, tmp_path):
     assert len(re.findall(r"omni_accel on WanPipeline \(wan\): [a-z_, ]*sequence_parallel", text)) == 2, text[-3000:]
     single = LoadedModel.from_pipeline(DiffusionPipeline.from_pretrained(dirs["wan"]), "single")
     spec = {"prompt": "a cat walks on grass", "width": 32, "height": 32, "num_frames": 5, "steps": 2, "seed": 5}
-    reference = mp4_frames(encode_mp4(run_video_spec(single, spec), 16))
-    assert served.shape == (5, 32, 32, 3) and same_clip(served, reference), np.abs(served - reference).mean()
+    reference = frames_to_array(run_video_spec(single, spec)).astype(np.int16)
+    assert served.shape == (5, 32, 32, 3)
+    # the thumbnail is the first frame, losslessly: 2 ranks give the single-process frame up to fp32 summation order
+    assert np.abs(first.astype(np.int16) - reference[0]).max() <= 1
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(__file__), "..", "omni_accel", "builtin",
