@@ -168,7 +168,9 @@ def test_the_pass_has_a_cache_key_that_follows_its_switch(monkeypatch):
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE", False)
     without_qk = epilogue_fusion.GRAPH_PASS.uuid()
     monkeypatch.setattr(epilogue_fusion, "LAYERNORM", False)
-    assert len({key, without_qk, epilogue_fusion.GRAPH_PASS.uuid()}) == 3
+    without_norm = epilogue_fusion.GRAPH_PASS.uuid()
+    monkeypatch.setattr(epilogue_fusion, "PDL", False)
+    assert len({key, without_qk, without_norm, epilogue_fusion.GRAPH_PASS.uuid()}) == 4
 
 
 # ------------------------------------------------------------------ q / k: RMSNorm + rotary + static FP8 cast
@@ -278,3 +280,53 @@ def test_a_norm_with_a_16_bit_use_is_left_to_inductor():
 
     out, delta = _compiled_with_pass(norm_and_keep, **_adaln_inputs(9))
     assert delta == {}
+
+
+# -------------------------------------------------------------------------------- programmatic dependent launch
+def test_the_kernels_use_pdl_where_inductor_does(monkeypatch):
+    """Inductor launches its own kernels with programmatic dependent launch when it compiles with
+    ``triton.enable_pdl`` for a Hopper or newer GPU; the pass's kernels follow that decision (and the PDL switch)."""
+    from torch._inductor import config
+
+    cuda = torch.device("cuda", 0)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    with config.patch({"triton.enable_pdl": True}):
+        assert epilogue_fusion._pdl(cuda) and not epilogue_fusion._pdl(torch.device("cpu"))
+        capability[0] = (8, 9)
+        assert not epilogue_fusion._pdl(cuda)
+        capability[0] = (10, 0)
+        assert epilogue_fusion._pdl(cuda)
+        monkeypatch.setattr(epilogue_fusion, "PDL", False)
+        assert not epilogue_fusion._pdl(cuda)
+    monkeypatch.setattr(epilogue_fusion, "PDL", True)
+    with config.patch({"triton.enable_pdl": False}):
+        assert not epilogue_fusion._pdl(cuda)
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_pdl_decision_reaches_every_operation_the_pass_puts_in(monkeypatch, pdl):
+    """Each of the three operations carries the decision taken while the pass ran, for its kernel's launch."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Recording(CustomGraphPass):
+        def __init__(self):
+            self.flags = {}
+
+        def __call__(self, graph):
+            epilogue_fusion.GRAPH_PASS(graph)
+            for node in graph.nodes:
+                if node.op == "call_function" and "omni_accel" in str(node.target):
+                    self.flags.setdefault(node.target.name(), set()).add(node.args[-1])
+
+        def uuid(self):
+            return None
+
+    monkeypatch.setattr(epilogue_fusion, "_pdl", lambda device: pdl)
+    recording = Recording()
+    for fn, inputs in ((_single_block_epilogue, dict(**_inputs(), fp8_attention=True, cast=True)),
+                       (_attention_operands, _attention_inputs()), (_adaln_input, dict(**_adaln_inputs(), two=True))):
+        torch._dynamo.reset()
+        torch.compile(fn, options={"fx_graph_cache": False, compiler.POST_GRAD_PASS: recording})(**inputs)
+    assert recording.flags == {f"omni_accel::{op}": {pdl} for op in ("concat_gelu", "qk_norm_rope_fp8",
+                                                                      "layernorm_modulate_fp8")}

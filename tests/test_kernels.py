@@ -216,6 +216,44 @@ def test_fp8_attention_kernel_compiles_for_hopper_in_every_mode(mode):
     assert "wgmma" in compiled.asm["ptx"], "no Hopper warp-group MMA: the 8-bit operands were not laid out for it"
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
+    """The epilogue-fusion kernels lowered to sm_90 cubins at FLUX's shapes (what the interpreter never runs: the
+    approximate reciprocal, the rotary's register swap, the e4m3 stores). With PDL their PTX waits for the kernels
+    before them (griddepcontrol.wait) and releases the next one (griddepcontrol.launch_dependents); without, neither."""
+    if fused.interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1; the worker covers that path")
+    triton = pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from omni_accel.kernels import epilogue_triton as et
+
+    cases = [  # (kernel, pointer types, constexprs, warps)
+        (et._concat_gelu_kernel, dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", h_ptr="*bf16", bias_ptr="*bf16",
+                                      inverse_ptr="*fp32", out_ptr="*fp8e4nv"),
+         dict(A_COLS=3072, A_HEAD=128, H_COLS=12288, A_SCALED=True, HAS_BIAS=True, CAST=True, APPROX=True, ROWS=4,
+              BLOCK=512), 4),
+        (et._qk_norm_rope_kernel, dict(src_ptr="*bf16", bias_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32",
+                                       sin_ptr="*fp32", k_mean_ptr="*fp32", inverse_ptr="*fp32", out_ptr="*fp8e4nv"),
+         dict(HEADS=24, D=128, HAS_BIAS=True, HAS_MEAN=True, CAST=True, ROWS=8), 4),
+        (et._layernorm_modulate_cast_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16",
+                                                  inverse0_ptr="*fp32", inverse1_ptr="*fp32", inverse2_ptr="*fp32",
+                                                  out_ptr="*fp8e4nv"),
+         dict(C=3072, BLOCK=4096, ROWS=2, SPLIT=True, COUNT=2), 8),
+    ]
+    for kernel, pointers, consts, warps in cases:
+        consts = {**consts, "PDL": pdl}
+        names = kernel.arg_names
+        signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "eps" else "i32")
+                     for n in names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(n),): v for n, v in consts.items()})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+        for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+            assert (instruction in ptx) == pdl, (kernel.__name__, instruction)
+
+
 # ---------------------------------------------------------------------------- eager fallback vs diffusers' layers
 def _hooked(module):
     add_hook(module, "kernels", _FusedForwardHook(KINDS[type(module)].forward))

@@ -28,6 +28,10 @@ Nothing else is changed: a graph without the patterns, or one whose tensors the 
 power-of-two tile divides, rows that are not evenly strided, a batch above 1 for the norm, another rotary layout),
 compiles as before, and an unexpected graph is left to inductor rather than failing the compile. The pass counts what
 it replaced in ``REWRITES``; ``QK_NORM_ROPE`` and ``LAYERNORM`` switch two of its parts off (A/B runs).
+
+Where inductor launches its own kernels with programmatic dependent launch (``triton.enable_pdl``, on by default on
+Hopper and newer), the kernels put in do too (``_pdl``; ``PDL`` switches that off): without it each one waited for
+the kernel before it to finish before the GPU started it, which is most of what PDL saves inductor's kernels.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ REWRITES: collections.Counter = collections.Counter()
 QK_NORM_ROPE = True
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
+# Whether the kernels it puts in take part in programmatic dependent launch where inductor's own kernels do
+# (``_pdl``); benchmarks' A/B rows set it.
+PDL = True
 
 
 # ---------------------------------------------------------------------------------------------- the operation
@@ -81,6 +88,16 @@ def concat_gelu_reference(a: torch.Tensor | None, a_scale: torch.Tensor | None, 
     return y.to(out_dtype)
 
 
+def _pdl(device: torch.device) -> bool:
+    """Whether a kernel the pass puts in uses programmatic dependent launch: when inductor compiles the graph with
+    ``triton.enable_pdl`` (compiler.py's default on GPUs) for a Hopper or newer GPU, as its own kernels then do
+    (its code generation makes the same check). Read while the pass runs, inside the compile that set the option."""
+    from torch._inductor import config
+
+    return (PDL and bool(getattr(config.triton, "enable_pdl", False)) and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _use_triton(device: torch.device) -> bool:
     from . import fused
 
@@ -88,19 +105,20 @@ def _use_triton(device: torch.device) -> bool:
 
 
 @torch.library.custom_op("omni_accel::concat_gelu", mutates_args=(), schema=(
-    "(Tensor? a, Tensor? a_scale, Tensor h, Tensor? bias, Tensor? inverse, ScalarType out_dtype) -> Tensor"))
-def concat_gelu(a, a_scale, h, bias, inverse, out_dtype):
+    "(Tensor? a, Tensor? a_scale, Tensor h, Tensor? bias, Tensor? inverse, ScalarType out_dtype, bool pdl=False) "
+    "-> Tensor"))
+def concat_gelu(a, a_scale, h, bias, inverse, out_dtype, pdl=False):
     if _use_triton(h.device):
         from . import epilogue_triton
 
         a_cols, a_head = (a.shape[1] * a.shape[2], a.shape[2]) if a is not None else (0, 0)
         if epilogue_triton.supported(a_cols, a_head, h.shape[1]):
-            return epilogue_triton.concat_gelu(a, a_scale, h, bias, inverse, out_dtype)
+            return epilogue_triton.concat_gelu(a, a_scale, h, bias, inverse, out_dtype, pdl=pdl)
     return concat_gelu_reference(a, a_scale, h, bias, inverse, out_dtype)
 
 
 @concat_gelu.register_fake
-def _(a, a_scale, h, bias, inverse, out_dtype):
+def _(a, a_scale, h, bias, inverse, out_dtype, pdl=False):
     a_cols = a.shape[1] * a.shape[2] if a is not None else 0
     return h.new_empty((h.shape[0], a_cols + h.shape[1]), dtype=out_dtype)
 
@@ -126,18 +144,19 @@ def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_c
 
 @torch.library.custom_op("omni_accel::qk_norm_rope_fp8", mutates_args=(), schema=(
     "(Tensor src, Tensor? bias, int first_col, int heads, Tensor weight, float eps, Tensor cos, Tensor sin, "
-    "Tensor? k_mean, Tensor inverse) -> Tensor"))
-def qk_norm_rope_fp8(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse):
+    "Tensor? k_mean, Tensor inverse, bool pdl=False) -> Tensor"))
+def qk_norm_rope_fp8(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, pdl=False):
     if _use_triton(src.device):
         from . import epilogue_triton
 
         if epilogue_triton.qk_norm_rope_supported(weight.numel()):
-            return epilogue_triton.qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse)
+            return epilogue_triton.qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse,
+                                                pdl=pdl)
     return qk_norm_rope_reference(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse)
 
 
 @qk_norm_rope_fp8.register_fake
-def _(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse):
+def _(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, pdl=False):
     return src.new_empty((src.shape[0], heads, weight.numel()), dtype=FP8_DTYPE)
 
 
@@ -153,19 +172,19 @@ def layernorm_modulate_reference(a: torch.Tensor, b: torch.Tensor | None, scale:
 
 @torch.library.custom_op("omni_accel::layernorm_modulate_fp8", mutates_args=(), schema=(
     "(Tensor a, Tensor? b, Tensor scale, Tensor shift, float eps, Tensor inverse, Tensor? second_inverse, "
-    "Tensor? third_inverse) -> Tensor"))
-def layernorm_modulate_fp8(a, b, scale, shift, eps, inverse, second_inverse, third_inverse):
+    "Tensor? third_inverse, bool pdl=False) -> Tensor"))
+def layernorm_modulate_fp8(a, b, scale, shift, eps, inverse, second_inverse, third_inverse, pdl=False):
     inverses = [x for x in (inverse, second_inverse, third_inverse) if x is not None]
     if _use_triton(a.device):
         from . import epilogue_triton
 
         if b is None or epilogue_triton.layernorm_modulate_rows(a.shape[0]) is not None:
-            return epilogue_triton.layernorm_modulate_cast(a, b, scale, shift, eps, inverses)
+            return epilogue_triton.layernorm_modulate_cast(a, b, scale, shift, eps, inverses, pdl=pdl)
     return layernorm_modulate_reference(a, b, scale, shift, eps, inverses)
 
 
 @layernorm_modulate_fp8.register_fake
-def _(a, b, scale, shift, eps, inverse, second_inverse, third_inverse):
+def _(a, b, scale, shift, eps, inverse, second_inverse, third_inverse, pdl=False):
     rows = a.shape[0] + (b.shape[0] if b is not None else 0)
     count = 1 + (second_inverse is not None) + (third_inverse is not None)
     return a.new_empty((count, rows, a.shape[-1]), dtype=FP8_DTYPE)
@@ -403,7 +422,7 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
                   else _node(graph, aten.select.int, c.a, 0, 0))
         h2 = _node(graph, aten.reshape.default, c.h, [-1, h_cols])
         fused = _node(graph, torch.ops.omni_accel.concat_gelu.default, a3, c.a_scale, h2, c.bias, c.inverse,
-                      final_val.dtype)
+                      final_val.dtype, _pdl(final_val.device))
         out = _node(graph, aten.reshape.default, fused, list(final_val.shape))
     c.final.replace_all_uses_with(out)
 
@@ -576,7 +595,7 @@ def _rewrite_qk(graph: fx.Graph, c: _QkCandidate) -> None:
     with graph.inserting_before(c.cast):
         src = _node(graph, aten.reshape.default, c.src, [-1, _val(c.src).shape[-1]])
         fused = _node(graph, torch.ops.omni_accel.qk_norm_rope_fp8.default, src, c.bias, c.first_col, c.heads,
-                      c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse)
+                      c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse, _pdl(out.device))
         result = _node(graph, aten.reshape.default, fused, list(out.shape))
     c.cast.replace_all_uses_with(result)
 
@@ -691,7 +710,7 @@ def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
         shift = _node(graph, aten.reshape.default, c.shift, [cols])
         inverses = [inverse for _, inverse in c.casts] + [None, None]
         fused = _node(graph, torch.ops.omni_accel.layernorm_modulate_fp8.default, a, b, scale, shift, c.eps,
-                      *inverses[:3])
+                      *inverses[:3], _pdl(_val(c.a).device))
         results = [_node(graph, aten.reshape.default, _node(graph, aten.select.int, fused, 0, i),
                          list(_val(cast).shape)) for i, (cast, _) in enumerate(c.casts)]
     for (cast, _), result in zip(c.casts, results):
@@ -738,7 +757,8 @@ class EpilogueFusionPass(CustomGraphPass):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles
         here = os.path.dirname(os.path.abspath(__file__))
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
-        return f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
+        return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
+                f"-pdl{int(PDL)}")
 
 
 GRAPH_PASS = EpilogueFusionPass()

@@ -18,6 +18,10 @@ kernel took 78 us for both.
 place, not concatenated first), cast once per FP8 linear that reads it (up to three). 16 us per call at FLUX's shapes,
 where inductor's kernels took 25-39 us.
 
+Programmatic dependent launch (``pdl``, what inductor's ``triton.enable_pdl`` does for its own kernels): each kernel
+waits for the kernels before it first thing and releases the next one after its loads, so on Hopper and newer the
+GPU starts it while the previous kernel drains instead of after it.
+
 Triton's interpreter (CI) rounds float32 -> e4m3 wrongly (127.9 -> 64 in Triton 3.9), so interpreted runs store the
 scaled, saturated float32 value and the caller casts it with torch; compiled runs cast in the kernel.
 """
@@ -31,14 +35,23 @@ import triton.language as tl
 from .fused_triton import INTERPRETED, _launcher, _on_device
 
 
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch arguments for programmatic dependent launch (Hopper+): the kernel's PDL switch, which waits for
+    the kernels before it at its start and lets the next one launch once its loads are issued, and Triton's
+    ``launch_pdl``, which lets the GPU start it while the kernel before it drains. The interpreter runs no PTX."""
+    return {"PDL": True, "launch_pdl": True} if pdl and not INTERPRETED else {"PDL": False}
+
+
 @triton.jit
 def _concat_gelu_kernel(
     a_ptr, a_scale_ptr, h_ptr, bias_ptr, inverse_ptr, out_ptr, n_rows,
     stride_a_row, stride_a_head, stride_h_row,
     A_COLS: tl.constexpr, A_HEAD: tl.constexpr, H_COLS: tl.constexpr,
     A_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, CAST: tl.constexpr, APPROX: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernels this one reads from
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < n_rows)[:, None]
     rows = rows.to(tl.int64)[:, None]
@@ -63,6 +76,8 @@ def _concat_gelu_kernel(
                                               dtype=tl.float32, is_pure=True, pack=1)
         else:  # the interpreter runs no PTX
             y = h / (1.0 + e)
+    if PDL:  # every input is read: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()
     if CAST:
         y = tl.minimum(tl.maximum(y * tl.load(inverse_ptr), -448.0), 448.0)  # e4m3's largest finite value
     tl.store(out_ptr + rows * (A_COLS + H_COLS) + first + cols, y.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -82,10 +97,11 @@ def supported(a_cols: int, a_head: int, h_cols: int) -> bool:
 
 
 def concat_gelu(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor, bias: torch.Tensor | None,
-                inverse: torch.Tensor | None, out_dtype: torch.dtype,
-                tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                inverse: torch.Tensor | None, out_dtype: torch.dtype, tile: tuple[int, int, int] | None = None,
+                pdl: bool = False) -> torch.Tensor:
     """a: (rows, heads, head dim) with stride(-1) == 1 or None, h: (rows, H) with stride(-1) == 1 -> (rows, A + H).
-    ``tile``: (rows, column block, warps) instead of ``_tile``'s choice (the benchmark's sweep)."""
+    ``tile``: (rows, column block, warps) instead of ``_tile``'s choice (the benchmark's sweep); ``pdl``: see
+    ``_pdl_launch``."""
     n_rows, h_cols = h.shape
     heads, a_head = a.shape[1:] if a is not None else (0, 1)  # no first input: no column is its
     a_cols = heads * a_head
@@ -102,7 +118,7 @@ def concat_gelu(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.T
             inverse if cast else h, out, n_rows, a.stride(0) if a is not None else 0,
             a.stride(1) if a is not None else 0, h.stride(0),
             A_COLS=a_cols, A_HEAD=a_head, H_COLS=h_cols, A_SCALED=a_scale is not None, HAS_BIAS=bias is not None,
-            CAST=cast, APPROX=not INTERPRETED, ROWS=rows, BLOCK=block, num_warps=warps,
+            CAST=cast, APPROX=not INTERPRETED, ROWS=rows, BLOCK=block, num_warps=warps, **_pdl_launch(pdl),
         )
     return out.to(out_dtype) if store_dtype != out_dtype else out
 
@@ -112,8 +128,10 @@ def _qk_norm_rope_kernel(
     src_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr, k_mean_ptr, inverse_ptr, out_ptr,
     n_rows, seq, stride_src, first_col, eps,
     HEADS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MEAN: tl.constexpr, CAST: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     # rows are (token, head) pairs of one part (q or k) of a fused projection's output: row = token * HEADS + head
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = (rows < n_rows)[:, None]
@@ -137,6 +155,8 @@ def _qk_norm_rope_kernel(
         out -= tl.load(k_mean_ptr + head * D + d)
     if CAST:
         out = tl.minimum(tl.maximum(out * tl.load(inverse_ptr), -448.0), 448.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + d, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -146,7 +166,7 @@ def qk_norm_rope_supported(head_dim: int) -> bool:
 
 def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int, weight: torch.Tensor,
                  eps: float, cos: torch.Tensor, sin: torch.Tensor, k_mean: torch.Tensor | None,
-                 inverse: torch.Tensor) -> torch.Tensor:
+                 inverse: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """src (rows, C) with stride(-1) == 1, columns [first_col, first_col + heads * D) of it -> e4m3 (rows, heads, D):
     RMSNorm per head, interleaved rotary embedding with cos / sin (S, D) (row r is token r % S), K's mean
     subtracted, static cast."""
@@ -161,7 +181,7 @@ def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, h
                 src, bias if bias is not None else src, weight, cos, sin, k_mean if k_mean is not None else cos,
                 inverse, out, n_rows, cos.shape[0], src.stride(0), first_col, float(eps),
                 HEADS=heads, D=d, HAS_BIAS=bias is not None, HAS_MEAN=k_mean is not None, CAST=True, ROWS=rows,
-                num_warps=4,
+                num_warps=4, **_pdl_launch(pdl),
             )
     return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
 
@@ -171,7 +191,10 @@ def _layernorm_modulate_cast_kernel(
     a_ptr, b_ptr, scale_ptr, shift_ptr, inverse0_ptr, inverse1_ptr, inverse2_ptr, out_ptr,
     n_rows, rows_a, eps,
     C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, COUNT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     # rows [0, rows_a) come from a, the rest from b (the text and image streams a block concatenates); ROWS divides
     # rows_a, so a program reads one of them
     first = tl.program_id(0) * ROWS
@@ -188,6 +211,8 @@ def _layernorm_modulate_cast_kernel(
     rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / C + eps)
     scale = tl.load(scale_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
     shift = tl.load(shift_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = centered * rstd * (1.0 + scale) + shift
     out = out_ptr + rows64 * C + cols[None, :]
     q = tl.minimum(tl.maximum(y * tl.load(inverse0_ptr), -448.0), 448.0)
@@ -206,7 +231,7 @@ def layernorm_modulate_rows(rows_a: int) -> int | None:
 
 
 def layernorm_modulate_cast(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
-                            eps: float, inverses: list[torch.Tensor]) -> torch.Tensor:
+                            eps: float, inverses: list[torch.Tensor], pdl: bool = False) -> torch.Tensor:
     """LayerNorm (no affine) of the rows of a then b ((rows, C), contiguous), * (1 + scale) + shift ((C,) views),
     cast to e4m3 once per inverse scale: (len(inverses), rows, C)."""
     c = a.shape[-1]
@@ -219,6 +244,6 @@ def layernorm_modulate_cast(a: torch.Tensor, b: torch.Tensor | None, scale: torc
             _launcher(_layernorm_modulate_cast_kernel, a.device)[(triton.cdiv(n_rows, rows),)](
                 a, b if b is not None else a, scale, shift, inverses[0], inverses[min(1, len(inverses) - 1)],
                 inverses[-1], out, n_rows, a.shape[0], float(eps), C=c, BLOCK=triton.next_power_of_2(c), ROWS=rows,
-                SPLIT=b is not None, COUNT=len(inverses), num_warps=8,
+                SPLIT=b is not None, COUNT=len(inverses), num_warps=8, **_pdl_launch(pdl),
             )
     return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
