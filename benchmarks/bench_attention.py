@@ -1,4 +1,4 @@
-"""Attention kernel microbenchmark on DiT shapes: SDPA (cuDNN, Flash, mem-efficient), SageAttention, flash-attn.
+"""Attention kernel microbenchmark on DiT shapes: SDPA (cuDNN, Flash, mem-efficient), SageAttention, flash-attn 2-4.
 
     # on one H200, every shape and every backend that is installed
     python benchmarks/bench_attention.py --out benchmarks/results/bench_attention_h200.json
@@ -16,7 +16,8 @@ diffusers' dispatcher -- and every kernel is called the way it is called in a pi
 - ``sage``: ``sageattn(tensor_layout="HND")`` on contiguous (B, H, S, D) copies made before timing;
   ``sage_nhd``: ``sageattn(tensor_layout="NHD")`` on the (B, S, H, D) tensors, as diffusers' ``sage`` backend calls
   it; ``sage_no_smooth_k``: HND with ``smooth_k=False``, to show what subtracting K's token mean buys,
-- ``flash_attn`` / ``fa3``: ``flash_attn_func`` of the flash-attn / FlashAttention-3 packages on (B, S, H, D).
+- ``flash_attn`` / ``fa3`` / ``fa4``: ``flash_attn_func`` of the flash-attn / FlashAttention-3 / flash-attn-4
+  (``flash_attn.cute``, compiled at its first call by the CuTe DSL) packages on (B, S, H, D).
 
 Two input sets per shape: ``randn`` (q, k, v ~ N(0, 1)) and ``outliers``, which mimics DiT activations: q and k are
 scaled per (head, channel) by lognormal factors exp(sigma z - sigma²) (mean square 1, so the logit scale stays that
@@ -165,6 +166,19 @@ def _fa3() -> Callable:
     return lambda q, k, v: _first(flash_attn_func(q, k, v, causal=False))
 
 
+def _fa4() -> Callable:
+    from flash_attn.cute.interface import flash_attn_func
+
+    return lambda q, k, v: _first(flash_attn_func(q, k, v, causal=False))
+
+
+def _installed(package: str) -> bool:
+    try:  # a dotted name imports its parent, which raises when the parent is missing too
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Kernel], dict[str, str]]:
     """The kernels that can run here (restricted to ``wanted`` if given), and why each of the others cannot."""
     candidates: list[tuple[str, str, Callable[[], Callable], str, str | None]] = [
@@ -189,6 +203,7 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
          "cudnn"),
         ("flash_attn", "BSHD", _flash_attn, "flash-attn flash_attn_func", "flash_attn"),
         ("fa3", "BSHD", _fa3, "FlashAttention-3 flash_attn_func", "flash_attn_interface"),
+        ("fa4", "BSHD", _fa4, "FlashAttention-4 (CuTe DSL, flash-attn-4 package) flash_attn_func", "flash_attn.cute"),
     ]
     # on the CPU only the two SDPA entries that have CPU kernels: the smoke test checks the harness, not kernels
     cpu_ok = {"sdpa_math", "sdpa_default"}
@@ -204,7 +219,7 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         if device.type != "cuda" and name not in cpu_ok:
             skipped[name] = "needs CUDA"
             continue
-        if package is not None and importlib.util.find_spec(package) is None:
+        if package is not None and not _installed(package):
             skipped[name] = f"{package} not installed"
             continue
         try:

@@ -124,6 +124,7 @@ class Row:
     epilogue_fusion: bool = True  # compiler.EPILOGUE_FUSION (False: inductor's own concat + GELU + cast kernel)
     qk_norm_rope: bool = True  # kernels.epilogue_fusion.QK_NORM_ROPE (False: inductor's q / k norm + rotary + cast)
     layernorm: bool = True  # kernels.epilogue_fusion.LAYERNORM (False: inductor's AdaLN norm + modulate + cast)
+    epilogue_pdl: bool = True  # kernels.epilogue_fusion.PDL (False: the pass's kernels launched without PDL)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -132,7 +133,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("cuda_graphs", "CACHED_MODULE_WALK", "cached_module_walk"),
             ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"),
             ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"),
-            ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"))
+            ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"),
+            ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"))
 
 
 @contextlib.contextmanager
@@ -314,6 +316,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="ours_fp8_fp8attn_static_fa with FLUX's first single-stream block compiled apart"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
+    Row("ours_bf16_mk_pdl_graphs", _ours(attention="auto", compile="max"), True, inductor=_MK_PDL,
+        note="ours_bf16_mk_pdl + CUDA graph of the whole forward (compile='max'): whether the epilogue kernels' "
+             "host-side dispatch is what keeps bf16 from its kernel time"),
     Row("ours_bf16_mk_pdl_noepilogue", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         epilogue_fusion=False, note="ours_bf16_mk_pdl with inductor's own concat + GELU kernel (before the "
                                     "epilogue-fusion pass)"),
@@ -329,6 +334,12 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         inductor=_MK_PDL, cuda_only=True, layernorm=False,
         note="ours_fp8_fp8attn_static_fa_pdl with inductor's own AdaLN norm + modulate + cast kernels (the graph "
              "pass's other kernels kept)"),
+    Row("ours_fp8_fp8attn_static_fa_pdl_nokernelpdl", _fp8attn(_FAST_STATIC), False, calibrates=True,
+        inductor=_MK_PDL, cuda_only=True, epilogue_pdl=False,
+        note="ours_fp8_fp8attn_static_fa_pdl with the graph pass's kernels launched without programmatic dependent "
+             "launch (inductor's own kernels keep it)"),
+    Row("ours_bf16_mk_pdl_nokernelpdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
+        epilogue_pdl=False, note="ours_bf16_mk_pdl with the graph pass's kernels launched without PDL"),
     Row("ours_fp8_fp8attn_fa_pdl_noepilogue", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK_PDL,
         cuda_only=True, epilogue_fusion=False,
         note="ours_fp8_fp8attn_fa_pdl with inductor's own concat + GELU + cast kernel"),
