@@ -111,7 +111,7 @@ def _omni(mode: str, core_only: bool) -> Callable:
     """omni_accel's FP8 attention (attention="fp8"). ``core_only`` times the kernel alone, quantizing each input
     set once: in a compiled model inductor fuses the quantization into the RMSNorm + RoPE kernel before it, so the
     whole-call figure (eager quantization, several memory passes) overstates what a step pays."""
-    from omni_accel.kernels.fp8_attention import MODES, fp8_attention, fp8_attention_core, quantize_qkv
+    from omni_accel.kernels.fp8_attention import K_BLOCKS, MODES, fp8_attention, fp8_attention_core, quantize_qkv
 
     if not core_only:
         return lambda q, k, v: fp8_attention(q, k, v, mode=mode)
@@ -122,7 +122,7 @@ def _omni(mode: str, core_only: bool) -> Callable:
         if key not in cache:
             cache.clear()
             cache[key] = quantize_qkv(q, k, v, mode)
-        return fp8_attention_core(*cache[key], q.shape[-1] ** -0.5, q.dtype, *MODES[mode])
+        return fp8_attention_core(*cache[key], q.shape[-1] ** -0.5, q.dtype, *MODES[mode], K_BLOCKS.get(mode, 0))
 
     return call
 
@@ -197,6 +197,8 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         ("omni_fp8_core", "BSHD", lambda: _omni("fp8", True), "omni_accel fp8 attention: e4m3 QK and PV, kernel only",
          "triton"),
         ("omni_int8_core", "BSHD", lambda: _omni("int8", True), "omni_accel: int8 QK, bf16 PV, kernel only", "triton"),
+        ("omni_int8_block_fp8_core", "BSHD", lambda: _omni("int8_block_fp8", True), "omni_accel fp8 attention: int8 "
+         "Q per token, K per block of 128 keys, e4m3 PV; kernel only", "triton"),
         ("omni_cudnn_fp8", "BSHD", lambda: _cudnn_fp8(False), "omni_accel fp8 attention on cuDNN's FP8 SDPA: "
          "smoothed K, per-tensor e4m3 q/k/v, e4m3 out; incl. eager quantization", "cudnn"),
         ("omni_cudnn_fp8_core", "BSHD", lambda: _cudnn_fp8(True), "same, cuDNN call + output dequantization only",

@@ -40,10 +40,13 @@ PIPELINE_FAMILIES = ("flux", "flux2", "qwen_image", "sd3", "wan", "z_image")
 ATTENTION_SHAPES = ((1, 40, 40, 2, 64), (2, 32, 48, 3, 128), (1, 24, 37, 2, 64))
 # bf16 inputs only for the 8-bit PV modes: the interpreter rounds fp32 -> bf16 wrongly inside tl.dot (an interpreter
 # bug: a bf16 P V product comes out ~1e10), so "int8" (16-bit P V) is checked with fp32 inputs here
+# block-scaled K (one scale per 128 keys) also over 300 keys: three blocks, the last one short
+K_BLOCK_SHAPES = ((1, 16, 300, 2, 64),)
 ATTENTION_CASES = tuple(
     f"{mode}-{'x'.join(map(str, shape))}-{inputs}-{dtype}"
-    for mode in ("fp8", "int8_fp8", "int8") for shape in ATTENTION_SHAPES for inputs in ("randn", "outliers")
-    for dtype in (("float32",) if mode == "int8" else ("float32", "bfloat16")))
+    for mode in ("fp8", "int8_fp8", "int8", "int8_block_fp8")
+    for shape in ATTENTION_SHAPES + (K_BLOCK_SHAPES if mode == "int8_block_fp8" else ())
+    for inputs in ("randn", "outliers") for dtype in (("float32",) if mode == "int8" else ("float32", "bfloat16")))
 
 
 def _inputs(kernel: str, shape: tuple, dtype, gen):
@@ -298,6 +301,9 @@ def emulate_fp8_attention(q, k, v, mode: str, block: int):
     qo, ko, vo, qs, ks, vs = fa.quantize_qkv(q, k, v, mode)
     qd, kd, vd = qo.double(), ko.double(), vo.double()
     factor = q.shape[-1] ** -0.5 * 1.4426950408889634
+    key_scales = ks.double()
+    if mode in fa.K_BLOCKS:  # one scale per block of keys: each key gets its block's
+        key_scales = key_scales.repeat_interleave(fa.K_BLOCKS[mode], dim=-1)[..., :k.shape[1]]
     row = qs.double()[..., None] * factor if qk_int8 else (qs * ks).double()[..., None, None] * factor
     m = torch.full(qd.shape[:3], float("-inf"), dtype=torch.float64)
     denom = torch.zeros_like(m)
@@ -306,7 +312,7 @@ def emulate_fp8_attention(q, k, v, mode: str, block: int):
         part = slice(start, start + block)
         s = qd @ kd[:, :, part].transpose(-1, -2) * row
         if qk_int8:
-            s = s * ks.double()[:, :, None, part]
+            s = s * key_scales[:, :, None, part]
         m_new = torch.maximum(m, s.amax(-1))
         p = torch.exp2(s - m_new[..., None])
         alpha = torch.exp2(m - m_new)

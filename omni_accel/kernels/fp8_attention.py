@@ -55,8 +55,15 @@ def _triton():
 # The kernel's operand precisions: (Q K^T, P V). "int8_fp8" is SageAttention2's choice: 8-bit integers with a scale
 # per token keep the scores ~3x more accurate than e4m3 (measured in tests/test_kernels.py), at the same
 # tensor-core rate on Hopper.
-MODES = {"fp8": (False, True), "int8_fp8": (True, True), "int8": (True, False)}
+MODES = {"fp8": (False, True), "int8_fp8": (True, True), "int8": (True, False), "int8_block_fp8": (True, True)}
 DEFAULT_MODE = "int8_fp8"
+# Modes whose K has one int8 scale per this many keys (and head) instead of one per key. Why: the kernel multiplies
+# each score tile by its keys' scales; per key that is a vector along the tile's columns, which on Hopper makes ptxas
+# serialize the tile's warp-group MMAs (its C7515 warning) and takes 230 registers a thread (one 8-warp program per
+# SM); one scale per tile is a scalar, and neither happens (tests/test_kernels.py compiles both for sm_90). A block
+# of keys loses no accuracy on the built-in model (benchmarks/study_fp8_attention_error.py, "qk_int8"). The kernel's
+# key tiles must lie inside one block: its tile widths divide K_BLOCK.
+K_BLOCKS = {"int8_block_fp8": 128}
 
 
 def _per_head_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +81,19 @@ def _per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.transpose(1, 2), scale.transpose(1, 2).contiguous()
 
 
+def _per_block_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, H, D) -> int8 values as a (B, H, S, D) view and a float32 scale per (B, H, block of ``block`` tokens);
+    the last block may be short."""
+    xf = x.float()
+    batch, seq, heads, dim = xf.shape
+    blocks = -(-seq // block)
+    padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, blocks * block - seq)).reshape(batch, blocks, block, heads, dim)
+    scale = padded.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 127.0  # (B, blocks, H)
+    per_token = scale.repeat_interleave(block, dim=1)[:, :seq]  # (B, S, H)
+    values = torch.round(xf / per_token[..., None]).to(torch.int8)
+    return values.transpose(1, 2), scale.transpose(1, 2).contiguous()
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = DEFAULT_MODE):
     """The kernel's operands from diffusers' (B, S, H, D) q / k / v, as (B, H, S, D) views, and their scales.
     An e4m3 V is stored transposed (tokens contiguous): Hopper's FP8 MMA wants the reduced dim contiguous."""
@@ -82,7 +102,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = 
     k = k - k.mean(dim=1, keepdim=True)  # softmax-invariant shift; see the module docstring
     if qk_int8:
         q_op, q_scale = _per_token_int8(q)
-        k_op, k_scale = _per_token_int8(k)
+        k_op, k_scale = _per_block_int8(k, K_BLOCKS[mode]) if mode in K_BLOCKS else _per_token_int8(k)
     else:
         q_op, q_scale = _per_head_fp8(q)
         k_op, k_scale = _per_head_fp8(k)
@@ -98,15 +118,15 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = 
 @torch.library.custom_op("omni_accel::fp8_attention_core", mutates_args=())
 def fp8_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
                        k_scale: torch.Tensor, v_scale: torch.Tensor, sm_scale: float, out_dtype: torch.dtype,
-                       qk_int8: bool, pv_fp8: bool) -> torch.Tensor:
+                       qk_int8: bool, pv_fp8: bool, k_block: int = 0) -> torch.Tensor:
     batch, heads, seq_q, head_dim = q.shape
     out = torch.empty(batch, seq_q, heads, head_dim, dtype=out_dtype, device=q.device)
     return _triton().launch(q, k, v, q_scale, k_scale, v_scale, sm_scale, out, qk_int8, pv_fp8,
-                            interpreted=not q.is_cuda)
+                            interpreted=not q.is_cuda, k_block=k_block)
 
 
 @fp8_attention_core.register_fake
-def _(q, k, v, q_scale, k_scale, v_scale, sm_scale, out_dtype, qk_int8, pv_fp8):
+def _(q, k, v, q_scale, k_scale, v_scale, sm_scale, out_dtype, qk_int8, pv_fp8, k_block=0):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, seq_q, heads, head_dim), dtype=out_dtype)
 
@@ -121,7 +141,7 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         raise AccelError(f"fp8 attention mode={mode!r} is not known; use one of {', '.join(MODES)}.")
     sm_scale = scale if scale is not None else query.shape[-1] ** -0.5
     operands = quantize_qkv(query, key, value, mode)
-    return fp8_attention_core(*operands, float(sm_scale), query.dtype, *MODES[mode])
+    return fp8_attention_core(*operands, float(sm_scale), query.dtype, *MODES[mode], K_BLOCKS.get(mode, 0))
 
 
 def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,

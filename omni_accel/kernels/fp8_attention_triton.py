@@ -2,7 +2,8 @@
 
 Imported only when the FP8 attention path runs (triton is optional). One program owns BLOCK_M queries of one
 (batch, head) and streams the keys in BLOCK_N tiles with the online softmax. S = Q K^T: int8 with per-token scales
-(``QK_INT8``, int32 accumulator) or e4m3 with per-head scales (fp32 accumulator). P = exp2(S - running max); with
+(``QK_INT8``, int32 accumulator; with ``K_BLOCK`` K's scales are per block of keys, one scalar per tile) or e4m3 with
+per-head scales (fp32 accumulator). P = exp2(S - running max); with
 ``PV_FP8`` it is rounded to e4m3 (scaled by P_SCALE first, so small probabilities stay out of e4m3's subnormals) and
 O += P V runs in e4m3, else in V's 16-bit dtype; fp32 accumulator either way, one rescale by the V scale and the
 softmax sum at the end. Hopper's 8-bit MMAs want both operands K-major: Q and K have the head dim contiguous, and an
@@ -34,7 +35,7 @@ def _fp8_attention_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-    QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, P_MULT: tl.constexpr,
+    QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, P_MULT: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -66,7 +67,10 @@ def _fp8_attention_kernel(
             k = tl.load(k_base + keys[None, :] * stride_ks + dims[:, None], mask=keys[None, :] < seq_k, other=0.0)
             v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :] * stride_vd, mask=keys[:, None] < seq_k,
                         other=0.0)
-        if QK_INT8:
+        if QK_INT8 and K_BLOCK:  # one K scale for the whole tile (BLOCK_N divides K_BLOCK): a scalar
+            tile_scale = tl.load(k_scale_ptr + bh * tl.cdiv(seq_k, K_BLOCK) + start_n // K_BLOCK)
+            s = tl.dot(q, k).to(tl.float32) * (row_scale * tile_scale)[:, None]
+        elif QK_INT8:
             col_scale = tl.load(k_scale_ptr + bh * seq_k + keys, mask=keys < seq_k, other=0.0)
             s = tl.dot(q, k).to(tl.float32) * row_scale[:, None] * col_scale[None, :]
         else:
@@ -91,14 +95,19 @@ def _fp8_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < seq_q)
 
 
-_autotuned = triton.autotune(configs=_CONFIGS, key=["seq_q", "seq_k", "HEAD_DIM", "EVEN_K", "QK_INT8", "PV_FP8"])(
-    _fp8_attention_kernel)
+_KEY = ["seq_q", "seq_k", "HEAD_DIM", "EVEN_K", "QK_INT8", "PV_FP8", "K_BLOCK"]
+_autotuned = triton.autotune(configs=_CONFIGS, key=_KEY)(_fp8_attention_kernel)
+# block-scaled K (fp8_attention.K_BLOCKS): only the tiles that lie inside one block of 128 keys
+K_BLOCK_TILES = 128
+_autotuned_k_blocks = triton.autotune(configs=[c for c in _CONFIGS if K_BLOCK_TILES % c.kwargs["BLOCK_N"] == 0],
+                                      key=_KEY)(_fp8_attention_kernel)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
            v_scale: torch.Tensor, sm_scale: float, out: torch.Tensor, qk_int8: bool, pv_fp8: bool,
-           interpreted: bool) -> torch.Tensor:
-    """q, k: (B, H, S, D) views with D contiguous (e4m3, or int8 with per-token scales (B, H, S));
+           interpreted: bool, k_block: int = 0) -> torch.Tensor:
+    """q, k: (B, H, S, D) views with D contiguous (e4m3, or int8 with per-token scales (B, H, S); with
+    ``k_block``, K's scales are per block of that many keys (B, H, ceil(S / k_block)));
     v: (B, H, S_k, D) view, any strides (e4m3 with S_k contiguous when ``pv_fp8``, else 16-bit);
     out: (B, S, H, D) with D contiguous, written in place and returned."""
     batch, heads, seq_q, head_dim = q.shape
@@ -106,7 +115,10 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Ten
     args = (q, k, v, out, q_scale, k_scale, v_scale, seq_q, seq_k, heads, sm_scale * 1.4426950408889634,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), v.stride(3), out.stride(0), out.stride(1), out.stride(2))
-    flags = dict(HEAD_DIM=head_dim, QK_INT8=qk_int8, PV_FP8=pv_fp8, P_MULT=P_SCALE)
+    if k_block and (not qk_int8 or k_block % K_BLOCK_TILES):
+        raise ValueError(f"k_block={k_block} needs int8 Q K^T and a multiple of {K_BLOCK_TILES} (the key tiles' "
+                         "widths must divide it)")
+    flags = dict(HEAD_DIM=head_dim, QK_INT8=qk_int8, PV_FP8=pv_fp8, P_MULT=P_SCALE, K_BLOCK=k_block)
     if interpreted:  # one small tile: the interpreter's cost grows with the tile, and autotuning would run it 5x
         block = 16
         grid = (triton.cdiv(seq_q, block), batch * heads)
@@ -117,5 +129,5 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Ten
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
 
     # EVEN_K for the largest tile tried: 4608 = 18 x 256 covers FLUX 1024², one mask-free path for every config
-    _autotuned[grid](*args, EVEN_K=seq_k % 256 == 0, **flags)
+    (_autotuned_k_blocks if k_block else _autotuned)[grid](*args, EVEN_K=seq_k % 256 == 0, **flags)
     return out
