@@ -22,6 +22,13 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
   linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
 
+    # what FP8 does to caption adherence (omni_accel.builtin.metric) and how often an image falls below 30 dB, over
+    # the 100 captions of bench_builtin_adherence.py (a tail that 16 captions cannot show), and a picture of each
+    # mode's two worst held-out captions beside their bf16 images
+    python benchmarks/bench_fp8_quality.py --modes fp8_static,fp8_static_fp8attn,fp8_static_fp8attn_static \
+        --adherence 100 --worst-png benchmarks/results/fp8_quality_worst.png \
+        --out benchmarks/results/fp8_quality_adherence.json
+
     # only some rows (the bf16 reference always runs); the second calibrates on another training caption
     python benchmarks/bench_fp8_quality.py --modes fp8_static_fp8attn,fp8_static_fp8attn_static \
         --out benchmarks/results/fp8_quality_attention_scales.json
@@ -87,8 +94,65 @@ def _linear_stats(pipe) -> dict:
             "layer_output_rel_err_max": max(e for e in layer_out if e is not None)}
 
 
+def adherence(got: torch.Tensor, captions: list[str], reference: torch.Tensor | None = None,
+              reference_verdicts: list[dict] | None = None) -> tuple[dict, list[dict]]:
+    """Caption adherence of ``got`` (omni_accel.builtin.metric: background, colour, shape, size / position where the
+    caption states them) over many captions; with the bf16 ``reference`` images and their ``reference_verdicts``
+    also the PSNR tail and how many verdicts FP8 turned right -> wrong and wrong -> right."""
+    from omni_accel.builtin import metric
+
+    verdicts = [metric.score(image.numpy(), caption) for image, caption in zip(got, captions)]
+    keys = sorted({key for v in verdicts for key in v})
+    summary = {"captions": len(captions),
+               "fraction_right": {k: round(sum(v[k] for v in verdicts if k in v)
+                                           / sum(k in v for v in verdicts), 4) for k in keys},
+               "all_right": round(sum(all(v.values()) for v in verdicts) / len(verdicts), 4)}
+    if reference is not None:
+        p = psnr(got, reference)
+        summary.update({"psnr_below_30_db": sum(x < 30 for x in p), "psnr_below_35_db": sum(x < 35 for x in p),
+                        "psnr_min": round(min(p), 2), "psnr_median": round(sorted(p)[len(p) // 2], 2),
+                        "psnr": [round(x, 2) for x in p]})
+    if reference_verdicts is not None:
+        pairs = [(r[k], v[k]) for r, v in zip(reference_verdicts, verdicts) for k in v]
+        summary["verdicts_right_to_wrong"] = sum(r and not g for r, g in pairs)
+        summary["verdicts_wrong_to_right"] = sum(g and not r for r, g in pairs)
+    return summary, verdicts
+
+
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
          "fp8_static_promoted", "fp8attn")
+
+
+def worst_png(worst: list, path: str) -> list[dict]:
+    """One line per (mode, caption): the bf16 image, the mode's, and a label; returns what each line shows."""
+    from PIL import Image, ImageDraw
+
+    from omni_accel.builtin import metric
+
+    size, label_width = 128, 360
+    sheet = Image.new("RGB", (2 * size + label_width, len(worst) * size), "white")
+    draw, lines = ImageDraw.Draw(sheet), []
+    for row, (mode, caption, p, bf16, fp8) in enumerate(worst):
+        meets = [all(metric.score(image.numpy(), caption).values()) for image in (bf16, fp8)]
+        for column, image in enumerate((bf16, fp8)):
+            pixels = (image.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+            sheet.paste(Image.fromarray(pixels).resize((size, size)), (column * size, row * size))
+        text = (f"{mode}\n{caption}\nPSNR {p:.1f} dB\nmeets its caption: bf16 (left) {'yes' if meets[0] else 'no'}, "
+                f"FP8 (right) {'yes' if meets[1] else 'no'}")
+        draw.text((2 * size + 6, row * size + 6), text, fill="black")
+        lines.append({"mode": mode, "caption": caption, "psnr": round(p, 2), "bf16_meets_caption": meets[0],
+                      "fp8_meets_caption": meets[1]})
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sheet.save(path)
+    return lines
+
+
+def _adherence_captions(n: int) -> list[str]:
+    if not n:
+        return []
+    from benchmarks.bench_builtin_adherence import captions
+
+    return [caption for caption, _ in captions(n, round(0.3 * n))]
 
 
 def main(argv=None) -> int:
@@ -100,6 +164,12 @@ def main(argv=None) -> int:
                     help="picks the training caption the static rows calibrate on")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU's own FP8 GEMMs (fast_accum differs "
                                                     "there only; the fp8attn rows need head dims 64 / 128 on a GPU)")
+    ap.add_argument("--adherence", type=int, default=0, metavar="N",
+                    help="also score caption adherence and the PSNR tail over N captions (bench_builtin_adherence.py's "
+                         "caption set: 30 %% held-out triples)")
+    ap.add_argument("--worst-png", default=None, metavar="PATH",
+                    help="a PNG of each mode's two worst captions: the bf16 image beside the mode's, with the PSNR and "
+                         "whether each image meets its caption (omni_accel.builtin.metric)")
     ap.add_argument("--out", default="benchmarks/results/fp8_quality.json")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
@@ -112,7 +182,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     reference = images(pipe, prompts, args.seed)
     rows = {"bf16": {"seconds": round(time.perf_counter() - t0, 2)}}
+    many = _adherence_captions(args.adherence)
+    if many:
+        many_reference = images(pipe, many, 0)
+        rows["bf16"]["adherence"], reference_verdicts = adherence(many_reference, many)
     calibration_prompt = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(args.calibration_seed)))[0]
+    worst = []  # (mode, caption, psnr, bf16 image, mode's image) for --worst-png
     for mode in modes:
         quant_mode = "fp8_weight_only" if mode == "fp8_weight_only" else "fp8"
         quant_config = {"measure_error": True}
@@ -129,6 +204,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         got = images(pipe, prompts, args.seed)
         seconds = time.perf_counter() - t0
+        many_got = images(pipe, many, 0) if many else None
         linear_stats = _linear_stats(pipe) if linears else {}
         attention_states = [m.activations for m in pipe.transformer.modules() if isinstance(m, AttentionScales)]
         if undo_route is not None:
@@ -136,9 +212,13 @@ def main(argv=None) -> int:
         if linears:
             omni_accel.restore(pipe)
         p, s = psnr(got, reference), ssim(got, reference)
+        for i in sorted(range(len(p)), key=p.__getitem__)[:2]:
+            worst.append((mode, prompts[i], p[i], reference[i], got[i]))
         rows[mode] = {"psnr_min": round(min(p), 2), "psnr_mean": round(sum(p) / len(p), 2),
                       "ssim_min": round(min(s), 4), "ssim_mean": round(sum(s) / len(s), 4), **linear_stats,
                       "seconds": round(seconds, 2), "psnr": [round(x, 2) for x in p]}
+        if many:
+            rows[mode]["adherence"], _ = adherence(many_got, many, many_reference, reference_verdicts)
         if mode.startswith("fp8_static"):
             rows[mode]["calibration_prompt"] = calibration_prompt
         if attention_states:
@@ -147,11 +227,13 @@ def main(argv=None) -> int:
     import diffusers
 
     result = {"model": "built-in (omni_accel/builtin/model)", "dtype": "bfloat16", "settings": BUILTIN_DEFAULTS,
-              "prompts": prompts, "seed": args.seed, "rows": rows,
+              "prompts": prompts, "seed": args.seed, "adherence_captions": many, "rows": rows,
               "env": {"torch": torch.__version__, "diffusers": diffusers.__version__,
                       "python": platform.python_version(), "machine": platform.machine(), "device": args.device,
                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                       "cpu_count": os.cpu_count()}}
+    if args.worst_png:
+        result["worst_png"] = worst_png(worst, args.worst_png)
     write_result(args.out, result)
     return 0
 

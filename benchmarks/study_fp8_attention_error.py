@@ -3,7 +3,7 @@
     python benchmarks/study_fp8_attention_error.py --out benchmarks/results/fp8_attention_error_study.json
 
 bf16 linears, FP8 attention only (cuDNN's FP8 SDPA arithmetic, which the op emulates on the CPU), PSNR of 16 held-out
-captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. Three studies:
+captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
 
 - ``operands``: round only some of the attention's operands to e4m3 (q and k, the probabilities P, v, the output),
   the others kept in float32: which rounding costs the images.
@@ -11,14 +11,18 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. Three studie
   their e4m3 rounding, which spreads a few large channels over all of them: a Hadamard matrix, one with random
   signs, a random orthogonal one.
 - ``modules``: FP8 attention in one attention module only, the others in bf16: how much one layer decides.
+- ``qk_int8``: Q K^T in int8 with a scale per token and head (omni_accel's Triton kernel), per block of 64 tokens and
+  head (SageAttention's granularity), or q per token and k per 128 keys (the kernel's ``int8_block_fp8`` mode),
+  instead of cuDNN's per-tensor e4m3; alone and beside static W8A8 linears.
 - ``fallback``: the whole FP8 stack (static W8A8 linears + FP8 attention) with the most sensitive parts kept in bf16
   -- the attention module that ``modules`` singles out, the linears of its block, the q / k projections, or the
   linears of one kind (``quant_config["skip"]`` patterns): can keeping a few modules exact hold the worst caption?
 
 Also the fp32 model against the bf16 one: how far a rounding change that is not FP8 moves each caption.
 
-    # one study only (fp32, operands, rotation, modules, fallback), to its own file
+    # one study only (fp32, operands, rotation, modules, fallback, qk_int8), to its own file
     python benchmarks/study_fp8_attention_error.py --studies fallback --out benchmarks/results/fp8_fallback_study.json
+    python benchmarks/study_fp8_attention_error.py --studies qk_int8 --out benchmarks/results/fp8_qk_int8_study.json
 """
 
 from __future__ import annotations
@@ -51,15 +55,27 @@ def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x / scale).clamp(-cfa.FP8_MAX, cfa.FP8_MAX).to(E4M3).float() * scale
 
 
+def int8_rounded(x: torch.Tensor, tokens_per_scale: int) -> torch.Tensor:
+    """(B, S, H, D) x through int8 with one scale (max |x| / 127) per head and per run of ``tokens_per_scale``
+    tokens (1: per token, as omni_accel's Triton kernel; a block, as SageAttention); back in float32."""
+    batch, seq, heads, dim = x.shape
+    padded = F.pad(x, (0, 0, 0, 0, 0, (-seq) % tokens_per_scale)).reshape(batch, -1, tokens_per_scale, heads, dim)
+    scale = padded.abs().amax(dim=(2, 4), keepdim=True).clamp_min(1e-12) / 127.0
+    return (torch.round(padded / scale) * scale).reshape(batch, -1, heads, dim)[:, :seq]
+
+
 def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: bool, round_o: bool,
-              rotation: torch.Tensor | None = None) -> torch.Tensor:
+              rotation: torch.Tensor | None = None, qk_int8_tokens: tuple[int, int] | None = None) -> torch.Tensor:
     """(B, S, H, D) attention with cuDNN's FP8 roundings switched one by one (per-tensor scales, K smoothed by its
-    token mean as the library does); float32 elsewhere."""
+    token mean as the library does); float32 elsewhere. ``qk_int8_tokens`` = (q's, k's) rounds q and k to int8
+    instead of e4m3, a scale per head and per that many tokens."""
     q, k, v = q.float(), k.float(), v.float()
     k = k - k.mean(dim=1, keepdim=True)  # softmax-invariant shift
     if rotation is not None:
         q, k = q @ rotation, k @ rotation
-    if round_qk:
+    if round_qk and qk_int8_tokens:
+        q, k = int8_rounded(q, qk_int8_tokens[0]), int8_rounded(k, qk_int8_tokens[1])
+    elif round_qk:
         q, k = rounded(q, q.abs().amax() / cfa.FP8_MAX), rounded(k, k.abs().amax() / cfa.FP8_MAX)
     v_scale = v.abs().amax() / cfa.FP8_MAX
     if round_v:
@@ -127,7 +143,7 @@ def summary(p: list[float], prompts: list[str]) -> dict:
             "psnr": [round(x, 2) for x in p]}
 
 
-STUDIES = ("fp32", "operands", "rotation", "modules", "fallback")
+STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8")
 SENSITIVE_ATTENTION = "transformer_blocks.1.attn"  # what the modules study singles out on the built-in model
 QK_PROJECTIONS = ["*attn.to_q", "*attn.to_k", "*attn.add_q_proj", "*attn.add_k_proj"]
 # (row name, FP8 linears?, their skip patterns, attention modules kept in bf16 -- None: no FP8 attention at all)
@@ -170,6 +186,39 @@ def fallback_study(pipe, prompts: list[str], reference: torch.Tensor, modules: l
         rows[name] = {"skip": skip, "attention_in_bf16": sorted(kept) if kept is not None else "all",
                       **summary(psnr(got, reference), prompts)}
         print("fallback", name, {k: v for k, v in rows[name].items() if k != "psnr"}, flush=True)
+    return rows
+
+
+# (row name, tokens per int8 scale of q and of k -- None: cuDNN's per-tensor e4m3)
+QK_PRECISIONS = (("e4m3, one scale per tensor (cuDNN's FP8 SDPA)", None),
+                 ("int8, a scale per token and head", (1, 1)),
+                 ("int8, a scale per 64 tokens and head", (64, 64)),
+                 ("int8, q per token, k per 128 keys (the Triton kernel's int8_block_fp8)", (1, 128)))
+
+
+def qk_int8_study(pipe, prompts: list[str], reference: torch.Tensor, modules: list[str],
+                  calibration_seeds: tuple[int, ...]) -> dict:
+    """cuDNN's FP8 attention with Q K^T in int8 instead of e4m3 (P, v and the output rounded as before), alone
+    (bf16 linears) and beside static W8A8 linears calibrated on a training caption (each of
+    ``calibration_seeds``): does a more precise Q K^T hold the worst caption?"""
+    rows = {}
+    for seed in (None, *calibration_seeds):
+        if seed is not None:
+            calibration = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(seed)))
+            omni_accel.accelerate(pipe, quant="fp8", quant_config={"activations": "static"})
+            quality.images(pipe, calibration, 1000)  # observes; the next call freezes the scales
+        try:
+            for name, tokens in QK_PRECISIONS:
+                with Replaced(pipe, len(modules),
+                              lambda i, q, k, v, s, t=tokens: attention(q, k, v, s, **ALL_ON, qk_int8_tokens=t)):
+                    got = quality.images(pipe, prompts, 0)
+                label = f"{name}; " + ("bf16 linears" if seed is None else f"static W8A8 linears (calibration {seed})")
+                rows[label] = {"qk_int8_tokens": list(tokens) if tokens else None, "calibration_seed": seed,
+                               **summary(psnr(got, reference), prompts)}
+                print("qk_int8", label, {k: v for k, v in rows[label].items() if k != "psnr"}, flush=True)
+        finally:
+            if seed is not None:
+                omni_accel.restore(pipe)
     return rows
 
 
@@ -226,6 +275,8 @@ def main(argv=None) -> int:
             print("only FP8 in", name, {k: v for k, v in result["modules"][name].items() if k != "psnr"}, flush=True)
     if "fallback" in studies:
         result["fallback"] = fallback_study(pipe, prompts, reference, modules)
+    if "qk_int8" in studies:
+        result["qk_int8"] = qk_int8_study(pipe, prompts, reference, modules, (7, 8))
     write_result(args.out, result)
     return 0
 

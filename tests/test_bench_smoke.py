@@ -264,3 +264,48 @@ def test_fp8_epilogues_bench_tiny_cpu_rows(tmp_path):
     err = {(r["case"], r.get("way")): r.get("max_abs_err") for r in rows}
     assert err[("concat_gelu_fp8", "triton")] <= err[("concat_gelu_fp8", "inductor")] + 1e-6
     assert err[("concat_gelu_bf16", "triton")] <= 2 * err[("concat_gelu_bf16", "inductor")]
+
+
+def test_attention_study_int8_rounding_has_one_scale_per_head_and_run_of_tokens():
+    """study_fp8_attention_error.py's int8 Q / K: each (run of tokens, head) group is rounded to 255 levels of its
+    own max |x| (error <= half a level, the max itself exact), a short last run gets its own scale, and a large value
+    in one group does not coarsen another."""
+    spec = importlib.util.spec_from_file_location("study", os.path.join(ROOT, "benchmarks",
+                                                                         "study_fp8_attention_error.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    import torch
+
+    x = torch.randn(2, 10, 3, 8, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 1, 2] = 50.0  # token 0, head 1: only its own group's scale grows
+    for tokens in (1, 4):
+        rounded = study.int8_rounded(x, tokens)
+        assert rounded.shape == x.shape
+        for start in range(0, 10, tokens):
+            group, got = x[:, start:start + tokens], rounded[:, start:start + tokens]
+            step = group.abs().amax(dim=(1, 3), keepdim=True) / 127.0
+            assert ((got - group).abs() <= step / 2 + 1e-6).all()
+            assert torch.equal(got.abs().amax(dim=(1, 3)), group.abs().amax(dim=(1, 3)))
+    assert (study.int8_rounded(x, 4)[0, 4:, 1] - x[0, 4:, 1]).abs().max() < 4.0 / 254  # |x| < 4 outside token 0
+
+
+def test_fp8_quality_adherence_scores_captions_and_counts_flipped_verdicts():
+    """bench_fp8_quality.py --adherence: the dataset's own renders meet their captions; the same renders shifted by
+    one caption miss most, every verdict they lose counts as right -> wrong against the renders, none the other way,
+    and each image falls below 30 dB of its reference."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_fp8_quality as quality
+    from omni_accel.builtin import dataset as ds
+
+    params = ds.sample_params(6, torch.Generator().manual_seed(0), p_omit_size=0, p_omit_position=0)
+    renders, captions = ds.render(params, 128), ds.captions_of(params)
+    right, verdicts = quality.adherence(renders, captions)
+    assert right == {"captions": 6, "all_right": 1.0,
+                     "fraction_right": dict.fromkeys(("bg_color", "color", "position", "shape", "size"), 1.0)}
+    shifted, _ = quality.adherence(renders.roll(1, 0), captions, renders, verdicts)
+    assert shifted["all_right"] < 0.5 and all(f < 1 for f in shifted["fraction_right"].values())
+    still_right = round(sum(6 * f for f in shifted["fraction_right"].values()))  # 6 captions x 5 stated properties
+    assert (shifted["verdicts_right_to_wrong"], shifted["verdicts_wrong_to_right"]) == (30 - still_right, 0)
+    assert shifted["psnr_below_30_db"] == 6 and len(shifted["psnr"]) == 6
