@@ -30,8 +30,8 @@ compiles as before, and an unexpected graph is left to inductor rather than fail
 it replaced in ``REWRITES``; ``QK_NORM_ROPE`` and ``LAYERNORM`` switch two of its parts off (A/B runs).
 
 Where inductor launches its own kernels with programmatic dependent launch (``triton.enable_pdl``, on by default on
-Hopper and newer), the kernels put in do too (``_pdl``; ``PDL`` switches that off): without it each one waited for
-the kernel before it to finish before the GPU started it, which is most of what PDL saves inductor's kernels.
+Hopper and newer), the kernels put in do too (``_pdl``; ``PDL`` switches that off): without it the GPU starts each
+of them only once the kernel before it has finished.
 """
 
 from __future__ import annotations
