@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -319,30 +319,6 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_bf16_mk_pdl_graphs", _ours(attention="auto", compile="max"), True, inductor=_MK_PDL,
         note="ours_bf16_mk_pdl + CUDA graph of the whole forward (compile='max'): whether the epilogue kernels' "
              "host-side dispatch is what keeps bf16 from its kernel time"),
-    Row("ours_bf16_mk_pdl_noepilogue", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
-        epilogue_fusion=False, note="ours_bf16_mk_pdl with inductor's own concat + GELU kernel (before the "
-                                    "epilogue-fusion pass)"),
-    Row("ours_fp8_fp8attn_static_fa_pdl_noepilogue", _fp8attn(_FAST_STATIC), False, calibrates=True,
-        inductor=_MK_PDL, cuda_only=True, epilogue_fusion=False,
-        note="ours_fp8_fp8attn_static_fa_pdl with inductor's own concat + GELU + cast kernel (before the "
-             "epilogue-fusion pass)"),
-    Row("ours_fp8_fp8attn_static_fa_pdl_noqk", _fp8attn(_FAST_STATIC), False, calibrates=True,
-        inductor=_MK_PDL, cuda_only=True, qk_norm_rope=False,
-        note="ours_fp8_fp8attn_static_fa_pdl with inductor's own q / k RMSNorm + rotary + cast kernel (the graph "
-             "pass's concat + GELU kernels kept)"),
-    Row("ours_fp8_fp8attn_static_fa_pdl_noln", _fp8attn(_FAST_STATIC), False, calibrates=True,
-        inductor=_MK_PDL, cuda_only=True, layernorm=False,
-        note="ours_fp8_fp8attn_static_fa_pdl with inductor's own AdaLN norm + modulate + cast kernels (the graph "
-             "pass's other kernels kept)"),
-    Row("ours_fp8_fp8attn_static_fa_pdl_nokernelpdl", _fp8attn(_FAST_STATIC), False, calibrates=True,
-        inductor=_MK_PDL, cuda_only=True, epilogue_pdl=False,
-        note="ours_fp8_fp8attn_static_fa_pdl with the graph pass's kernels launched without programmatic dependent "
-             "launch (inductor's own kernels keep it)"),
-    Row("ours_bf16_mk_pdl_nokernelpdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
-        epilogue_pdl=False, note="ours_bf16_mk_pdl with the graph pass's kernels launched without PDL"),
-    Row("ours_fp8_fp8attn_fa_pdl_noepilogue", _fp8attn(_FAST_LINEARS), False, calibrates=True, inductor=_MK_PDL,
-        cuda_only=True, epilogue_fusion=False,
-        note="ours_fp8_fp8attn_fa_pdl with inductor's own concat + GELU + cast kernel"),
     Row("ours_fp8_fp8attn_static_fa_pdl_stackrope", _fp8attn(_FAST_STATIC), False, calibrates=True,
         inductor=_MK_PDL, cuda_only=True, rotary_pair_swap=False,
         note="ours_fp8_fp8attn_static_fa_pdl with diffusers' unbind + stack rotary (before the pair swap)"),
@@ -374,6 +350,29 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("torchao_fp8_rowwise", _torchao_fp8, False, destructive=True, needs=("torchao",), cuda_only=True,
         note="torchao Float8DynamicActivationFloat8WeightConfig(PerRow) + cuDNN + compile_repeated_blocks"),
 )}
+
+
+def _switched(base: str, suffix: str, what: str, **switches) -> Row:
+    """The row ``base`` with library switches flipped (the other side of an A/B), named and described after it."""
+    return replace(ROWS[base], name=f"{base}_{suffix}", note=f"{base} with {what}", **switches)
+
+
+# A/B rows of the epilogue-fusion graph pass: the stacks above with the pass, one of its parts, or its kernels' PDL off
+_FP8_STATIC, _FP8_DEFAULT, _BF16 = "ours_fp8_fp8attn_static_fa_pdl", "ours_fp8_fp8attn_fa_pdl", "ours_bf16_mk_pdl"
+ROWS.update((row.name, row) for row in (
+    _switched(_BF16, "noepilogue", "inductor's own concat + GELU kernel (before the epilogue-fusion pass)",
+              epilogue_fusion=False),
+    _switched(_FP8_STATIC, "noepilogue", "inductor's own concat + GELU + cast kernel (before the epilogue-fusion pass)",
+              epilogue_fusion=False),
+    _switched(_FP8_STATIC, "noqk", "inductor's own q / k RMSNorm + rotary + cast kernel (the graph pass's concat + "
+              "GELU kernels kept)", qk_norm_rope=False),
+    _switched(_FP8_STATIC, "noln", "inductor's own AdaLN norm + modulate + cast kernels (the graph pass's other "
+              "kernels kept)", layernorm=False),
+    _switched(_FP8_STATIC, "nokernelpdl", "the graph pass's kernels launched without programmatic dependent launch "
+              "(inductor's own kernels keep it)", epilogue_pdl=False),
+    _switched(_BF16, "nokernelpdl", "the graph pass's kernels launched without PDL", epilogue_pdl=False),
+    _switched(_FP8_DEFAULT, "noepilogue", "inductor's own concat + GELU + cast kernel", epilogue_fusion=False),
+))
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
