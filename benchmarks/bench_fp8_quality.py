@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    if args.adherence < 0:
+        ap.error(f"--adherence {args.adherence}: give a number of captions >= 0 (0 skips the adherence rows)")
     torch.manual_seed(0)
     pipe = load_builtin(dtype=torch.bfloat16).to(args.device)
     g = torch.Generator().manual_seed(2027)

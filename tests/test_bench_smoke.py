@@ -289,7 +289,7 @@ def test_attention_study_int8_rounding_has_one_scale_per_head_and_run_of_tokens(
     assert (study.int8_rounded(x, 4)[0, 4:, 1] - x[0, 4:, 1]).abs().max() < 4.0 / 254  # |x| < 4 outside token 0
 
 
-def test_fp8_quality_adherence_scores_captions_and_counts_flipped_verdicts():
+def test_fp8_quality_adherence_scores_captions_and_counts_flipped_verdicts(capsys):
     """bench_fp8_quality.py --adherence: the dataset's own renders meet their captions; the same renders shifted by
     one caption miss most, every verdict they lose counts as right -> wrong against the renders, none the other way,
     and each image falls below 30 dB of its reference."""
@@ -309,3 +309,6 @@ def test_fp8_quality_adherence_scores_captions_and_counts_flipped_verdicts():
     still_right = round(sum(6 * f for f in shifted["fraction_right"].values()))  # 6 captions x 5 stated properties
     assert (shifted["verdicts_right_to_wrong"], shifted["verdicts_wrong_to_right"]) == (30 - still_right, 0)
     assert shifted["psnr_below_30_db"] == 6 and len(shifted["psnr"]) == 6
+    with pytest.raises(SystemExit):
+        quality.main(["--adherence", "-3"])
+    assert "--adherence -3: give a number of captions >= 0" in capsys.readouterr().err
