@@ -154,14 +154,28 @@ def test_fp8_attention_is_refused_without_a_gpu_before_anything_is_patched():
     assert module.dispatch_attention_fn is dispatcher and "omni_accel" not in vars(pipe)
 
 
-def test_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter does not lower anything; compiling to an sm_90 cubin (triton ships ptxas) does."""
+def _compile_for_hopper(kernel, pointers: dict, consts: dict, options: dict, floats=("eps",), aligned: bool = False):
+    """``kernel`` lowered to an sm_90 cubin without a GPU (triton ships ptxas): pointer arguments typed by
+    ``pointers``, the ``floats`` fp32, other scalars i32; ``aligned`` marks pointers and strides 16-divisible, as the
+    JIT specializes them for real tensors."""
     if fused.interpreted():
         pytest.skip("this process imported triton with TRITON_INTERPRET=1; the worker covers that path")
     triton = pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
+    divisible = [n for n in names if aligned and n not in consts and (n.endswith("_ptr") or n.startswith("stride"))]
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter does not lower anything; compiling to an sm_90 cubin does."""
+    if fused.interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1; the worker covers that path")
     ft = fused._triton_module()
     cases = [
         (ft._layernorm_modulate_kernel, dict(x_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16", out_ptr="*bf16"),
@@ -178,12 +192,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
          dict(BLOCK=2048)),
     ]
     for kernel, pointers, consts in cases:
-        names = kernel.arg_names
-        signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in ("eps", "fp8_max", "min_amax") else "i32")
-                     for n in names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(names.index(n),): v for n, v in consts.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        compiled = _compile_for_hopper(kernel, pointers, consts, {"num_warps": 8},
+                                       floats=("eps", "fp8_max", "min_amax"))
         assert "cubin" in compiled.asm, kernel.__name__
 
 
@@ -193,12 +203,6 @@ def test_fp8_attention_kernel_compiles_for_hopper_in_every_mode(mode):
     of the autotuned tile configs, the argument specializations the JIT makes) catches what the interpreter cannot.
     With block-scaled K, ptxas keeps the warp-group MMAs pipelined (no C7515 "wgmma ... serialized" warning, which
     the per-key scales of "int8_fp8" cause) and spills nothing."""
-    if fused.interpreted():
-        pytest.skip("this process imported triton with TRITON_INTERPRET=1; the worker covers that path")
-    triton = pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from omni_accel.kernels import fp8_attention as fa
     from omni_accel.kernels import fp8_attention_triton as fat
 
@@ -209,14 +213,8 @@ def test_fp8_attention_kernel_compiles_for_hopper_in_every_mode(mode):
     consts = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, EVEN_K=True, QK_INT8=qk_int8, PV_FP8=pv_fp8,
                   P_MULT=fat.P_SCALE, K_BLOCK=fa.K_BLOCKS.get(mode, 0))
     consts["stride_vs" if pv_fp8 else "stride_vd"] = 1  # V's token-contiguous (e4m3) or dim-contiguous layout
-    kernel = fat._fp8_attention_kernel
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
-                 for n in names}
-    aligned = [n for n in names if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))]
-    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
-                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    compiled = _compile_for_hopper(fat._fp8_attention_kernel, pointers, consts, {"num_warps": 8, "num_stages": 3},
+                                   floats=("qk_scale",), aligned=True)
     assert "cubin" in compiled.asm
     assert "wgmma" in compiled.asm["ptx"], "no Hopper warp-group MMA: the 8-bit operands were not laid out for it"
     if mode in fa.K_BLOCKS:
@@ -244,12 +242,6 @@ def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
     """The epilogue-fusion kernels lowered to sm_90 cubins at FLUX's shapes (what the interpreter never runs: the
     approximate reciprocal, the rotary's register swap, the e4m3 stores). With PDL their PTX waits for the kernels
     before them (griddepcontrol.wait) and releases the next one (griddepcontrol.launch_dependents); without, neither."""
-    if fused.interpreted():
-        pytest.skip("this process imported triton with TRITON_INTERPRET=1; the worker covers that path")
-    triton = pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from omni_accel.kernels import epilogue_triton as et
 
     cases = [  # (kernel, pointer types, constexprs, warps)
@@ -266,13 +258,7 @@ def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
          dict(C=3072, BLOCK=4096, ROWS=2, SPLIT=True, COUNT=2), 8),
     ]
     for kernel, pointers, consts, warps in cases:
-        consts = {**consts, "PDL": pdl}
-        names = kernel.arg_names
-        signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "eps" else "i32")
-                     for n in names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(names.index(n),): v for n, v in consts.items()})
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+        ptx = _compile_for_hopper(kernel, pointers, {**consts, "PDL": pdl}, {"num_warps": warps}).asm["ptx"]
         for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
             assert (instruction in ptx) == pdl, (kernel.__name__, instruction)
 
