@@ -59,11 +59,10 @@ MODES = {"fp8": (False, True), "int8_fp8": (True, True), "int8": (True, False), 
 DEFAULT_MODE = "int8_fp8"
 # Modes whose K has one int8 scale per this many keys (and head) instead of one per key. Why: the kernel multiplies
 # each score tile by its keys' scales; per key that is a vector along the tile's columns, which on Hopper makes ptxas
-# serialize the tile's warp-group MMAs (its C7515 warning) and takes 230 registers a thread (one 8-warp program per
-# SM); one scale per tile is a scalar, and neither happens (tests/test_kernels.py compiles both for sm_90). On the
-# built-in model a block of keys costs 0.7 dB of mean PSNR against a scale per key, far above e4m3's Q K^T
-# (benchmarks/study_fp8_attention_error.py, "qk_int8"). The kernel's key tiles must lie inside one block: its tile
-# widths divide the block.
+# serialize the tile's warp-group MMAs (its C7515 warning); one scale per tile is a scalar, and it does not
+# (tests/test_kernels.py compiles both for sm_90 and reads ptxas's report). On the built-in model a block of keys
+# costs 0.7 dB of mean PSNR against a scale per key, far above e4m3's Q K^T (benchmarks/study_fp8_attention_error.py,
+# "qk_int8"). The kernel's key tiles must lie inside one block: its tile widths divide the block.
 K_BLOCKS = {"int8_block_fp8": 128}
 
 
