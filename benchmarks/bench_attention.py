@@ -1,7 +1,7 @@
 """Attention kernel microbenchmark on DiT shapes: SDPA (cuDNN, Flash, mem-efficient), SageAttention, flash-attn 2-4.
 
     # on one H200, every shape and every backend that is installed
-    python benchmarks/bench_attention.py --out benchmarks/results/bench_attention_h200.json
+    python benchmarks/bench_attention.py --log-clocks --out benchmarks/results/bench_attention_h200.json
     # a subset
     python benchmarks/bench_attention.py --shapes flux,qwen_image --backends sdpa_cudnn,sage --iters 100
     # smoke test on the CPU (fp32, tiny shapes, SDPA math / default only; seconds)
@@ -57,6 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_transformer import ClockLog  # noqa: E402
 from benchmarks.timing import sample_ms, write_result  # noqa: E402
 
 T_START = time.perf_counter()
@@ -69,6 +70,11 @@ SHAPES: dict[str, tuple[int, int, int]] = {
     "flux": (4608, 24, 128),
     "qwen_image": (4352, 24, 128),
     "wan": (32760, 40, 128),
+    # where FlashAttention-4 starts to beat cuDNN (auto's key-count threshold): Wan 480x832 at 21 and 41 frames,
+    # FLUX at 2048² (16,384 image + 512 text tokens)
+    "wan_21f": (9360, 40, 128),
+    "wan_41f": (17160, 40, 128),
+    "flux_2048": (16896, 24, 128),
 }
 # the smoke test passes a small --ref-chunk-mib so that the reference runs in several query chunks here too
 TINY_SHAPES: dict[str, tuple[int, int, int]] = {"tiny_a": (64, 2, 16), "tiny_b": (96, 3, 32)}
@@ -172,6 +178,12 @@ def _fa4() -> Callable:
     return lambda q, k, v: _first(flash_attn_func(q, k, v, causal=False))
 
 
+def _omni_fa4() -> Callable:
+    from omni_accel.kernels.fa4_attention import fa4_attention
+
+    return lambda q, k, v: fa4_attention(q, k, v, None)
+
+
 def _installed(package: str) -> bool:
     try:  # a dotted name imports its parent, which raises when the parent is missing too
         return importlib.util.find_spec(package) is not None
@@ -206,6 +218,8 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         ("flash_attn", "BSHD", _flash_attn, "flash-attn flash_attn_func", "flash_attn"),
         ("fa3", "BSHD", _fa3, "FlashAttention-3 flash_attn_func", "flash_attn_interface"),
         ("fa4", "BSHD", _fa4, "FlashAttention-4 (CuTe DSL, flash-attn-4 package) flash_attn_func", "flash_attn.cute"),
+        ("omni_fa4", "BSHD", _omni_fa4, "omni_accel's omni_accel::fa4_attention op (attention='fa4'): flash-attn-4 "
+         "behind a torch custom op", "flash_attn.cute"),
     ]
     # on the CPU only the two SDPA entries that have CPU kernels: the smoke test checks the harness, not kernels
     cpu_ok = {"sdpa_math", "sdpa_default"}
@@ -330,7 +344,7 @@ def measure(kernel: Kernel, qkv: tuple[torch.Tensor, ...], ref: torch.Tensor, de
 
 
 def shape_rows(name: str, shape: tuple[int, int, int], kernels: list[Kernel], args: argparse.Namespace,
-               device: torch.device, dtype: torch.dtype, on_row: Callable[[dict], None]) -> None:
+               device: torch.device, dtype: torch.dtype, on_row: Callable[[dict], None], clocks) -> None:
     s, h, d = shape
     flops = 4.0 * s * s * d * h  # batch 1: QK^T and PV, 2 FLOPs per multiply-add each
     for kind in args.inputs.split(","):
@@ -344,8 +358,10 @@ def shape_rows(name: str, shape: tuple[int, int, int], kernels: list[Kernel], ar
             base = {"shape": name, "S": s, "H": h, "D": d, "B": 1, "backend": kernel.name, "input": kind,
                     "layout": kernel.layout, "dtype": str(dtype).replace("torch.", ""), "note": kernel.note}
             try:
+                clocks.mark()
                 got = measure(kernel, qkv, ref, device, args.iters, args.warmup)
-                row = {**base, **got, "tflops": flops / (got["ms"] / 1e3) / 1e12, "rel_err_rounding_floor": floor}
+                row = {**base, **got, "tflops": flops / (got["ms"] / 1e3) / 1e12, "rel_err_rounding_floor": floor,
+                       **clocks.since_mark()}
             except Exception as exc:  # noqa: BLE001 -- a kernel that rejects a shape costs its row only
                 row = {**base, "error": f"{type(exc).__name__}: {exc}"[:500],
                        "traceback": traceback.format_exc()[-1500:]}
@@ -381,7 +397,8 @@ def _driver() -> str | None:
 def environment(device: torch.device) -> dict:
     env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "torch": torch.__version__,
            "triton": _version("triton"), "sageattention": _version("sageattention"),
-           "flash_attn": _version("flash_attn") or _version("flash-attn"), "python": platform.python_version(),
+           "flash_attn": _version("flash_attn") or _version("flash-attn"), "flash_attn_4": _version("flash-attn-4"),
+           "python": platform.python_version(),
            "device": str(device)}
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), capability=list(torch.cuda.get_device_capability(device)),
@@ -458,6 +475,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None, help="timed samples per kernel (default 30; tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; tiny 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-clocks", action="store_true",
+                    help="SM clock and board power (nvidia-smi, every 100 ms) over each row's calls")
     ap.add_argument("--outlier-sigma", type=float, default=1.0, help="lognormal sigma of the q/k channel scales")
     ap.add_argument("--k-offset", type=float, default=4.0, help="std of k's per-channel offset (outliers set)")
     ap.add_argument("--ref-chunk-mib", type=float, default=1024.0, help="fp32 score MiB per reference chunk")
@@ -499,8 +518,12 @@ def main(argv: list[str] | None = None) -> int:
         log(json.dumps(shown))
         write_result(args.out, result)  # after every row: a crash later keeps what was measured
 
-    for name in names:
-        shape_rows(name, table[name], kernels, args, device, dtype, on_row)
+    clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
+    try:
+        for name in names:
+            shape_rows(name, table[name], kernels, args, device, dtype, on_row, clocks)
+    finally:
+        clocks.stop()
     result["total_s"] = round(time.perf_counter() - T_START, 1)
     cudnn_fp8 = sys.modules.get("omni_accel.kernels.cudnn_fp8_attention")
     if cudnn_fp8 is not None:  # shapes cuDNN refused ran in bf16 SDPA inside the op: their fp8 rows are not cuDNN's

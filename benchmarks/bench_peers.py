@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.util
+import importlib
 import os
 import platform
 import statistics
@@ -71,6 +71,7 @@ from benchmarks.bench_transformer import (  # noqa: E402
     wan_spec,
 )
 from benchmarks.timing import back_to_back_ms, write_result  # noqa: E402
+from omni_accel.deps import installed  # noqa: E402
 
 
 def wan81_spec(tiny: bool) -> dict:
@@ -316,6 +317,12 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="ours_fp8_fp8attn_static_fa with FLUX's first single-stream block compiled apart"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
+    # attention="auto" sends calls with >= 16k keys to FlashAttention-4 where flash-attn-4 is installed (Wan 81
+    # frames' self-attention; FLUX stays on cuDNN): these two rows are its A/B sides
+    Row("ours_bf16_mk_pdl_cudnn", _ours(attention="cudnn", compile=True), True, inductor=_MK_PDL,
+        note="ours_bf16_mk_pdl with cuDNN SDPA for every attention call (auto before its FlashAttention-4 route)"),
+    Row("ours_bf16_mk_pdl_fa4", _ours(attention="fa4", compile=True), True, inductor=_MK_PDL,
+        needs=("flash_attn.cute",), cuda_only=True, note="ours_bf16_mk_pdl with FlashAttention-4 (flash-attn-4) for every attention call it serves"),
     Row("ours_bf16_mk_pdl_graphs", _ours(attention="auto", compile="max"), True, inductor=_MK_PDL,
         note="ours_bf16_mk_pdl + CUDA graph of the whole forward (compile='max'): whether the epilogue kernels' "
              "host-side dispatch is what keeps bf16 from its kernel time"),
@@ -379,7 +386,7 @@ DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_s
 
 
 def skip_reason(row: Row, device: torch.device) -> str | None:
-    missing = [p for p in row.needs if importlib.util.find_spec(p) is None]
+    missing = [p for p in row.needs if not installed(p)]  # installed(): a dotted name whose parent is missing too
     if missing:
         return f"needs {', '.join(missing)}"
     if row.cuda_only and device.type != "cuda":
@@ -755,7 +762,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    versions = {p: _version(p) for p in ("torchao", "nvidia-cudnn-frontend", "triton")}
+    versions = {p: _version(p) for p in ("torchao", "nvidia-cudnn-frontend", "triton", "flash-attn-4")}
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "diffusers": diffusers.__version__, "omni_accel": omni_accel.__version__,
            "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,

@@ -19,6 +19,7 @@ INSTALL = {
     "triton": "pip install triton",
     "flash_attn": "pip install flash-attn",
     "flash_attn_interface": "build FlashAttention-3 from the flash-attention repository's hopper/ folder",
+    "flash_attn.cute": "pip install flash-attn-4 (with a CUDA 13 build of torch: pip install 'flash-attn-4[cu13]')",
     "sageattention": "pip install sageattention",
     "xformers": "pip install xformers",
 }

@@ -6,17 +6,20 @@ Two routes, by what the backend is:
   backend for this: it copies q/k/v to contiguous before SDPA, measured 5 % slower per FLUX step on an H200.
 - Other kernels (flash-attn, FA3, Sage, flex, xformers) go through diffusers' dispatcher
   (``set_attention_backend``), so only families whose processors use the dispatcher can take them.
+- omni_accel's own routes (FP8 attention, FlashAttention-4) wrap the dispatcher and take the calls they can serve
+  (``fp8_attention.route_transformer``); the rest go to the dispatcher unchanged.
 
 ``attention="auto"`` follows ``AUTO_TABLE`` (device, capability, dtype, compiled or not, head dim, FP8 stack ->
 backend), whose rows come from measurements (docs/kernels.md): in eager mode it patches nothing, so the plain
 pipeline's own kernel runs; compiled on Hopper in 16-bit it pins cuDNN SDPA (637 vs 331 TFLOP/s for FA2 at FLUX
-shapes on an H200); with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention.
+shapes on an H200) and, where flash-attn-4 is installed, sends calls over ``fa4_attention.AUTO_MIN_TOKENS`` keys
+(video) to FlashAttention-4; with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from diffusers.hooks import ModelHook
@@ -26,6 +29,7 @@ from ..deps import installed, missing_message
 from ..errors import AccelError
 from ..hooks import add_hook
 from ..pass_base import AccelPass, PassContext
+from . import fa4_attention
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +57,13 @@ BACKENDS: dict[str, Backend] = {
         Backend("sage", "sage", None, True, "sageattention", note="SageAttention (lossy int8 QK)"),
         Backend("flex", "flex", None, False, note="torch flex_attention"),
         Backend("xformers", "xformers", None, True, "xformers", note="xformers memory-efficient attention"),
+        Backend("fa4", "", None, True, "flash_attn.cute",
+                note="FlashAttention-4 (flash-attn-4 package, CuTe DSL; Hopper and newer)"),
         Backend("fp8", "", None, True, "triton",
                 note="omni_accel's 8-bit flash attention: int8 QK^T, e4m3 PV (Triton; lossy)"),
     )
 }
-ALIASES = {"native": "sdpa", "flash": "flash_attn", "flash3": "fa3", "sageattention": "sage"}
+ALIASES = {"native": "sdpa", "flash": "flash_attn", "flash3": "fa3", "flash4": "fa4", "sageattention": "sage"}
 
 
 def _installed(package: str | None) -> bool:
@@ -71,6 +77,8 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     def runs_here(b: Backend) -> bool:
         if b.name == "fp8":
             return _fp8_refusal(device) is None
+        if b.name == "fa4" and device.type == "cuda" and torch.cuda.is_available():
+            return _fa4_refusal(device) is None
         return device.type == "cuda" or not b.needs_cuda
 
     return [b.name for b in BACKENDS.values() if _installed(b.package) and runs_here(b)]
@@ -88,6 +96,9 @@ class AutoRule:
     fp8_stack: bool | None  # quant="fp8" (lossy stack); None = either
     backend: str
     why: str
+    # calls with at least long_min_tokens keys go to long_backend instead (kept only where it can run here)
+    long_backend: str | None = None
+    long_min_tokens: int = 0
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -96,7 +107,9 @@ AUTO_TABLE: tuple[AutoRule, ...] = (
     AutoRule("cuda", (9, 0), _HALF, True, 128, True, "fp8",
              "FP8 stack on Hopper with cuDNN's FP8 SDPA: e4m3 attention (lossy, like the FP8 linears it joins)"),
     AutoRule("cuda", (9, 0), _HALF, True, 128, None, "cudnn",
-             "compiled, Hopper+, 16-bit, head dim <= 128: cuDNN SDPA is the fastest measured kernel"),
+             "compiled, Hopper+, 16-bit, head dim <= 128: cuDNN SDPA is the fastest measured kernel up to 4.6k "
+             "tokens; from 16k keys FlashAttention-4 where installed (1.18x cuDNN at 32.8k)",
+             long_backend="fa4", long_min_tokens=fa4_attention.AUTO_MIN_TOKENS),
     AutoRule("cuda", None, None, False, None, None, "sdpa",
              "eager: PyTorch's own SDPA choice, exactly the plain pipeline's kernel (never slower than not "
              "calling accelerate)"),
@@ -125,8 +138,14 @@ def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_d
             continue
         if rule.backend == "fp8" and _fp8_stack_attention_refusal(device) is not None:
             continue
+        if rule.long_backend == "fa4" and _fa4_refusal(device, capability) is not None:
+            return replace(rule, long_backend=None, long_min_tokens=0)
         return rule
     return AutoRule(device.type, None, None, None, None, None, "sdpa", "no rule for this device type")
+
+
+def _fa4_refusal(device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
+    return fa4_attention.unavailable_reason(device, capability)
 
 
 def _fp8_stack_attention_refusal(device: torch.device) -> str | None:
@@ -150,6 +169,11 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, compile
     backend = BACKENDS[key]
     if backend.name == "fp8":
         return _check_fp8(device)
+    if backend.name == "fa4":
+        refusal = _fa4_refusal(device)
+        if refusal is not None:
+            raise AccelError(refusal)
+        return backend
     if backend.needs_cuda and device.type != "cuda":
         raise AccelError(
             f"attention={name!r} needs a CUDA GPU but the pipeline runs on {device}; use attention='auto' or 'sdpa'."
@@ -206,6 +230,14 @@ def _fp8_stack(ctx: PassContext) -> bool:
             and ctx.config.sequence_degree == 1)
 
 
+def _graph_captured(ctx: PassContext) -> bool:
+    """Whether the compile pass will capture the transformer forward in a CUDA graph (compile="max", or the FP8
+    stack's default graph): auto keeps FlashAttention-4 out of those, where its launches are not verified."""
+    from ..compiler import fp8_graphs_by_default
+
+    return ctx.config.compile == "max" or fp8_graphs_by_default(ctx)
+
+
 def _head_dim(transformer) -> int | None:
     """The attention head size from the transformer's config (diffusers' DiTs name it attention_head_dim, or
     give dim and n_heads)."""
@@ -226,11 +258,12 @@ class AttentionPass(AccelPass):
     def wanted(self, config) -> bool:
         return True
 
-    def _plan(self, ctx: PassContext) -> Backend:
+    def _plan(self, ctx: PassContext) -> tuple[Backend, int | None]:
+        """The backend, and the key count from which calls go to FlashAttention-4 (None: no FA4 route)."""
         transformer = ctx.adapter.transformers_of(ctx.pipe)[0][1]  # Wan 2.2 may hold only transformer_2
-        backend = resolve_backend(ctx.config.attention, ctx.device, transformer.dtype,
-                                  compiled=bool(ctx.config.compile), head_dim=_head_dim(transformer),
-                                  fp8_stack=_fp8_stack(ctx))
+        decision = dict(dtype=transformer.dtype, compiled=bool(ctx.config.compile), head_dim=_head_dim(transformer),
+                        fp8_stack=_fp8_stack(ctx))
+        backend = resolve_backend(ctx.config.attention, ctx.device, **decision)
         if not ctx.adapter.attention_via_dispatcher and backend.sdpa is None and backend.name != "sdpa":
             # only SDPA kernels reach processors that call F.scaled_dot_product_attention themselves
             usable = [b.name for b in BACKENDS.values() if b.sdpa is not None or b.name == "sdpa"]
@@ -238,14 +271,22 @@ class AttentionPass(AccelPass):
                 f"attention={ctx.config.attention!r} cannot reach {ctx.adapter.family}: its attention calls PyTorch "
                 f"SDPA directly, so only SDPA kernels apply. Use one of: auto, {', '.join(usable)}."
             )
-        return backend
+        if backend.name == "fa4":
+            return backend, 0
+        if (ctx.config.attention == "auto" and ctx.adapter.attention_via_dispatcher
+                and ctx.config.sequence_degree == 1  # sp: the ring / Ulysses paths need the dispatcher's kernels
+                and not _graph_captured(ctx)):
+            rule = choose_auto(ctx.device, **decision)
+            if rule.long_backend == "fa4":
+                return backend, rule.long_min_tokens
+        return backend, None
 
     def check(self, ctx: PassContext) -> None:
-        backend = self._plan(ctx)
-        if backend.name == "fp8" and ctx.config.sequence_degree > 1:
+        backend, _ = self._plan(ctx)
+        if backend.name in ("fp8", "fa4") and ctx.config.sequence_degree > 1:
             raise AccelError(
-                f"attention='fp8' cannot be combined with sequence parallelism (sp={ctx.config.sp}): the ring and "
-                "Ulysses paths need the dispatcher's own kernels. Use attention='auto' with sp, or sp=1."
+                f"attention={backend.name!r} cannot be combined with sequence parallelism (sp={ctx.config.sp}): the "
+                "ring and Ulysses paths need the dispatcher's own kernels. Use attention='auto' with sp, or sp=1."
             )
         if ctx.config.quant == "fp8":
             from .fp8_attention import implementation_for
@@ -254,7 +295,7 @@ class AttentionPass(AccelPass):
             check_static_attention(ctx, backend.name == "fp8" and implementation_for(ctx.device) == "cudnn")
 
     def apply(self, ctx: PassContext) -> None:
-        backend = self._plan(ctx)
+        backend, fa4_min_tokens = self._plan(ctx)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             if backend.name == "sdpa":
                 undo = lambda: None  # noqa: E731 -- default path: nothing to patch
@@ -270,12 +311,32 @@ class AttentionPass(AccelPass):
 
                     start_static_attention(ctx, name, transformer)
                 continue
+            elif backend.name == "fa4":
+                from .fp8_attention import route_transformer
+
+                undo = route_transformer(transformer, "fa4")
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
+                if fa4_min_tokens:  # auto: long sequences to FlashAttention-4, the rest to the SDPA kernel
+                    from .fp8_attention import route_transformer
+
+                    undo = _both(route_transformer(transformer, "fa4", fa4_min_tokens), undo)
+                    ctx.state.record("attention", undo, component=name, backend=backend.name,
+                                     requested=ctx.config.attention, long_sequences=f"fa4 from {fa4_min_tokens} keys")
+                    continue
             else:
                 undo = _set_dispatcher_backend(transformer, backend.dispatcher)
             ctx.state.record("attention", undo, component=name, backend=backend.name, requested=ctx.config.attention)
         logger.info("omni_accel: attention backend %s (%s)", backend.name, backend.note)
+
+
+def _both(first, second):
+    """One undo that runs ``first`` then ``second``."""
+    def undo() -> None:
+        first()
+        second()
+
+    return undo
 
 
 def _set_dispatcher_backend(transformer, dispatcher_name: str):

@@ -18,7 +18,8 @@ The Triton implementation, and why it is split as it is:
 - The kernel (``fp8_attention_triton.py``) is one custom op, ``omni_accel::fp8_attention_core``, opaque to
   inductor like SDPA is.
 - Routing: the attention pass swaps the processors' module-global ``dispatch_attention_fn`` for a wrapper that
-  takes the FP8 path only while an FP8-routed transformer runs (other pipelines of the same family in the process
+  takes the FP8 path only while an FP8-routed transformer runs (the same route carries FlashAttention-4, a 16-bit
+  kernel, for ``attention="fa4"`` and auto's long sequences: ``fa4_attention.py``) (other pipelines of the same family in the process
   keep their attention) and only for calls it can serve (no mask, not causal, no dropout, head dim 64 or 128, same
   head count for q and k/v); every other call goes to the original dispatcher.
 - Static scales (cuDNN implementation, with the FP8 linears' static activations): ``attach_attention_scales``
@@ -37,7 +38,7 @@ from diffusers.hooks import ModelHook
 
 from ..errors import AccelError
 from ..hooks import add_hook, swap_module_global
-from . import fused
+from . import fa4_attention, fused
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 HEAD_DIMS = (64, 128)  # what the GPU kernel is tuned for (every supported DiT); 8-bit MMAs need >= 32 anyway
@@ -153,7 +154,7 @@ def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             and query.dtype.is_floating_point)
 
 
-IMPLEMENTATIONS = ("cudnn", "triton")
+IMPLEMENTATIONS = ("cudnn", "triton")  # FP8 ones; the route also carries 16-bit "fa4" (fa4_attention.py)
 
 
 def implementation_for(device: torch.device) -> str:
@@ -164,28 +165,31 @@ def implementation_for(device: torch.device) -> str:
 
 
 class _Route:
-    """How many FP8-routed transformer forwards are running (nesting-safe), and the implementation of the
-    innermost one. No per-call counters here: compiled blocks read this class, and dynamo would guard on (and
-    recompile for) every counter value."""
+    """How many routed transformer forwards are running (nesting-safe), and the implementation and minimum key
+    count of the innermost one. No per-call counters here: compiled blocks read this class, and dynamo would guard
+    on (and recompile for) every counter value."""
 
     depth = 0
     implementation = "triton"
+    min_tokens = 0
 
 
 class _RouteHook(ModelHook):
-    def __init__(self, implementation: str):
+    def __init__(self, implementation: str, min_tokens: int = 0):
         super().__init__()
         self.implementation = implementation
+        self.min_tokens = min_tokens
 
     def new_forward(self, module, *args, **kwargs):
         _Route.depth += 1
-        outer, _Route.implementation = _Route.implementation, self.implementation
+        outer = _Route.implementation, _Route.min_tokens
+        _Route.implementation, _Route.min_tokens = self.implementation, self.min_tokens
         scope_depth = len(_SCOPE)
         try:
             return self.fn_ref.original_forward(*args, **kwargs)
         finally:
             _Route.depth -= 1
-            _Route.implementation = outer
+            _Route.implementation, _Route.min_tokens = outer
             del _SCOPE[scope_depth:]  # an attention forward that raised skipped its scope's exit hook
 
 
@@ -237,7 +241,15 @@ def attach_attention_scales(transformer: torch.nn.Module, prefix: str) -> tuple[
     return scales, undo
 
 
+def _served(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
+    if _Route.implementation == "fa4":
+        return fa4_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal, _Route.min_tokens)
+    return fp8_eligible(query, key, value, attn_mask, dropout_p, is_causal)
+
+
 def _routed_attention(query, key, value, scale):
+    if _Route.implementation == "fa4":
+        return fa4_attention.fa4_attention(query, key, value, scale)
     if _Route.implementation == "cudnn":
         from .cudnn_fp8_attention import cudnn_fp8_attention
 
@@ -248,7 +260,7 @@ def _routed_attention(query, key, value, scale):
 def _make_dispatch(original: Callable) -> Callable:
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if _Route.depth and fp8_eligible(query, key, value, attn_mask, dropout_p, is_causal):
+        if _Route.depth and _served(query, key, value, attn_mask, dropout_p, is_causal):
             return _routed_attention(query, key, value, scale)
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
@@ -261,11 +273,13 @@ def _make_dispatch(original: Callable) -> Callable:
 _ROUTED: dict[str, list] = {}  # module name -> [original dispatch_attention_fn, transformers routed through it]
 
 
-def route_transformer(transformer: torch.nn.Module, implementation: str = "triton") -> Callable[[], None]:
-    """Send ``transformer``'s eligible attention calls to the FP8 kernel; return the undo. The modules'
-    ``dispatch_attention_fn`` globals are shared by every pipeline of the family in the process, so they are swapped
-    once and put back with the last routed transformer's undo (``hooks.swap_module_global``)."""
-    undo_hook = add_hook(transformer, "fp8_attention", _RouteHook(implementation))
+def route_transformer(transformer: torch.nn.Module, implementation: str = "triton",
+                      min_tokens: int = 0) -> Callable[[], None]:
+    """Send ``transformer``'s eligible attention calls to ``implementation`` (an FP8 one, or "fa4" for calls with at
+    least ``min_tokens`` keys); return the undo. The modules' ``dispatch_attention_fn`` globals are shared by every
+    pipeline of the family in the process, so they are swapped once and put back with the last routed transformer's
+    undo (``hooks.swap_module_global``)."""
+    undo_hook = add_hook(transformer, f"attention_route.{implementation}", _RouteHook(implementation, min_tokens))
     # a module without dispatch_attention_fn does not dispatch attention
     _, undo_globals = swap_module_global(transformer, "dispatch_attention_fn", _ROUTED,
                                          lambda current: None if current is None else _make_dispatch(current))

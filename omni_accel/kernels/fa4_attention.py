@@ -1,0 +1,107 @@
+"""FlashAttention-4 (the ``flash-attn-4`` package, CuTe DSL) as a 16-bit attention kernel: ``attention="fa4"``, and
+``attention="auto"``'s choice for long sequences on Hopper and newer.
+
+Why: measured on an H200 (``benchmarks/bench_attention.py``, docs/kernels.md), FA4's Hopper kernel is 1.18x faster
+than cuDNN's SDPA at Wan's 81-frame shape (32,760 tokens, 40 heads x 128: 33.2 vs 39.2 ms, 661 vs 561 TFLOP/s)
+and slower at FLUX's and Qwen-Image's 4.4-4.6k tokens (0.48 vs 0.44 ms). So ``auto`` keeps cuDNN and sends only
+calls with at least ``AUTO_MIN_TOKENS`` keys to FA4; ``attention="fa4"`` sends every call it can serve.
+
+How it reaches the model: the same route as FP8 attention (``fp8_attention.route_transformer``): the processors'
+module-global ``dispatch_attention_fn`` is wrapped, and calls this kernel can serve (``eligible``) go to the custom
+op ``omni_accel::fa4_attention``, opaque to inductor like SDPA; every other call goes to the original dispatcher.
+The op's fake implementation gives compiled blocks the output's shape without running the kernel. The package is
+imported on the first real call only: importing it loads the CuTe DSL compiler (seconds).
+
+A call FA4 cannot serve at run time (an import that fails although the package is found -- a missing CuTe DSL
+runtime, say -- or a shape its kernels reject) is computed by SDPA inside the same op, logged once per shape and
+listed by ``refused_shapes()``, so a model never fails for one attention call; the shape goes straight to SDPA from
+then on. ``auto`` does not route to FA4 in forwards that a CUDA graph captures (``compile="max"``, and the FP8
+stack's default graph): FA4's launches inside a capture have not been verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from ..deps import installed, missing_message
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = "flash_attn.cute"  # what flash-attn-4 installs (flash_attn is a namespace package there)
+MIN_CAPABILITY = (9, 0)  # measured on Hopper; FA4's own kernels also cover Blackwell
+MAX_HEAD_DIM = 256  # FA4's Hopper kernels: head dims 8..256, multiples of 8
+DTYPES = (torch.bfloat16, torch.float16)
+# Keys per call from which auto prefers FA4 to cuDNN: measured 32,760 (FA4 1.18x) and 4,352-4,608 (cuDNN 1.1x);
+# between them we keep cuDNN until a measurement says otherwise.
+AUTO_MIN_TOKENS = 16384
+
+
+def unavailable_reason(device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
+    """Why FA4 cannot run on ``device``, or None when it can. ``capability`` defaults to the device's (tests fake
+    it)."""
+    if not installed(PACKAGE):
+        return missing_message("flash_attn.cute", "attention='fa4'", "use attention='auto'")
+    if device.type != "cuda":
+        return f"attention='fa4' needs a CUDA GPU but the pipeline runs on {device}; use attention='auto'."
+    if capability is None and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+    if capability is not None and tuple(capability) < MIN_CAPABILITY:
+        return (f"attention='fa4' needs a GPU with compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+                f"newer (Hopper, Blackwell); this GPU has {capability[0]}.{capability[1]}. Use attention='auto'.")
+    return None
+
+
+def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask, dropout_p: float,
+             is_causal: bool, min_tokens: int = 0) -> bool:
+    """Whether the FA4 kernel serves this dispatcher call (diffusers' layout: batch, tokens, heads, head dim)."""
+    head_dim = query.shape[-1]
+    return (attn_mask is None and not is_causal and not dropout_p and query.ndim == 4
+            and query.dtype in DTYPES and key.dtype == value.dtype == query.dtype
+            and head_dim == key.shape[-1] and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
+            and value.shape[-1] <= MAX_HEAD_DIM and value.shape[-1] % 8 == 0
+            and query.shape[2] % key.shape[2] == 0 and key.shape[1] >= min_tokens)
+
+
+_REFUSED: dict[tuple, str] = {}  # (q shape, k shape, v shape, dtype) -> why FA4 failed there
+_REFUSED_LOCK = threading.Lock()
+
+
+def refused_shapes() -> dict[str, str]:
+    """The call shapes FA4 failed on in this process (SDPA computed them), with the reason."""
+    with _REFUSED_LOCK:
+        return {str(key): why for key, why in _REFUSED.items()}
+
+
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                         scale=scale, enable_gqa=query.shape[2] != key.shape[2])
+    return out.transpose(1, 2).contiguous()  # the fake implementation's layout: (batch, tokens, heads, dim)
+
+
+@torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())
+def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
+    shape = (tuple(query.shape), tuple(key.shape), tuple(value.shape), str(query.dtype).replace("torch.", ""))
+    if shape in _REFUSED:
+        return _sdpa(query, key, value, scale)
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+
+        out = flash_attn_func(query, key, value, softmax_scale=scale, causal=False)
+    except Exception as exc:  # noqa: BLE001 -- any failure of the package costs this shape the fast kernel only
+        why = f"{type(exc).__name__}: {exc}"[:300]
+        with _REFUSED_LOCK:
+            _REFUSED[shape] = why
+        logger.warning("omni_accel: FlashAttention-4 failed for q %s, k %s (%s); SDPA computes this shape from now "
+                       "on", shape[0], shape[1], why)
+        return _sdpa(query, key, value, scale)
+    return out[0] if isinstance(out, tuple) else out  # some versions return (out, lse)
+
+
+@fa4_attention.register_fake
+def _(query, key, value, scale):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))

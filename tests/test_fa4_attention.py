@@ -1,0 +1,233 @@
+"""attention="fa4" (FlashAttention-4) and auto's long-sequence route to it, tested without a GPU: the decision table
+with a faked capability, the refusals, the route (with SDPA standing in for the kernel: outputs must equal the plain
+pipeline's), the key-count threshold, and the op's fake implementation that compiled blocks trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import omni_accel
+from omni_accel import AccelError
+from omni_accel.kernels import attention as attn
+from omni_accel.kernels import fa4_attention as fa4
+from omni_accel.kernels import fp8_attention as route
+from omni_accel.testing import run, tiny_pipeline
+
+HOPPER = (9, 0)
+CUDA = torch.device("cuda")
+
+
+def _fa4_available(monkeypatch) -> None:
+    monkeypatch.setattr(attn, "_fa4_refusal", lambda device, capability=None: None)
+
+
+# ------------------------------------------------------------------------------------------ decision table
+def test_auto_keeps_cudnn_and_sends_long_sequences_to_fa4_where_it_runs(monkeypatch):
+    _fa4_available(monkeypatch)
+    rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
+    assert (rule.backend, rule.long_backend, rule.long_min_tokens) == ("cudnn", "fa4", fa4.AUTO_MIN_TOKENS)
+    assert fa4.AUTO_MIN_TOKENS == 16384
+
+
+@pytest.mark.parametrize("dtype, compiled, fp8_stack, capability, backend", [
+    (torch.bfloat16, False, False, HOPPER, "sdpa"),  # eager: the plain pipeline's own kernel, nothing routed
+    (torch.bfloat16, True, True, HOPPER, "fp8"),  # the FP8 stack: cuDNN FP8 attention at every length
+    (torch.bfloat16, True, False, (8, 0), "sdpa"),
+    (torch.float32, True, False, HOPPER, "sdpa"),
+])
+def test_auto_routes_nothing_to_fa4_outside_compiled_16_bit_hopper(monkeypatch, dtype, compiled, fp8_stack,
+                                                                  capability, backend):
+    _fa4_available(monkeypatch)
+    monkeypatch.setattr(attn, "_fp8_stack_attention_refusal", lambda device: None)
+    rule = attn.choose_auto(CUDA, dtype, compiled, 128, fp8_stack, capability)
+    assert (rule.backend, rule.long_backend) == (backend, None)
+
+
+def test_auto_drops_the_fa4_route_where_flash_attn_4_cannot_run(monkeypatch):
+    monkeypatch.setattr(attn, "_fa4_refusal", lambda device, capability=None: "not installed")
+    rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
+    assert (rule.backend, rule.long_backend, rule.long_min_tokens) == ("cudnn", None, 0)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_fa4_without_the_package_is_refused_before_anything_is_patched(monkeypatch):
+    monkeypatch.setattr(fa4, "installed", lambda module: False)
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as err:
+        omni_accel.accelerate(pipe, attention="fa4")
+    assert str(err.value) == (
+        "attention='fa4' needs the 'flash_attn.cute' package, which is not installed: pip install flash-attn-4 "
+        "(with a CUDA 13 build of torch: pip install 'flash-attn-4[cu13]'); or use attention='auto'.")
+    assert "omni_accel" not in vars(pipe)
+
+
+def test_fa4_on_a_cpu_or_an_older_gpu_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(fa4, "installed", lambda module: True)
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as err:
+        omni_accel.accelerate(pipe, attention="flash4")  # the alias names the same backend
+    assert str(err.value) == "attention='fa4' needs a CUDA GPU but the pipeline runs on cpu; use attention='auto'."
+    assert fa4.unavailable_reason(CUDA, (8, 0)) == (
+        "attention='fa4' needs a GPU with compute capability 9.0 or newer (Hopper, Blackwell); this GPU has 8.0. "
+        "Use attention='auto'.")
+    assert fa4.unavailable_reason(CUDA, HOPPER) is None
+
+
+@pytest.mark.parametrize("change, served", [
+    ({}, True),
+    ({"attn_mask": torch.ones(1)}, False),
+    ({"is_causal": True}, False),
+    ({"dropout_p": 0.1}, False),
+    ({"dtype": torch.float32}, False),
+    ({"head_dim": 12}, False),  # not a multiple of 8
+    ({"head_dim": 264}, False),  # over FA4's 256
+    ({"kv_heads": 3}, False),  # 8 query heads do not group over 3
+    ({"kv_heads": 2}, True),  # grouped-query attention
+    ({"min_tokens": 40}, True),  # the keys, not the queries, count
+    ({"min_tokens": 41}, False),
+])
+def test_eligible_calls(change, served):
+    dtype, head_dim, kv_heads = change.get("dtype", torch.bfloat16), change.get("head_dim", 64), change.get("kv_heads", 8)
+    q = torch.zeros(1, 24, 8, head_dim, dtype=dtype)
+    kv = torch.zeros(1, 40, kv_heads, head_dim, dtype=dtype)
+    assert fa4.eligible(q, kv, kv, change.get("attn_mask"), change.get("dropout_p", 0.0),
+                        change.get("is_causal", False), change.get("min_tokens", 0)) is served
+
+
+# --------------------------------------------------------------------------------------------------- route
+def _sdpa_in_fa4_layout(calls):
+    def kernel(query, key, value, scale):
+        calls.append(key.shape[1])
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             scale=scale)
+        return out.transpose(1, 2)
+
+    return kernel
+
+
+@pytest.fixture
+def fa4_on_cpu(monkeypatch):
+    """FA4 as if it ran here: the kernel replaced by SDPA in its layout (recording each call's key count), and the
+    tiny model's float32 accepted."""
+    calls = []
+    _fa4_available(monkeypatch)
+    monkeypatch.setattr(fa4, "fa4_attention", _sdpa_in_fa4_layout(calls))
+    monkeypatch.setattr(fa4, "DTYPES", (torch.float32,))
+    return calls
+
+
+def test_fa4_takes_every_call_and_restore_puts_the_dispatcher_back(fa4_on_cpu):
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, attention="fa4")
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert applied["backend"] == "fa4"
+    routed = run(pipe, kwargs)
+    blocks = len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
+    assert len(fa4_on_cpu) == blocks * kwargs["num_inference_steps"]
+    assert torch.allclose(routed, plain, atol=1e-5)
+    omni_accel.restore(pipe)
+    fa4_on_cpu.clear()
+    assert torch.equal(run(pipe, kwargs), plain) and not fa4_on_cpu
+
+
+def test_the_route_takes_only_calls_with_enough_keys(fa4_on_cpu):
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    undo = route.route_transformer(pipe.transformer, "fa4")
+    run(pipe, kwargs)
+    undo()
+    (keys,) = set(fa4_on_cpu)  # the tiny FLUX model's joint attention: text + image tokens
+    fa4_on_cpu.clear()
+    undo = route.route_transformer(pipe.transformer, "fa4", min_tokens=keys + 1)
+    assert torch.equal(run(pipe, kwargs), plain) and not fa4_on_cpu  # every call too short: all to the dispatcher
+    undo()
+    undo = route.route_transformer(pipe.transformer, "fa4", min_tokens=keys)
+    assert torch.allclose(run(pipe, kwargs), plain, atol=1e-5) and fa4_on_cpu
+    undo()
+
+
+def test_the_ops_fake_implementation_gives_the_output_shape_without_the_package():
+    with FakeTensorMode():
+        q, k = torch.empty(1, 4608, 24, 128, dtype=torch.bfloat16), torch.empty(1, 512, 24, 128, dtype=torch.bfloat16)
+        v = torch.empty(1, 512, 24, 64, dtype=torch.bfloat16)
+        out = torch.ops.omni_accel.fa4_attention(q, k, v, None)
+    assert out.shape == (1, 4608, 24, 64) and out.dtype == torch.bfloat16
+
+
+def test_auto_applies_cudnn_and_the_long_sequence_route_together_and_restores(fa4_on_cpu, monkeypatch):
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    hopper_rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
+    monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: dataclasses.replace(hopper_rule, long_min_tokens=1))
+    omni_accel.accelerate(pipe, attention="auto")
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert (applied["backend"], applied["long_sequences"]) == ("cudnn", "fa4 from 1 keys")
+    hooks = pipe.transformer._diffusers_hook._hook_order
+    assert any("sdpa_kernel" in name for name in hooks) and "omni_accel.attention_route.fa4" in hooks
+    assert torch.allclose(run(pipe, kwargs), plain, atol=1e-5) and fa4_on_cpu
+    omni_accel.restore(pipe)
+    fa4_on_cpu.clear()
+    assert torch.equal(run(pipe, kwargs), plain) and not fa4_on_cpu
+    assert not hasattr(pipe.transformer, "_diffusers_hook") or not pipe.transformer._diffusers_hook._hook_order
+
+
+def test_auto_keeps_fa4_out_of_forwards_a_cuda_graph_captures(fa4_on_cpu, monkeypatch):
+    pipe, _ = tiny_pipeline("flux")
+    hopper_rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
+    monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: dataclasses.replace(hopper_rule, long_min_tokens=1))
+    omni_accel.accelerate(pipe, attention="auto", compile="max")
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert applied["backend"] == "cudnn" and "long_sequences" not in applied
+    omni_accel.restore(pipe)
+
+
+# ------------------------------------------------------------- the real op where FA4 cannot run: SDPA serves
+@pytest.fixture
+def fa4_import_fails(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if the package were found but would not import
+    monkeypatch.setattr(fa4, "_REFUSED", {})
+    caplog.set_level(logging.WARNING, logger=fa4.__name__)
+    return caplog
+
+
+def test_the_op_falls_back_to_sdpa_once_per_shape_and_says_why(fa4_import_fails):
+    q, k, v = (torch.randn(1, 24, 4, 32, dtype=torch.bfloat16) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              scale=0.2).transpose(1, 2)
+    for _ in range(2):
+        out = torch.ops.omni_accel.fa4_attention(q, k, v, 0.2)
+        assert torch.equal(out, expected) and out.is_contiguous()
+    (why,) = fa4.refused_shapes().values()
+    assert why.startswith("ImportError") or why.startswith("ModuleNotFoundError")
+    warnings = [r for r in fa4_import_fails.records if "FlashAttention-4 failed" in r.getMessage()]
+    assert len(warnings) == 1 and "SDPA computes this shape from now on" in warnings[0].getMessage()
+
+
+def test_compiled_blocks_trace_the_route_and_the_op_without_graph_breaks(fa4_import_fails, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    _fa4_available(monkeypatch)
+    monkeypatch.setattr(fa4, "DTYPES", (torch.float32,))
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    torch._dynamo.reset()
+    counters.clear()
+    omni_accel.accelerate(pipe, attention="fa4", compile=True)
+    try:
+        compiled = run(pipe, kwargs)
+        graphs_first = counters["stats"]["unique_graphs"]
+        run(pipe, kwargs)
+        assert counters["stats"]["unique_graphs"] == graphs_first > 0  # no recompile on the second call
+        assert sum(counters["graph_break"].values()) == 0
+    finally:
+        omni_accel.restore(pipe)
+    assert fa4.refused_shapes()  # the compiled blocks called the op
+    assert ((compiled - plain).norm() / plain.norm()).item() < 1e-4
