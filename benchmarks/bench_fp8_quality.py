@@ -22,6 +22,10 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
   linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
 
+What a PSNR figure means here, from a change that loses nothing (a row, not FP8): ``fp32`` renders with the model in
+float32, more precise than the bf16 reference. Some held-out captions sit where the sampler's path is unstable, so a
+change of rounding moves their image more than others'; this row shows how far bf16's own rounding moves them.
+
     # what FP8 does to caption adherence (omni_accel.builtin.metric) and how often an image falls below 30 dB, over
     # the 100 captions of bench_builtin_adherence.py (a tail that 16 captions cannot show), and a picture of each
     # mode's two worst held-out captions beside their bf16 images
@@ -120,7 +124,8 @@ def adherence(got: torch.Tensor, captions: list[str], reference: torch.Tensor | 
 
 
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
-         "fp8_static_promoted", "fp8attn")
+         "fp8_static_promoted", "fp8attn", "fp32")
+LOSSLESS = ("fp32",)  # reference-noise rows: no FP8 anywhere
 
 
 def worst_png(worst: list, path: str) -> list[dict]:
@@ -145,6 +150,16 @@ def worst_png(worst: list, path: str) -> list[dict]:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     sheet.save(path)
     return lines
+
+
+def _lossless(mode: str, pipe, prompts: list[str], many: list[str], args) -> tuple:
+    """The held-out images (and the adherence captions' images) of a lossless change of the bf16 reference: the
+    same model in float32."""
+    other = load_builtin(dtype=torch.float32).to(args.device)
+    t0 = time.perf_counter()
+    got = images(other, prompts, args.seed)
+    seconds = time.perf_counter() - t0
+    return got, images(other, many, 0) if many else None, seconds
 
 
 def _adherence_captions(n: int) -> list[str]:
@@ -191,6 +206,16 @@ def main(argv=None) -> int:
     calibration_prompt = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(args.calibration_seed)))[0]
     worst = []  # (mode, caption, psnr, bf16 image, mode's image) for --worst-png
     for mode in modes:
+        if mode in LOSSLESS:
+            got, many_got, seconds = _lossless(mode, pipe, prompts, many, args)
+            p, s = psnr(got, reference), ssim(got, reference)
+            rows[mode] = {"psnr_min": round(min(p), 2), "psnr_mean": round(sum(p) / len(p), 2),
+                          "ssim_min": round(min(s), 4), "ssim_mean": round(sum(s) / len(s), 4),
+                          "seconds": round(seconds, 2), "psnr": [round(x, 2) for x in p]}
+            if many:
+                rows[mode]["adherence"], _ = adherence(many_got, many, many_reference, reference_verdicts)
+            print(mode, {k: v for k, v in rows[mode].items() if k != "psnr"}, flush=True)
+            continue
         quant_mode = "fp8_weight_only" if mode == "fp8_weight_only" else "fp8"
         quant_config = {"measure_error": True}
         if mode.startswith("fp8_static"):

@@ -312,3 +312,15 @@ def test_fp8_quality_adherence_scores_captions_and_counts_flipped_verdicts(capsy
     with pytest.raises(SystemExit):
         quality.main(["--adherence", "-3"])
     assert "--adherence -3: give a number of captions >= 0" in capsys.readouterr().err
+
+
+def test_fp8_quality_fp32_row_measures_bf16_rounding_against_the_reference(tmp_path):
+    """bench_fp8_quality.py --modes fp32: the float32 model against the bf16 reference -- close (bf16's own rounding,
+    well above the 30 dB bound), not identical (a row that could not differ would show nothing)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_fp8_quality as quality
+
+    out = tmp_path / "noise.json"
+    assert quality.main(["--modes", "fp32", "--prompts", "2", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"]["fp32"]
+    assert len(row["psnr"]) == 2 and 30 < row["psnr_min"] < float("inf")
