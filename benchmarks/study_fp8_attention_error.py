@@ -17,12 +17,17 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
 - ``fallback``: the whole FP8 stack (static W8A8 linears + FP8 attention) with the most sensitive parts kept in bf16
   -- the attention module that ``modules`` singles out, the linears of its block, the q / k projections, or the
   linears of one kind (``quant_config["skip"]`` patterns): can keeping a few modules exact hold the worst caption?
+- ``linears``: static W8A8 linears alone (attention in bf16), one group of linears kept in bf16 per row (the dual
+  blocks' MLPs, the single blocks' proj_mlp or proj_out, the attention projections, the first or the last block),
+  each with the share of FLUX.1-dev's linear FLOPs it would take out of FP8: which linears the worst caption
+  depends on, and at what cost in speed.
 
 Also the fp32 model against the bf16 one: how far a rounding change that is not FP8 moves each caption.
 
-    # one study only (fp32, operands, rotation, modules, fallback, qk_int8), to its own file
+    # one study only (fp32, operands, rotation, modules, fallback, qk_int8, linears), to its own file
     python benchmarks/study_fp8_attention_error.py --studies fallback --out benchmarks/results/fp8_fallback_study.json
     python benchmarks/study_fp8_attention_error.py --studies qk_int8 --out benchmarks/results/fp8_qk_int8_study.json
+    python benchmarks/study_fp8_attention_error.py --studies linears --out benchmarks/results/fp8_linears_study.json
 """
 
 from __future__ import annotations
@@ -143,7 +148,7 @@ def summary(p: list[float], prompts: list[str]) -> dict:
             "psnr": [round(x, 2) for x in p]}
 
 
-STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8")
+STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8", "linears")
 SENSITIVE_ATTENTION = "transformer_blocks.1.attn"  # what the modules study singles out on the built-in model
 QK_PROJECTIONS = ["*attn.to_q", "*attn.to_k", "*attn.add_q_proj", "*attn.add_k_proj"]
 # (row name, FP8 linears?, their skip patterns, attention modules kept in bf16 -- None: no FP8 attention at all)
@@ -162,12 +167,64 @@ FALLBACKS = (
 )
 
 
-def fallback_study(pipe, prompts: list[str], reference: torch.Tensor, modules: list[str]) -> dict:
-    """The FALLBACKS rows: static W8A8 linears calibrated on a training caption as bench_fp8_quality does, FP8
-    attention with cuDNN's arithmetic (per-call scales) in every module but the kept ones."""
+def linear_groups(pipe) -> tuple:
+    """Rows of the ``linears`` study: static W8A8 linears only (attention in bf16), one group of linears kept in bf16
+    per row -- which linears the worst caption's fork depends on; then the whole stack with its end blocks in bf16."""
+    last_single = f"single_transformer_blocks.{len(pipe.transformer.single_transformer_blocks) - 1}.*"
+    groups = (("", []), ("the dual blocks' MLPs", ["*ff.*", "*ff_context.*"]),
+              ("the single blocks' proj_mlp", ["single_transformer_blocks.*.proj_mlp"]),
+              ("the single blocks' proj_out", ["single_transformer_blocks.*.proj_out"]),
+              ("every attention projection", ["*attn.to_*", "*attn.add_*"]),
+              ("the first dual block", ["transformer_blocks.0.*"]), ("the last single block", [last_single]))
+    rows = tuple((f"W8A8 linears only, {what} in bf16" if what else "W8A8 linears only", True, skip, None)
+                 for what, skip in groups)
+    # the whole stack (FP8 attention too) with the end blocks in bf16: linears only, or linears and attention
+    first_attn, last_attn = "transformer_blocks.0.attn", last_single.replace(".*", ".attn")
+    ends = ["transformer_blocks.0.*", last_single]
+    return rows + (
+        ("W8A8 linears only, the first dual and the last single block in bf16", True, ends, None),
+        ("full stack", True, [], set()),
+        ("full stack, the first dual block's linears in bf16", True, ["transformer_blocks.0.*"], set()),
+        ("full stack, the first dual block in bf16 (linears and attention)", True, ["transformer_blocks.0.*"],
+         {first_attn}),
+        ("full stack, the first dual and the last single block in bf16 (linears and attention)", True, ends,
+         {first_attn, last_attn}),
+    )
+
+
+def flux_dev_linear_share(skip: list[str]) -> float:
+    """The fraction of FLUX.1-dev's block-linear FLOPs at 1024² (4096 image + 512 text tokens; 19 dual blocks, 38
+    single, width 3072, MLP 12288) that ``skip`` keeps in bf16: what such a fallback gives back of FP8's GEMM speed.
+    The last single block is named by index 37 there, the built-in model's by its own."""
+    from fnmatch import fnmatch
+
+    width, mlp, image, text = 3072, 12288, 4096, 512
+    macs = {}
+    for b in range(19):
+        for name in ("to_q", "to_k", "to_v", "to_out.0"):
+            macs[f"transformer_blocks.{b}.attn.{name}"] = image * width * width
+        for name in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
+            macs[f"transformer_blocks.{b}.attn.{name}"] = text * width * width
+        for stream, tokens in (("ff", image), ("ff_context", text)):
+            macs[f"transformer_blocks.{b}.{stream}.net.0.proj"] = tokens * width * mlp
+            macs[f"transformer_blocks.{b}.{stream}.net.2"] = tokens * mlp * width
+    for b in range(38):
+        for name in ("attn.to_q", "attn.to_k", "attn.to_v"):
+            macs[f"single_transformer_blocks.{b}.{name}"] = (image + text) * width * width
+        macs[f"single_transformer_blocks.{b}.proj_mlp"] = (image + text) * width * mlp
+        macs[f"single_transformer_blocks.{b}.proj_out"] = (image + text) * (width + mlp) * width
+    patterns = [p.replace("single_transformer_blocks.3.", "single_transformer_blocks.37.") for p in skip]
+    kept = sum(m for name, m in macs.items() if any(fnmatch(name, p) for p in patterns))
+    return round(kept / sum(macs.values()), 4)
+
+
+def fallback_study(pipe, prompts: list[str], reference: torch.Tensor, modules: list[str],
+                   fallbacks: tuple = FALLBACKS) -> dict:
+    """The ``fallbacks`` rows: static W8A8 linears calibrated on a training caption as bench_fp8_quality does, FP8
+    attention with cuDNN's arithmetic (per-call scales) in every module but the kept ones (None: none in FP8)."""
     calibration = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(7)))
     rows = {}
-    for name, linears, skip, kept in FALLBACKS:
+    for name, linears, skip, kept in fallbacks:
         if linears:
             omni_accel.accelerate(pipe, quant="fp8", quant_config={"activations": "static", "skip": skip})
             quality.images(pipe, calibration, 1000)  # observes; the next call freezes the scales
@@ -184,6 +241,7 @@ def fallback_study(pipe, prompts: list[str], reference: torch.Tensor, modules: l
             if linears:
                 omni_accel.restore(pipe)
         rows[name] = {"skip": skip, "attention_in_bf16": sorted(kept) if kept is not None else "all",
+                      "flux_dev_linear_flops_in_bf16": flux_dev_linear_share(skip),
                       **summary(psnr(got, reference), prompts)}
         print("fallback", name, {k: v for k, v in rows[name].items() if k != "psnr"}, flush=True)
     return rows
@@ -275,6 +333,8 @@ def main(argv=None) -> int:
             print("only FP8 in", name, {k: v for k, v in result["modules"][name].items() if k != "psnr"}, flush=True)
     if "fallback" in studies:
         result["fallback"] = fallback_study(pipe, prompts, reference, modules)
+    if "linears" in studies:
+        result["linears"] = fallback_study(pipe, prompts, reference, modules, linear_groups(pipe))
     if "qk_int8" in studies:
         result["qk_int8"] = qk_int8_study(pipe, prompts, reference, modules, (7, 8))
     write_result(args.out, result)
