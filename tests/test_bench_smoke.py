@@ -324,3 +324,17 @@ def test_fp8_quality_fp32_row_measures_bf16_rounding_against_the_reference(tmp_p
     assert quality.main(["--modes", "fp32", "--prompts", "2", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"]["fp32"]
     assert len(row["psnr"]) == 2 and 30 < row["psnr_min"] < float("inf")
+
+
+def test_flux_dev_linear_share_counts_the_flops_a_bf16_fallback_keeps():
+    """study_fp8_attention_error.py's FLOP shares: FLUX.1-dev's linears split 22 / 22 / 28 / 28 % over the dual
+    blocks' MLPs, the single blocks' proj_mlp, their proj_out and every attention projection; one block is 1.75 %;
+    the built-in model's last single block is named as FLUX.1-dev's (index 37)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.study_fp8_attention_error import flux_dev_linear_share as share
+
+    groups = [["*ff.*", "*ff_context.*"], ["single_transformer_blocks.*.proj_mlp"],
+              ["single_transformer_blocks.*.proj_out"], ["*attn.to_*", "*attn.add_*"]]
+    assert [share(g) for g in groups] == [0.2222, 0.2222, 0.2778, 0.2778]
+    assert share(sum(groups, [])) == 1.0 and share([]) == 0.0
+    assert share(["transformer_blocks.0.*"]) == share(["single_transformer_blocks.3.*"]) == 0.0175
