@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -59,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_transformer import ClockLog  # noqa: E402
 from benchmarks.timing import sample_ms, write_result  # noqa: E402
+from omni_accel.deps import installed  # noqa: E402 -- a dotted name whose parent is missing counts as missing
 
 T_START = time.perf_counter()
 
@@ -184,13 +184,6 @@ def _omni_fa4() -> Callable:
     return lambda q, k, v: fa4_attention(q, k, v, None)
 
 
-def _installed(package: str) -> bool:
-    try:  # a dotted name imports its parent, which raises when the parent is missing too
-        return importlib.util.find_spec(package) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Kernel], dict[str, str]]:
     """The kernels that can run here (restricted to ``wanted`` if given), and why each of the others cannot."""
     candidates: list[tuple[str, str, Callable[[], Callable], str, str | None]] = [
@@ -235,7 +228,7 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         if device.type != "cuda" and name not in cpu_ok:
             skipped[name] = "needs CUDA"
             continue
-        if package is not None and not _installed(package):
+        if package is not None and not installed(package):
             skipped[name] = f"{package} not installed"
             continue
         try:

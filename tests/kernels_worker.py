@@ -367,7 +367,7 @@ def fp8_attention_pipeline_case() -> dict:
 
     import omni_accel
     from omni_accel.kernels import fp8_attention_triton as fat
-    from omni_accel.testing import run, tiny_pipeline
+    from omni_accel.testing import run, run_compiled_twice, tiny_pipeline
 
     try:
         pipe, kwargs = tiny_pipeline("flux")
@@ -386,22 +386,9 @@ def fp8_attention_pipeline_case() -> dict:
             omni_accel.restore(pipe)
         blocks = len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
         # under compile=True: the routing must trace without graph breaks, and a second call must not recompile
-        from torch._dynamo.utils import counters
-
-        torch._dynamo.reset()
-        counters.clear()
-        omni_accel.accelerate(pipe, attention="fp8", compile=True)
-        try:
-            compiled = run(pipe, kwargs)
-            graphs_first = counters["stats"]["unique_graphs"]
-            run(pipe, kwargs)
-            graphs_second = counters["stats"]["unique_graphs"]
-        finally:
-            omni_accel.restore(pipe)
+        compiled, counts = run_compiled_twice(pipe, kwargs, attention="fp8", compile=True)
         return {"rel_err": ((out - plain).norm() / plain.norm()).item(), "finite": bool(out.isfinite().all()),
-                "compiled_rel_err": ((compiled - plain).norm() / plain.norm()).item(),
-                "graph_breaks": sum(counters["graph_break"].values()), "graphs_first_call": graphs_first,
-                "graphs_second_call": graphs_second,
+                "compiled_rel_err": ((compiled - plain).norm() / plain.norm()).item(), **counts,
                 "launches": len(launches), "expected_launches": blocks * kwargs["num_inference_steps"],
                 "routed_while_applied": routed, "dispatcher_restored": module.dispatch_attention_fn is dispatcher,
                 "restored_equal": bool(torch.equal(run(pipe, kwargs), plain))}

@@ -18,7 +18,7 @@ from omni_accel import AccelError
 from omni_accel.kernels import attention as attn
 from omni_accel.kernels import fa4_attention as fa4
 from omni_accel.kernels import fp8_attention as route
-from omni_accel.testing import run, tiny_pipeline
+from omni_accel.testing import run, run_compiled_twice, tiny_pipeline
 
 HOPPER = (9, 0)
 CUDA = torch.device("cuda")
@@ -212,22 +212,12 @@ def test_the_op_falls_back_to_sdpa_once_per_shape_and_says_why(fa4_import_fails)
 
 
 def test_compiled_blocks_trace_the_route_and_the_op_without_graph_breaks(fa4_import_fails, monkeypatch):
-    from torch._dynamo.utils import counters
-
     _fa4_available(monkeypatch)
     monkeypatch.setattr(fa4, "DTYPES", (torch.float32,))
     pipe, kwargs = tiny_pipeline("flux")
     plain = run(pipe, kwargs)
-    torch._dynamo.reset()
-    counters.clear()
-    omni_accel.accelerate(pipe, attention="fa4", compile=True)
-    try:
-        compiled = run(pipe, kwargs)
-        graphs_first = counters["stats"]["unique_graphs"]
-        run(pipe, kwargs)
-        assert counters["stats"]["unique_graphs"] == graphs_first > 0  # no recompile on the second call
-        assert sum(counters["graph_break"].values()) == 0
-    finally:
-        omni_accel.restore(pipe)
+    compiled, counts = run_compiled_twice(pipe, kwargs, attention="fa4", compile=True)
+    assert counts["graphs_second_call"] == counts["graphs_first_call"] > 0  # no recompile on the second call
+    assert counts["graph_breaks"] == 0
     assert fa4.refused_shapes()  # the compiled blocks called the op
     assert ((compiled - plain).norm() / plain.norm()).item() < 1e-4

@@ -295,12 +295,15 @@ class AttentionPass(AccelPass):
             check_static_attention(ctx, backend.name == "fp8" and implementation_for(ctx.device) == "cudnn")
 
     def apply(self, ctx: PassContext) -> None:
+        from .fp8_attention import route_transformer
+
         backend, fa4_min_tokens = self._plan(ctx)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
+            details = {}
             if backend.name == "sdpa":
                 undo = lambda: None  # noqa: E731 -- default path: nothing to patch
             elif backend.name == "fp8":
-                from .fp8_attention import implementation_for, route_transformer
+                from .fp8_attention import implementation_for
 
                 implementation = implementation_for(ctx.device)
                 undo = route_transformer(transformer, implementation)
@@ -312,21 +315,16 @@ class AttentionPass(AccelPass):
                     start_static_attention(ctx, name, transformer)
                 continue
             elif backend.name == "fa4":
-                from .fp8_attention import route_transformer
-
                 undo = route_transformer(transformer, "fa4")
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
                 if fa4_min_tokens:  # auto: long sequences to FlashAttention-4, the rest to the SDPA kernel
-                    from .fp8_attention import route_transformer
-
                     undo = _both(route_transformer(transformer, "fa4", fa4_min_tokens), undo)
-                    ctx.state.record("attention", undo, component=name, backend=backend.name,
-                                     requested=ctx.config.attention, long_sequences=f"fa4 from {fa4_min_tokens} keys")
-                    continue
+                    details["long_sequences"] = f"fa4 from {fa4_min_tokens} keys"
             else:
                 undo = _set_dispatcher_backend(transformer, backend.dispatcher)
-            ctx.state.record("attention", undo, component=name, backend=backend.name, requested=ctx.config.attention)
+            ctx.state.record("attention", undo, component=name, backend=backend.name, requested=ctx.config.attention,
+                             **details)
         logger.info("omni_accel: attention backend %s (%s)", backend.name, backend.note)
 
 

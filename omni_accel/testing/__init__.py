@@ -83,3 +83,25 @@ def run_accelerated(pipe: Any, call_kwargs: dict, seed: int = 0, **accelerate_kw
     finally:
         omni_accel.restore(pipe)
     return out, report
+
+
+def run_compiled_twice(pipe: Any, call_kwargs: dict, **accelerate_kwargs: Any) -> tuple[torch.Tensor, dict]:
+    """``accelerate(pipe, **accelerate_kwargs)`` (a ``compile`` knob among them) on fresh dynamo state, two seeded
+    runs, then ``restore``: (first output, dynamo's counts). The counts say whether the compiled pipeline traced
+    without graph breaks and whether the second call recompiled: ``graphs_first_call``, ``graphs_second_call``,
+    ``graph_breaks``."""
+    import omni_accel
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    omni_accel.accelerate(pipe, **accelerate_kwargs)
+    try:
+        out = run(pipe, call_kwargs)
+        graphs_first = counters["stats"]["unique_graphs"]
+        run(pipe, call_kwargs)
+        graphs_second = counters["stats"]["unique_graphs"]
+    finally:
+        omni_accel.restore(pipe)
+    return out, {"graphs_first_call": graphs_first, "graphs_second_call": graphs_second,
+                 "graph_breaks": sum(counters["graph_break"].values())}
