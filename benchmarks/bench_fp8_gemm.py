@@ -1,7 +1,9 @@
-"""FP8 pieces on FLUX.1-dev block shapes: bf16 GEMM vs row-wise-scaled e4m3 ``_scaled_mm``, and the per-token
-activation quantization (PyTorch expression eager, torch.compile of it, the Triton kernel).
+"""FP8 and int8 pieces on FLUX.1-dev block shapes: bf16 GEMM vs row-wise-scaled e4m3 ``_scaled_mm`` vs int8
+``_int_mm`` (int32 out), the per-token activation quantization (PyTorch expression eager, torch.compile of it, the
+Triton kernel), and whole quantized linears compiled (``Fp8Linear`` / ``Int8Linear``: quantize the activation,
+multiply, rescale; Inductor picks among cuBLAS and its Triton GEMM templates and fuses the rescale where it can).
 
-    python benchmarks/bench_fp8_gemm.py --out benchmarks/results/bench_fp8_gemm_h200.json   # one GPU
+    python benchmarks/bench_fp8_gemm.py --log-clocks --out benchmarks/results/bench_fp8_gemm_h200.json   # one GPU
     python benchmarks/bench_fp8_gemm.py --device cpu --tiny --out /tmp/fp8.json              # CPU smoke test
 
 Shapes: M = 4608 tokens (4096 image + 512 text) for the single-stream blocks, M = 4096 / 512 for the two streams of
@@ -24,7 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timing import sample_ms, write_result  # noqa: E402
-from omni_accel.kernels import fp8  # noqa: E402
+from benchmarks.bench_transformer import ClockLog  # noqa: E402
+from omni_accel.kernels import fp8, int8  # noqa: E402
 
 # (name, M, K, N): FLUX.1-dev block linears (dim 3072, MLP 12288; single block: qkv 3x, proj_mlp, proj_out 15360 in)
 FLUX_SHAPES = (
@@ -72,6 +75,28 @@ def row(name, m, k, n, device, iters) -> dict:
     exact = (x.float() @ w.float().t())
     got = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16).float()
     out["fp8_rel_err"] = ((got - exact).norm() / exact.norm()).item()
+    out.update(int8_rows(x, w, exact, flops, bf16_ms, device, iters))
+    return out
+
+
+def int8_rows(x, w, exact, flops, bf16_ms, device, iters) -> dict:
+    """int8 beside the FP8 figures: the raw GEMM, and the FP8 and int8 linears compiled whole (activation
+    quantization and rescale included), the comparison that decides between the two formats."""
+    w_int8, _ = int8.quantize_rows_int8(w)
+    x_int8, _ = int8.quantize_rows_int8(x)
+    int_mm_ms = timed(lambda: torch._int_mm(x_int8, w_int8.t()), device, iters)
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=w.dtype)
+    linear.weight.data.copy_(w)
+    out = {"int8_gemm_ms": round(int_mm_ms, 4), "int8_tops": round(flops / int_mm_ms / 1e9, 1),
+           "int8_gemm_speedup": round(bf16_ms / int_mm_ms, 3)}
+    fp8_layer = fp8.Fp8Linear(linear, "w8a8", fast_accum=True)
+    for name, layer in (("fp8", fp8_layer), ("int8", int8.Int8Linear(linear))):
+        compiled = torch.compile(layer, dynamic=False)
+        ms = timed(lambda c=compiled: c(x), device, iters)
+        got = compiled(x).float()
+        out.update({f"{name}_linear_compiled_ms": round(ms, 4),
+                    f"{name}_linear_compiled_speedup": round(bf16_ms / ms, 3),
+                    f"{name}_linear_rel_err": ((got - exact).norm() / exact.norm()).item()})
     return out
 
 
@@ -80,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--log-clocks", action="store_true",
+                    help="sample SM clock and power with nvidia-smi beside every shape (GPU only)")
     ap.add_argument("--out", default="bench_fp8_gemm.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -93,12 +120,19 @@ def main(argv=None) -> int:
     except ImportError:
         env["triton"] = None
     rows = []
-    for spec in TINY_SHAPES if args.tiny else FLUX_SHAPES:
-        try:
-            rows.append(row(*spec, device, iters))
-        except Exception as exc:  # noqa: BLE001 -- one failing shape must not lose the others
-            rows.append({"shape": spec[0], "error": repr(exc)})
-        print(json.dumps(rows[-1]), flush=True)
+    clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
+    try:
+        for spec in TINY_SHAPES if args.tiny else FLUX_SHAPES:
+            clocks.mark()
+            try:
+                rows.append(row(*spec, device, iters))
+            except Exception as exc:  # noqa: BLE001 -- one failing shape must not lose the others
+                rows.append({"shape": spec[0], "error": repr(exc)})
+            rows[-1].update(clocks.since_mark())
+            print(json.dumps(rows[-1]), flush=True)
+            write_result(args.out, {"env": env, "iters": iters, "rows": rows})  # a crash later keeps these
+    finally:
+        clocks.stop()
     write_result(args.out, {"env": env, "iters": iters, "rows": rows})
     return 0
 

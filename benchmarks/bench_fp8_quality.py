@@ -1,5 +1,5 @@
-"""FP8 image quality on the trained built-in model against bf16, same seeds: quant="fp8" (per-token activation
-scales), "fp8_weight_only", static activation scales, and static scales + FP8 attention.
+"""FP8 and int8 image quality on the trained built-in model against bf16, same seeds: quant="fp8" (per-token
+activation scales), "fp8_weight_only", static activation scales, static scales + FP8 attention, and quant="int8".
 
     python benchmarks/bench_fp8_quality.py --out benchmarks/results/fp8_quality.json      # CPU, a few minutes
 
@@ -19,6 +19,9 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
   with ``--device cuda``.
 - ``fp8attn``: bf16 linears and only the attention in FP8 (cuDNN's arithmetic, per-call scales): what the FP8
   attention costs on its own.
+- ``int8``: ``quant="int8"`` (int8 W8A8, a scale per token and per output channel; PyTorch's CPU ``_int_mm``, the
+  same integer arithmetic as the GPU's) -- the more precise 8-bit format for the linears.
+- ``int8_fp8attn``: ``int8`` plus FP8 attention with cuDNN's arithmetic (per-call scales), as ``fp8attn`` does.
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
   linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
 
@@ -38,6 +41,10 @@ change of rounding moves their image more than others'; this row shows how far b
         --out benchmarks/results/fp8_quality_attention_scales.json
     python benchmarks/bench_fp8_quality.py --modes fp8_static_fp8attn,fp8_static_fp8attn_static \
         --calibration-seed 8 --out benchmarks/results/fp8_quality_attention_scales_cal8.json
+
+    # int8 linears against FP8 ones, over the 16 held-out captions and the 100 adherence captions
+    python benchmarks/bench_fp8_quality.py --modes fp8,int8,int8_fp8attn,fp32 --adherence 100 \
+        --out benchmarks/results/int8_quality.json
 """
 
 from __future__ import annotations
@@ -124,7 +131,7 @@ def adherence(got: torch.Tensor, captions: list[str], reference: torch.Tensor | 
 
 
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
-         "fp8_static_promoted", "fp8attn", "fp32")
+         "fp8_static_promoted", "fp8attn", "int8", "int8_fp8attn", "fp32")
 LOSSLESS = ("fp32",)  # reference-noise rows: no FP8 anywhere
 
 
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
                 rows[mode]["adherence"], _ = adherence(many_got, many, many_reference, reference_verdicts)
             print(mode, {k: v for k, v in rows[mode].items() if k != "psnr"}, flush=True)
             continue
-        quant_mode = "fp8_weight_only" if mode == "fp8_weight_only" else "fp8"
+        quant_mode = "fp8_weight_only" if mode == "fp8_weight_only" else "int8" if mode.startswith("int8") else "fp8"
         quant_config = {"measure_error": True}
         if mode.startswith("fp8_static"):
             quant_config["activations"] = "static"

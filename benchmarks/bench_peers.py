@@ -9,6 +9,10 @@ whole-model torch.compile, the torchao FP8 per-row path, and omni_accel's bf16 a
     python benchmarks/bench_peers.py --models flux --profile --log-clocks \
         --configs diffusers_best,ours_fp8_fp8attn_mk,ours_fp8_fp8attn_static \
         --out benchmarks/results/bench_peers_h200_flux_fp8attn_static.json
+    # int8 W8A8 linears against FP8 ones (same per-token scales, bf16 attention), and torchao's int8 path
+    python benchmarks/bench_peers.py --models flux,wan81 --profile --log-clocks \
+        --configs diffusers_best,ours_fp8_dynamic_fa_pdl,ours_int8_pdl,ours_int8_pdl_graphs,torchao_int8 \
+        --out benchmarks/results/bench_peers_h200_int8.json
     # the same code on tiny random models on the CPU (seconds; what tests/test_bench_smoke.py runs)
     python benchmarks/bench_peers.py --device cpu --tiny --configs diffusers_eager,ours_bf16 --out /tmp/peers.json
     # the README table from a result file
@@ -25,6 +29,8 @@ unchanged; forwards are timed on ``pipe.transformer`` with the same inputs for e
 - ``torchao_fp8_rowwise``: torchao ``quantize_(Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``
   + the cuDNN backend + ``compile_repeated_blocks(fullgraph=True)`` (what diffusers' TorchAoConfig and cache-dit's
   float8_per_row quantization do). It changes the weights in place, so it runs last for its model;
+- ``torchao_int8``: torchao ``quantize_(Int8DynamicActivationInt8WeightConfig())`` + cuDNN + regional compile, the
+  int8 W8A8 peer (in place as well: run it in another invocation than ``torchao_fp8_rowwise``);
 - ``ours_*``: ``omni_accel.accelerate`` configs (``OURS`` below), restored between rows.
 
 Per row: median / min ms per forward over ``--iters`` forwards (CUDA events) after warm-up, ms per denoising step,
@@ -215,6 +221,13 @@ def _torchao_fp8(pipe, transformer, inputs, model):
     return _cudnn_regional_compile(transformer, inputs)
 
 
+def _torchao_int8(pipe, transformer, inputs, model):
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    quantize_(transformer, Int8DynamicActivationInt8WeightConfig())
+    return _cudnn_regional_compile(transformer, inputs)
+
+
 def _ours(**knobs):
     def setup(pipe, transformer, inputs, model):
         import omni_accel
@@ -356,6 +369,20 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("torch_compile", _torch_compile, True, note="torch.compile(transformer), whole model, default mode"),
     Row("torchao_fp8_rowwise", _torchao_fp8, False, destructive=True, needs=("torchao",), cuda_only=True,
         note="torchao Float8DynamicActivationFloat8WeightConfig(PerRow) + cuDNN + compile_repeated_blocks"),
+    # int8 W8A8 linears (a scale per token and per output channel) against FP8 ones with the same scales, bf16
+    # attention in both: the int8 format is the precise one on the built-in model (linear_formats_study.json)
+    Row("ours_int8_pdl", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
+        inductor=_MK_PDL, note="quant='int8' (per-token activation scales), fuse_qkv, auto attention (cuDNN), compile"),
+    Row("ours_int8_pdl_graphs", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile="max"), False,
+        inductor=_MK_PDL, note="ours_int8_pdl + CUDA graph of the whole forward (compile='max', as quant='fp8' gets "
+                               "from compile=True)"),
+    Row("ours_fp8_dynamic_fa_pdl", _ours(attention="auto", quant="fp8", fuse_if_supported=True, compile=True),
+        False, inductor=_MK_PDL, cuda_only=True,
+        note="quant='fp8' as it runs by default (per-token scales, fast accumulation, CUDA graph), fuse_qkv, auto "
+             "attention (cuDNN): the FP8 side of the int8 rows"),
+    Row("torchao_int8", _torchao_int8, False, destructive=True, needs=("torchao",), cuda_only=True,
+        note="torchao Int8DynamicActivationInt8WeightConfig + cuDNN + compile_repeated_blocks (run it apart from "
+             "torchao_fp8_rowwise: each changes the weights in place)"),
 )}
 
 
@@ -621,22 +648,28 @@ def ordered(names: list[str]) -> list[str]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Speed-up ratios per model: ours' best lossless vs diffusers' best, ours' best FP8 vs torchao and vs
-    diffusers' best, each from rows of the same run."""
+    """Speed-up ratios per model: ours' best lossless vs diffusers' best, ours' best FP8 vs torchao's FP8 and vs
+    diffusers' best, ours' best int8 vs torchao's int8, each from rows of the same run (a format against the same
+    format: the int8 rows never stand in for FP8)."""
     out = {}
     for model in sorted({r["model"] for r in rows}):
         ok = {r["config"]: r for r in rows if r["model"] == model and "ms" in r}
 
-        def best(prefix: str, lossless: bool):
-            cands = [r for n, r in ok.items() if n.startswith(prefix) and r["lossless"] == lossless]
+        def best(prefix: str, lossless: bool, int8: bool = False):
+            cands = [r for n, r in ok.items() if n.startswith(prefix) and r["lossless"] == lossless
+                     and n.startswith("ours_int8") == int8]
             return min(cands, key=lambda r: r["ms"], default=None)
 
-        ours_bf16, ours_fp8 = best("ours", True), best("ours", False)
+        ours_bf16, ours_fp8, ours_int8 = best("ours", True), best("ours", False), best("ours", False, int8=True)
         entry = {"ours_best_lossless": ours_bf16 and ours_bf16["config"],
                  "ours_best_fp8": ours_fp8 and ours_fp8["config"]}
+        if ours_int8:
+            entry["ours_best_int8"] = ours_int8["config"]
         for label, mine, peer in (("lossless_vs_diffusers_best", ours_bf16, "diffusers_best"),
                                   ("fp8_vs_torchao", ours_fp8, "torchao_fp8_rowwise"),
                                   ("fp8_vs_diffusers_best", ours_fp8, "diffusers_best"),
+                                  ("int8_vs_torchao_int8", ours_int8, "torchao_int8"),
+                                  ("int8_vs_diffusers_best", ours_int8, "diffusers_best"),
                                   ("lossless_vs_diffusers_eager", ours_bf16, "diffusers_eager")):
             if mine and peer in ok:
                 entry[label] = round(ok[peer]["ms"] / mine["ms"], 3)
@@ -749,6 +782,11 @@ def main(argv=None) -> int:
     unknown = [m for m in models if m not in SPECS] + [c for c in configs if c not in ROWS]
     if unknown:
         print(f"error: unknown model/config {unknown}; models: {list(SPECS)}, configs: {list(ROWS)}", file=sys.stderr)
+        return 2
+    destructive = [c for c in configs if ROWS[c].destructive]
+    if len(destructive) > 1:
+        print(f"error: --configs has {len(destructive)} rows that change the weights in place ({destructive}); the "
+              "second would quantize the first one's weights. Run each in its own invocation.", file=sys.stderr)
         return 2
     args.iters = args.iters or (2 if args.tiny else 10)
     args.warmup = args.warmup or (1 if args.tiny else 3)

@@ -17,6 +17,11 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
 - ``fallback``: the whole FP8 stack (static W8A8 linears + FP8 attention) with the most sensitive parts kept in bf16
   -- the attention module that ``modules`` singles out, the linears of its block, the q / k projections, or the
   linears of one kind (``quant_config["skip"]`` patterns): can keeping a few modules exact hold the worst caption?
+- ``formats``: the block linears in other number formats, emulated in float32 (no FP8 attention unless the row
+  says so): e4m3 (what ``quant="fp8"`` computes, per-token activation scales), int8 with a scale per token and per
+  output channel (the format of int8 tensor-core GEMMs, as fast as e4m3 on Hopper), int8 after SmoothQuant's
+  per-channel migration of activation range into the weights, weight-only rows for each: which activation format
+  would hold the worst caption, before any kernel is written for it.
 - ``linears``: static W8A8 linears alone (attention in bf16), one group of linears kept in bf16 per row (the dual
   blocks' MLPs, the single blocks' proj_mlp or proj_out, the attention projections, the first or the last block),
   each with the share of FLUX.1-dev's linear FLOPs it would take out of FP8: which linears the worst caption
@@ -24,10 +29,11 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
 
 Also the fp32 model against the bf16 one: how far a rounding change that is not FP8 moves each caption.
 
-    # one study only (fp32, operands, rotation, modules, fallback, qk_int8, linears), to its own file
+    # one study only (fp32, operands, rotation, modules, fallback, qk_int8, formats, linears), to its own file
     python benchmarks/study_fp8_attention_error.py --studies fallback --out benchmarks/results/fp8_fallback_study.json
     python benchmarks/study_fp8_attention_error.py --studies qk_int8 --out benchmarks/results/fp8_qk_int8_study.json
     python benchmarks/study_fp8_attention_error.py --studies linears --out benchmarks/results/fp8_linears_study.json
+    python benchmarks/study_fp8_attention_error.py --studies formats --out benchmarks/results/linear_formats_study.json
 """
 
 from __future__ import annotations
@@ -148,7 +154,7 @@ def summary(p: list[float], prompts: list[str]) -> dict:
             "psnr": [round(x, 2) for x in p]}
 
 
-STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8", "linears")
+STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8", "formats", "linears")
 SENSITIVE_ATTENTION = "transformer_blocks.1.attn"  # what the modules study singles out on the built-in model
 QK_PROJECTIONS = ["*attn.to_q", "*attn.to_k", "*attn.add_q_proj", "*attn.add_k_proj"]
 # (row name, FP8 linears?, their skip patterns, attention modules kept in bf16 -- None: no FP8 attention at all)
@@ -280,6 +286,139 @@ def qk_int8_study(pipe, prompts: list[str], reference: torch.Tensor, modules: li
     return rows
 
 
+def block_linears(pipe) -> list[tuple[str, torch.nn.Linear]]:
+    """The linears ``quant="fp8"`` converts: every nn.Linear of the repeated blocks but the family's skip list (the
+    per-sample modulation linears)."""
+    from fnmatch import fnmatchcase
+
+    from omni_accel.pipelines import adapter_for
+
+    adapter = adapter_for(pipe)
+    return [(f"{block_name}.{rel}", module) for block_name, block in adapter.blocks_of(pipe.transformer)
+            for rel, module in block.named_modules()
+            if isinstance(module, torch.nn.Linear) and rel
+            and not any(fnmatchcase(f"{block_name}.{rel}", p) for p in adapter.quant_skip)]
+
+
+def rows_rounded(x: torch.Tensor, number_format: str, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """x (float32) through ``number_format`` with one scale per row of its last dimension (per token for
+    activations, per output channel for weights), or the one calibrated ``amax`` for the whole tensor (values
+    beyond it clipped), back in float32; "bf16" leaves it as it is."""
+    if number_format == "bf16":
+        return x
+    if amax is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    if number_format == "e4m3":
+        return rounded(x, amax / cfa.FP8_MAX)
+    scale = amax / 127.0  # int8, symmetric, round half to even as the int8 quantizers do
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+def input_channel_amax(pipe, linears: list[tuple[str, torch.nn.Linear]], prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Per input channel max |x| of every linear over a bf16 run of ``prompts``: SmoothQuant's calibration."""
+    amax, handles = {}, []
+    for name, module in linears:
+        def observe(_module, args, name=name):
+            seen = args[0].detach().float().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+            amax[name] = torch.maximum(amax[name], seen) if name in amax else seen
+        handles.append(module.register_forward_pre_hook(observe))
+    try:
+        quality.images(pipe, prompts, 1000)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return amax
+
+
+class EmulatedLinears:
+    """The block linears compute ``x @ W^T + b`` in float32 from x and W rounded to the given formats; with
+    ``smoothing`` (per linear, a per-input-channel factor s) from x / s and W * s first, which leaves the product
+    unchanged in exact arithmetic (SmoothQuant)."""
+
+    def __init__(self, linears, activations: str, weights: str, smoothing: dict[str, torch.Tensor] | None = None,
+                 static_amax: dict[str, torch.Tensor] | None = None):
+        self.linears, self.activations, self.weights, self.smoothing = linears, activations, weights, smoothing
+        self.static_amax = static_amax  # per linear, per input channel max |x| of a calibration run
+
+    def __enter__(self):
+        for name, module in self.linears:
+            s = self.smoothing[name] if self.smoothing else None
+            w = module.weight.detach().float()
+            w = rows_rounded(w * s if s is not None else w, self.weights)
+            b = module.bias.detach().float() if module.bias is not None else None
+            amax = None  # one scale per layer: the calibration's max |x| (after smoothing)
+            if self.static_amax is not None:
+                amax = (self.static_amax[name] / s if s is not None else self.static_amax[name]).max().clamp(min=1e-12)
+
+            def forward(x, w=w, b=b, s=s, amax=amax):
+                xf = x.float() / s if s is not None else x.float()
+                return F.linear(rows_rounded(xf, self.activations, amax), w, b).to(x.dtype)
+
+            module.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        for _, module in self.linears:
+            del module.forward
+
+
+def smoothing_factors(pipe, linears, calibration: list[str], alpha: float) -> dict[str, torch.Tensor]:
+    """SmoothQuant's s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) per input channel j, from one calibration
+    caption: alpha moves that share of each channel's activation range into the weights."""
+    x_amax = input_channel_amax(pipe, linears, calibration)
+    factors = {}
+    for name, module in linears:
+        w_amax = module.weight.detach().float().abs().amax(dim=0)
+        factors[name] = (x_amax[name].clamp(min=1e-5) ** alpha / w_amax.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
+    return factors
+
+
+# (row name, activation format -- per token, or "_static": one scale per layer from the calibration caption's max |x|
+# --, weight format, SmoothQuant alpha or None, Q K^T of the FP8 attention: None = no FP8 attention, "e4m3" =
+# cuDNN's per-tensor, "int8" = int8 per token and head)
+FORMATS = (
+    ("e4m3 weights only", "bf16", "e4m3", None, None),
+    ("int8 weights only", "bf16", "int8", None, None),
+    ("e4m3 W8A8, a scale per token (quant=\"fp8\")", "e4m3", "e4m3", None, None),
+    ("int8 W8A8, a scale per token", "int8", "int8", None, None),
+    ("e4m3 W8A8 after SmoothQuant, alpha 0.5", "e4m3", "e4m3", 0.5, None),
+    ("int8 W8A8 after SmoothQuant, alpha 0.5", "int8", "int8", 0.5, None),
+    ("int8 W8A8 after SmoothQuant, alpha 0.75", "int8", "int8", 0.75, None),
+    ("int8 W8A8, one calibrated scale per layer", "int8_static", "int8", None, None),
+    ("int8 W8A8, one calibrated scale per layer, after SmoothQuant, alpha 0.5", "int8_static", "int8", 0.5, None),
+    ("e4m3 W8A8, one calibrated scale per layer", "e4m3_static", "e4m3", None, None),
+    ("int8 W8A8 + FP8 attention with e4m3 Q K^T", "int8", "int8", None, "e4m3"),
+    ("int8 W8A8 + FP8 attention with int8 Q K^T per token", "int8", "int8", None, "int8"),
+    ("e4m3 W8A8 + FP8 attention with int8 Q K^T per token", "e4m3", "e4m3", None, "int8"),
+)
+
+
+def formats_study(pipe, prompts: list[str], reference: torch.Tensor, modules: list[str]) -> dict:
+    """The ``FORMATS`` rows, SmoothQuant calibrated on the training caption of seed 7 (bench_fp8_quality's
+    default calibration caption)."""
+    linears = block_linears(pipe)
+    calibration = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(7)))
+    factors = {alpha: smoothing_factors(pipe, linears, calibration, alpha)
+               for alpha in sorted({row[3] for row in FORMATS if row[3] is not None})}
+    static_amax = input_channel_amax(pipe, linears, calibration)
+    rows = {}
+    for name, activations, weights, alpha, qk in FORMATS:
+        static = activations.endswith("_static")
+        with EmulatedLinears(linears, activations.removesuffix("_static"), weights, factors.get(alpha),
+                             static_amax if static else None):
+            if qk is None:
+                got = quality.images(pipe, prompts, 0)
+            else:
+                tokens = (1, 1) if qk == "int8" else None
+                with Replaced(pipe, len(modules),
+                              lambda i, q, k, v, s, t=tokens: attention(q, k, v, s, **ALL_ON, qk_int8_tokens=t)):
+                    got = quality.images(pipe, prompts, 0)
+        rows[name] = {"activations": activations, "weights": weights, "smoothquant_alpha": alpha,
+                      "attention_qk": qk, **summary(psnr(got, reference), prompts)}
+        print("formats", name, {k: v for k, v in rows[name].items() if k != "psnr"}, flush=True)
+    return {"linears": len(linears), "calibration_caption": calibration, "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -335,6 +474,8 @@ def main(argv=None) -> int:
         result["fallback"] = fallback_study(pipe, prompts, reference, modules)
     if "linears" in studies:
         result["linears"] = fallback_study(pipe, prompts, reference, modules, linear_groups(pipe))
+    if "formats" in studies:
+        result["formats"] = formats_study(pipe, prompts, reference, modules)
     if "qk_int8" in studies:
         result["qk_int8"] = qk_int8_study(pipe, prompts, reference, modules, (7, 8))
     write_result(args.out, result)

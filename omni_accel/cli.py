@@ -109,7 +109,7 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--cache", default=None, help="step cache backend (tea_cache, cache_dit, fb_cache, mag_cache)")
     a.add_argument("--cache-config", default=None, metavar="JSON",
                    help='cache options as JSON, e.g. \'{"rel_l1": 0.2}\'')
-    a.add_argument("--quant", default=None, help="quantization (fp8, fp8_weight_only)")
+    a.add_argument("--quant", default=None, help="quantization (fp8, fp8_weight_only, int8)")
     a.add_argument("--text-encoder", default=None, help="text-encoder engine (vllm, transformers)")
     a.add_argument("--kernels", action="store_true", help="fused kernels")
     a.add_argument("--fuse-qkv", action="store_true", help="one q/k/v GEMM per stream (flux, flux2, wan)")

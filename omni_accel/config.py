@@ -14,7 +14,7 @@ from .errors import AccelError
 
 CACHE_BACKENDS = ("tea_cache", "cache_dit", "fb_cache", "mag_cache")
 OFFLOAD_MODES = ("model", "block")
-QUANT_MODES = ("fp8", "fp8_weight_only")
+QUANT_MODES = ("fp8", "fp8_weight_only", "int8")
 TEXT_ENCODER_ENGINES = ("vllm", "transformers")
 # compile= accepts the command line's words too: one vocabulary for Python and the CLI
 COMPILE_MODES = {False: False, True: True, "off": False, "on": True, "max": "max"}
@@ -79,7 +79,7 @@ class AccelConfig:
             if not isinstance(self.quant_config, dict):
                 raise AccelError(f"quant_config={self.quant_config!r} must be a dict, e.g. {{'skip': ['*.ff.*']}}.")
             if self.quant is None:
-                raise AccelError("quant_config was given without quant=...; add quant='fp8' or 'fp8_weight_only'.")
+                raise AccelError("quant_config was given without quant=...; add quant='fp8', 'fp8_weight_only' or 'int8'.")
         if not isinstance(self.attention, str) or not self.attention:
             raise AccelError(f"attention={self.attention!r} must be a backend name such as 'auto'.")
         if not isinstance(self.compile, (bool, str)) or self.compile not in COMPILE_MODES:

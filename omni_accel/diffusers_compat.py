@@ -32,7 +32,7 @@ from .pass_base import AccelPass, PassContext
 
 # knob -> (is it set, what the saved weights would be, why a LoRA cannot reach its layers)
 _WEIGHT_KNOBS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "quant": (lambda c: c.quant is not None, "FP8 layers", "they are FP8 layers now"),
+    "quant": (lambda c: c.quant is not None, "quantized layers", "they are quantized layers now"),
     "fuse_qkv": (lambda c: c.fuse_qkv, "fused q/k/v projections", "q, k and v are one fused projection now"),
     "tp": (lambda c: c.tp > 1, "this rank's shards of the weights", "they are split over the tensor-parallel ranks"),
 }
@@ -82,7 +82,7 @@ class DiffusersCompatPass(AccelPass):
             if config.quant is not None and _LAYERWISE_CASTING in _diffusers_hooks(transformer):
                 raise AccelError(
                     f"quant={config.quant!r}: the {name} stores its weights in a low-precision dtype already "
-                    f"(diffusers' {name}.enable_layerwise_casting()); FP8 layers cannot be made from them. Load the "
+                    f"(diffusers' {name}.enable_layerwise_casting()); quantized layers cannot be made from them. Load the "
                     "model without layerwise casting to use quant, or leave quant out to keep diffusers' casting."
                 )
 
@@ -113,8 +113,8 @@ class DiffusersCompatPass(AccelPass):
         for name, transformer in transformers:
             if config.quant is not None:
                 guard(transformer, "fuse_qkv_projections", _refusal(
-                    f"{name}.fuse_qkv_projections() after accelerate(quant={config.quant!r}) cannot fuse FP8 "
-                    "layers: use accelerate(fuse_qkv=True, quant=...), which fuses before quantizing, or fuse "
+                    f"{name}.fuse_qkv_projections() after accelerate(quant={config.quant!r}) cannot fuse "
+                    "quantized layers: use accelerate(fuse_qkv=True, quant=...), which fuses before quantizing, or fuse "
                     "before accelerate()."), component=name)
             if config.quant is not None or config.fuse_qkv:
                 guard(transformer, "unfuse_qkv_projections", _refusal(

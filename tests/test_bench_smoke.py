@@ -338,3 +338,37 @@ def test_flux_dev_linear_share_counts_the_flops_a_bf16_fallback_keeps():
     assert [share(g) for g in groups] == [0.2222, 0.2222, 0.2778, 0.2778]
     assert share(sum(groups, [])) == 1.0 and share([]) == 0.0
     assert share(["transformer_blocks.0.*"]) == share(["single_transformer_blocks.3.*"]) == 0.0175
+
+
+def test_peers_summary_keeps_int8_rows_out_of_the_fp8_ratios_and_refuses_two_in_place_rows(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """bench_peers.py: an int8 row is compared with torchao's int8 and diffusers' best, never counted as ours' best
+    FP8 (a format against the same format); two rows that quantize the weights in place are refused in one run."""
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", bench)
+    spec.loader.exec_module(bench)
+    rows = [{"model": "flux", "config": c, "ms": ms, "lossless": lossless} for c, ms, lossless in (
+        ("diffusers_best", 130.0, True), ("ours_fp8_dynamic_fa_pdl", 90.0, False), ("ours_int8_pdl", 80.0, False),
+        ("torchao_fp8_rowwise", 110.0, False), ("torchao_int8", 100.0, False))]
+    summary = bench.summarize(rows)["flux"]
+    assert summary["ours_best_fp8"] == "ours_fp8_dynamic_fa_pdl" and summary["ours_best_int8"] == "ours_int8_pdl"
+    assert summary["fp8_vs_torchao"] == round(110 / 90, 3) and summary["int8_vs_torchao_int8"] == 1.25
+    assert summary["int8_vs_diffusers_best"] == round(130 / 80, 3)
+    assert bench.main(["--device", "cpu", "--tiny", "--configs", "torchao_fp8_rowwise,torchao_int8",
+                       "--out", str(tmp_path / "x.json")]) == 2
+    assert ("--configs has 2 rows that change the weights in place (['torchao_fp8_rowwise', 'torchao_int8']); the "
+            "second would quantize the first one's weights. Run each in its own invocation.") in capsys.readouterr().err
+
+
+def test_fp8_gemm_bench_tiny_cpu_times_fp8_and_int8_linears(tmp_path):
+    """bench_fp8_gemm.py on the CPU: the bf16, e4m3 and int8 GEMMs and the two quantized linears compiled whole,
+    each with its error against the exact product (int8's below e4m3's on Gaussian data)."""
+    out = tmp_path / "gemm.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fp8_gemm.py"), "--device", "cpu",
+                    "--tiny", "--iters", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row, row
+    for key in ("bf16_gemm_ms", "fp8_gemm_ms", "int8_gemm_ms", "fp8_linear_compiled_ms", "int8_linear_compiled_ms"):
+        assert row[key] > 0, key
+    assert row["int8_linear_rel_err"] < 0.015 and row["int8_linear_rel_err"] < row["fp8_linear_rel_err"]

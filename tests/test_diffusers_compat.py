@@ -108,7 +108,8 @@ def test_diffusers_cache_and_omni_accel_cache_refuse_each_other(plain):
 
 # -- save_pretrained, LoRA, .to() after weight-changing passes ---------------------------------------------------
 @pytest.mark.parametrize("knobs, saved, why", [
-    ({"quant": "fp8_weight_only"}, "FP8 layers", "they are FP8 layers now"),
+    ({"quant": "fp8_weight_only"}, "quantized layers", "they are quantized layers now"),
+    ({"quant": "int8"}, "quantized layers", "they are quantized layers now"),
     ({"fuse_qkv": True}, "fused q/k/v projections", "q, k and v are one fused projection now"),
 ])
 def test_weight_changing_passes_refuse_save_transformer_lora_and_moves_with_the_fix(plain, tmp_path, knobs, saved, why):
@@ -139,7 +140,7 @@ def test_weight_changing_passes_refuse_save_transformer_lora_and_moves_with_the_
         with pytest.raises(AccelError) as info:
             pipe.transformer.fuse_qkv_projections()
         assert str(info.value) == (
-            "transformer.fuse_qkv_projections() after accelerate(quant='fp8_weight_only') cannot fuse FP8 layers: "
+            f"transformer.fuse_qkv_projections() after accelerate({shown}) cannot fuse quantized layers: "
             "use accelerate(fuse_qkv=True, quant=...), which fuses before quantizing, or fuse before accelerate().")
     omni_accel.restore(pipe)
     assert torch.equal(run(pipe, kwargs), reference)
@@ -251,7 +252,7 @@ def test_quant_over_diffusers_layerwise_casting_is_refused():
         omni_accel.accelerate(pipe, quant="fp8_weight_only")
     assert str(info.value) == (
         "quant='fp8_weight_only': the transformer stores its weights in a low-precision dtype already (diffusers' "
-        "transformer.enable_layerwise_casting()); FP8 layers cannot be made from them. Load the model without "
+        "transformer.enable_layerwise_casting()); quantized layers cannot be made from them. Load the model without "
         "layerwise casting to use quant, or leave quant out to keep diffusers' casting.")
     assert "omni_accel" not in vars(pipe)
     omni_accel.accelerate(pipe, attention="math")  # the lossless passes compose with it

@@ -1,4 +1,5 @@
-"""FP8 linears (quant="fp8" / "fp8_weight_only"): arithmetic, error bounds, savings, refusals, restore."""
+"""Quantized linears (quant="fp8" / "fp8_weight_only"; int8 across the families, tests/test_int8.py has the rest):
+arithmetic, error bounds, savings, refusals, restore."""
 
 import json
 import re
@@ -10,6 +11,7 @@ import omni_accel
 from omni_accel import AccelError
 from omni_accel.kernels import fp8 as fp8_mod
 from omni_accel.kernels.fp8 import Fp8Linear, dequantize_rows, quantize_rows
+from omni_accel.kernels.qlinear import QuantizedLinear
 from omni_accel.kernels.quant import quant_error_report
 from omni_accel.testing import run, tiny_pipeline
 
@@ -57,7 +59,7 @@ def test_weight_only_dequantizes_on_the_fly_in_the_activation_dtype():
 
 
 @pytest.mark.parametrize("family", ["flux", "qwen_image", "sd3", "z_image", "flux2"])
-@pytest.mark.parametrize("mode", ["fp8", "fp8_weight_only"])
+@pytest.mark.parametrize("mode", ["fp8", "fp8_weight_only", "int8"])
 def test_quantized_pipeline_stays_close_and_restores_exactly(family, mode):
     pipe, kwargs = tiny_pipeline(family)
     plain = run(pipe, kwargs)
@@ -66,13 +68,13 @@ def test_quantized_pipeline_stays_close_and_restores_exactly(family, mode):
     assert ((out - plain).norm() / plain.norm()) < 0.03
     (quant,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
     assert quant["layers"] > 0 and quant["mode"] == mode
-    # FP8 stores a byte per weight (+ one fp32 scale per row): well under half of the fp32 linears it replaced
+    # FP8 / int8 store a byte per weight (+ one fp32 scale per row): well under half of the fp32 linears replaced
     assert quant["linear_bytes_after"] < 0.35 * quant["linear_bytes_before"]
     errors = quant_error_report(pipe)
     assert len(errors) == quant["layers"]
     assert all(0 < e["output_rel_err"] < 0.08 for e in errors.values())  # measured on the first call's inputs
     omni_accel.restore(pipe)
-    assert not any(isinstance(m, Fp8Linear) for m in pipe.transformer.modules())
+    assert not any(isinstance(m, QuantizedLinear) for m in pipe.transformer.modules())
     assert torch.equal(run(pipe, kwargs), plain)
 
 
@@ -111,7 +113,7 @@ def _fingerprint(pipe):
         (dict(quant="fp8", quant_config={"measure_error": "yes"}),
          "quant_config['measure_error']='yes' must be True or False."),
         (dict(quant_config={"skip": []}),
-         "quant_config was given without quant=...; add quant='fp8' or 'fp8_weight_only'."),
+         "quant_config was given without quant=...; add quant='fp8', 'fp8_weight_only' or 'int8'."),
         (dict(quant="fp8_weight_only", quant_config={"skip": ["*"]}),
          "quant='fp8_weight_only': no linear layer of the transformer can be quantized"),
     ],

@@ -31,6 +31,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from .qlinear import QuantizedLinear, matmul_support, rel_err
+
 logger = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -98,50 +100,31 @@ def _cpu_scaled_mm_works() -> bool:
 
 def fp8_matmul_support(device: torch.device) -> tuple[bool, str]:
     """(supported, reason) for W8A8 FP8 GEMMs on ``device``."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return False, "torch sees no CUDA GPU"
-        major, minor = torch.cuda.get_device_capability(device)
-        name = torch.cuda.get_device_name(device)
-        if (major, minor) < (8, 9):
-            return False, f"{name} has compute capability {major}.{minor}; FP8 tensor cores need 8.9 or newer"
-        return True, f"{name} (compute capability {major}.{minor})"
-    if device.type == "cpu":
-        if _cpu_scaled_mm_works():
-            return True, "CPU torch._scaled_mm (correct but not fast: use it to test, not to serve)"
-        return False, f"this torch build ({torch.__version__}) has no CPU torch._scaled_mm for e4m3"
-    return False, f"device type {device.type!r} has no FP8 GEMM support in omni_accel"
+    cpu_works = device.type == "cpu" and _cpu_scaled_mm_works()
+    return matmul_support(device, "FP8", (8, 9), "torch._scaled_mm", cpu_works, "torch._scaled_mm for e4m3")
 
 
-class Fp8Linear(torch.nn.Module):
+class Fp8Linear(QuantizedLinear):
     """Drop-in for ``nn.Linear`` holding an e4m3 weight and one fp32 scale per output channel."""
 
     def __init__(self, linear: torch.nn.Linear, mode: Fp8Mode, fast_accum: bool = False):
-        super().__init__()
+        super().__init__(linear)
         # Hopper's FP8 tensor cores accumulate in reduced precision unless the GEMM promotes the partial sums to
         # fp32 every few k-steps; ``fast_accum`` skips that promotion (the quant pass's default: see quant.py).
         self.fast_accum = fast_accum
         weight = linear.weight.detach()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
         self.mode = mode
         w_fp8, w_scale = quantize_rows(weight)
         self.register_buffer("weight_fp8", w_fp8, persistent=False)
         # (1, out) for _scaled_mm's scale_b; (out, 1) view for dequantization
         self.register_buffer("weight_scale", w_scale.reshape(1, -1).contiguous(), persistent=False)
-        bias = linear.bias.detach().clone() if linear.bias is not None else None
-        self.register_buffer("bias", bias, persistent=False)
-        self.weight_rel_err = _rel_err(dequantize_rows(w_fp8, w_scale, torch.float32), weight.float())
+        self.weight_rel_err = rel_err(dequantize_rows(w_fp8, w_scale, torch.float32), weight.float())
         # activation scales: "dynamic" per token; "observing" = dynamic while recording the largest |x| seen;
         # "static" = one calibrated scale (input_scale)
         self.activations: ActivationMode = "dynamic"
         device = weight.device
         self.register_buffer("observed_amax", torch.zeros((), dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
-        # Set by the quant pass when the user asked for a measured output error: the layer's original weight
-        # (host copy on GPUs) is used once, on the first forward, then dropped.
-        self.reference_weight: torch.Tensor | None = None
-        self.output_rel_err: float | None = None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
@@ -166,19 +149,10 @@ class Fp8Linear(torch.nn.Module):
         self.input_scale.fill_(max(float(scale), _MIN_AMAX))
         self.activations = "static"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+    def _product(self, x2: torch.Tensor) -> torch.Tensor:
         if self.mode == "w8a8":
-            y = self._scaled_mm(x2)
-        else:
-            w = dequantize_rows(self.weight_fp8, self.weight_scale.reshape(-1, 1), x.dtype)
-            y = F.linear(x2, w)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        if self.reference_weight is not None:
-            self._measure(x2, y)
-        return y.reshape(*lead, self.out_features)
+            return self._scaled_mm(x2)
+        return F.linear(x2, dequantize_rows(self.weight_fp8, self.weight_scale.reshape(-1, 1), x2.dtype))
 
     def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.activations == "static":
@@ -195,17 +169,6 @@ class Fp8Linear(torch.nn.Module):
             use_fast_accum=self.fast_accum,
         )
         return y.to(x2.dtype)
-
-    @torch.compiler.disable  # a one-time measurement must not enter compiled graphs
-    def _measure(self, x2: torch.Tensor, y: torch.Tensor) -> None:
-        ref_w = self.reference_weight.to(device=x2.device, dtype=x2.dtype)
-        ref = F.linear(x2, ref_w, None if self.bias is None else self.bias.to(x2.dtype))
-        self.output_rel_err = _rel_err(y.float(), ref.float())
-        self.reference_weight = None
-
-
-def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((approx - exact).norm() / exact.norm().clamp(min=1e-30))
 
 
 def fp8_alignment_problem(linear: torch.nn.Linear) -> str | None:

@@ -1,8 +1,9 @@
-"""The quant pass: ``accelerate(pipe, quant="fp8" | "fp8_weight_only", quant_config={...})``.
+"""The quant pass: ``accelerate(pipe, quant="fp8" | "fp8_weight_only" | "int8", quant_config={...})``.
 
-Every ``nn.Linear`` inside the adapter's repeated blocks becomes an ``Fp8Linear`` (kernels/fp8.py), except those
-matching the family's skip list (``ModelAdapter.quant_skip``: the per-sample modulation linears by default) or the
-user's ``quant_config["skip"]`` patterns, and (for W8A8) those whose shape the FP8 GEMM cannot take. Embedders and the final
+Every ``nn.Linear`` inside the adapter's repeated blocks becomes an ``Fp8Linear`` (kernels/fp8.py) or, for
+``"int8"``, an ``Int8Linear`` (kernels/int8.py), except those matching the family's skip list
+(``ModelAdapter.quant_skip``: the per-sample modulation linears by default) or the user's ``quant_config["skip"]``
+patterns, and (for W8A8) those whose shape the FP8 / int8 GEMM cannot take. Embedders and the final
 layer live outside the blocks and are never quantized. Module replacement (the way torchao and diffusers'
 quantizers do it) rather than a hook: the bf16 weight must leave the GPU for the memory saving to be real.
 restore() puts the original modules back; on a GPU their weights wait in host memory meanwhile.
@@ -27,10 +28,15 @@ from ..lora import quant_target_name
 from ..pass_base import AccelPass, PassContext
 from .cudnn_fp8_attention import AttentionScales
 from .fp8 import FP8_MAX, STATIC_MARGIN, Fp8Linear, fp8_alignment_problem, fp8_matmul_support
+from .int8 import Int8Linear, int8_alignment_problem, int8_matmul_support
+from .qlinear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-MODES = {"fp8": "w8a8", "fp8_weight_only": "weight_only"}
+MODES = {"fp8": "w8a8", "fp8_weight_only": "weight_only", "int8": "int8"}
+# the W8A8 modes: (can this device multiply them, why a layer's shape cannot be multiplied, GPU architectures)
+_W8A8 = {"fp8": (fp8_matmul_support, fp8_alignment_problem, "Ada, Hopper, Blackwell"),
+         "int8": (int8_matmul_support, int8_alignment_problem, "Turing or newer")}
 QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attention_scales", "fast_accum")
 ACTIVATION_MODES = ("dynamic", "static")
 # FP8 attention's q / k / v scales beside static linears: per call (default) or calibrated with the linears. Per call
@@ -66,7 +72,7 @@ def _plan(ctx: PassContext, transformer) -> tuple[list[tuple[str, torch.nn.Linea
             hit = next((p for p in patterns if fnmatch.fnmatchcase(target, p)), None)
             if hit is not None:
                 skipped[name] = f"skip pattern {hit!r}"
-            elif ctx.config.quant == "fp8" and (problem := fp8_alignment_problem(module)) is not None:
+            elif ctx.config.quant in _W8A8 and (problem := _W8A8[ctx.config.quant][1](module)) is not None:
                 skipped[name] = problem
             else:
                 chosen.append((name, module))
@@ -89,15 +95,23 @@ def _check_quant_config(config) -> None:
     if not isinstance(qc.get("fast_accum", DEFAULT_FAST_ACCUM), bool):
         raise AccelError(f"quant_config['fast_accum']={qc['fast_accum']!r} must be True or False.")
     if qc.get("fast_accum") and config.quant != "fp8":
+        runs = ("int8 GEMMs, which accumulate exactly in int32 and have" if config.quant == "int8"
+                else "bf16 GEMMs, which have")
         raise AccelError(
-            f"quant_config['fast_accum']=True needs quant='fp8': quant={config.quant!r} runs bf16 GEMMs, which have "
-            "no FP8 accumulation to speed up. Use quant='fp8', or drop 'fast_accum'.")
+            f"quant_config['fast_accum']=True needs quant='fp8': quant={config.quant!r} runs {runs} no FP8 "
+            "accumulation to speed up. Use quant='fp8', or drop 'fast_accum'.")
     activations = qc.get("activations", "dynamic")
     if activations not in ACTIVATION_MODES:
         raise AccelError(
             f"quant_config['activations']={activations!r} is not known; use 'dynamic' (a scale per token, computed "
             "at run time) or 'static' (a calibrated scale per layer)."
         )
+    if activations == "static" and config.quant == "int8":
+        raise AccelError(
+            "quant_config['activations']='static' is not offered with quant='int8': int8 has no exponent, so one "
+            "scale per layer rounds a token with small values coarsely (on the built-in model it lowered the worst "
+            "image from 43.3 to 28.9 dB). Drop 'activations' (a scale per token), or use quant='fp8' for static "
+            "scales.")
     if activations == "static" and config.quant != "fp8":
         raise AccelError(
             f"quant_config['activations']='static' needs quant='fp8': quant={config.quant!r} keeps activations in "
@@ -272,15 +286,18 @@ class QuantPass(AccelPass):
         if cfg.tp > 1:
             raise AccelError(
                 f"quant={cfg.quant!r} cannot be combined with tp={cfg.tp} yet: tensor parallelism shards nn.Linear "
-                "weights and FP8 linears are not shardable modules. Use sp / cfg_parallel with FP8, or drop quant."
+                "weights and quantized linears are not shardable modules. Use sp / cfg_parallel with quant, or "
+                "drop quant."
             )
-        if cfg.quant == "fp8":
-            ok, reason = fp8_matmul_support(ctx.device)
+        if cfg.quant in _W8A8:
+            support, _, gpus = _W8A8[cfg.quant]
+            ok, reason = support(ctx.device)
             if not ok:
+                kind = "FP8" if cfg.quant == "fp8" else "int8"
                 raise AccelError(
-                    f"quant='fp8' needs FP8 matrix multiplication, which is not available here: {reason}. "
+                    f"quant={cfg.quant!r} needs {kind} matrix multiplication, which is not available here: {reason}. "
                     "Use quant='fp8_weight_only' (e4m3 weights dequantized on the fly: half the weight memory, "
-                    "runs anywhere), or run on an FP8-capable GPU (Ada, Hopper, Blackwell)."
+                    f"runs anywhere), or run on a GPU with {kind} tensor cores ({gpus})."
                 )
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             chosen, skipped = _plan(ctx, transformer)
@@ -296,7 +313,7 @@ class QuantPass(AccelPass):
                 raise AccelError(
                     f"quant={cfg.quant!r}: no linear layer of the {name} can be quantized ({len(skipped)} skipped: "
                     f"{'; '.join(reasons[:3])}). Shorten quant_config['skip'], or use quant='fp8_weight_only' "
-                    "for layers whose shape the FP8 GEMM cannot take."
+                    "for layers whose shape the W8A8 GEMM cannot take."
                 )
         scales = (cfg.quant_config or {}).get("scales")
         if scales is not None:
@@ -333,7 +350,8 @@ class QuantPass(AccelPass):
                 linear_bytes_before=before, linear_bytes_after=after, measure_error=measure, fast_accum=fast_accum,
             )
             ctx.state.quantized[tname] = transformer
-            logger.info("omni_accel: %s: %d linears -> FP8 (%s), %d kept", tname, len(chosen), mode, len(skipped))
+            logger.info("omni_accel: %s: %d linears -> %s, %d kept", tname, len(chosen), ctx.config.quant,
+                        len(skipped))
         if (ctx.config.quant_config or {}).get("activations") == "static":
             _start_static_activations(ctx)
 
@@ -341,11 +359,11 @@ class QuantPass(AccelPass):
     def _swap(transformer, name: str, linear: torch.nn.Linear, mode: str, measure: bool, fast_accum: bool):
         parent_name, _, attr = name.rpartition(".")
         parent = transformer.get_submodule(parent_name)
-        fp8 = Fp8Linear(linear, mode, fast_accum=fast_accum)
+        quantized = Int8Linear(linear) if mode == "int8" else Fp8Linear(linear, mode, fast_accum=fast_accum)
         device = linear.weight.device
         if measure:
-            fp8.reference_weight = linear.weight.detach()
-        setattr(parent, attr, fp8)
+            quantized.reference_weight = linear.weight.detach()
+        setattr(parent, attr, quantized)
         if device.type == "cuda":  # free the GPU copy: the original waits in host memory for restore()
             for p in linear.parameters(recurse=False):
                 p.data = to_host(p.data)
@@ -504,15 +522,16 @@ def _put_back(swapped: list) -> None:
 
 
 def quant_error_report(pipe) -> dict:
-    """Per-layer errors of the FP8 linears of an accelerated pipeline: the weight quantization error always, the
-    output error on the first call's inputs when ``quant_config={"measure_error": True}`` was given."""
+    """Per-layer errors of the quantized linears of an accelerated pipeline: the weight quantization error always,
+    the output error on the first call's inputs when ``quant_config={"measure_error": True}`` was given."""
     state = vars(pipe).get("omni_accel")
     if state is None or not state.quantized:
-        raise AccelError("quant_error_report() needs a pipeline accelerated with quant='fp8' or 'fp8_weight_only'.")
+        raise AccelError("quant_error_report() needs a pipeline accelerated with quant='fp8', 'fp8_weight_only' "
+                         "or 'int8'.")
     out = {}
     for tname, transformer in state.quantized.items():
         for name, module in transformer.named_modules():
-            if isinstance(module, Fp8Linear):
+            if isinstance(module, QuantizedLinear):
                 out[f"{tname}.{name}"] = {"weight_rel_err": module.weight_rel_err,
                                           "output_rel_err": module.output_rel_err}
     return out

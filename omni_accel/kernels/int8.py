@@ -1,0 +1,98 @@
+"""int8 W8A8 linears (``quant="int8"``): weights quantized once per output channel, activations per token at run
+time, multiplied on int8 tensor cores with int32 accumulation (``torch._int_mm``), dequantized in the epilogue.
+
+Why int8 beside FP8: on the trained built-in model, int8 with a scale per token and per output channel puts the
+worst of 16 held-out images at 43.3 dB against the bf16 pipeline (mean 54.3 dB, as close as the float32 model
+is), where e4m3 with the same scales gives 29.2 dB (benchmarks/results/linear_formats_study.json). e4m3 keeps 3
+mantissa bits on every value; int8 keeps 7 bits on the largest value of each row, and a row of a DiT's
+activations or weights has no outliers large enough to lose that. Hopper's int8 and FP8 tensor cores have the same
+peak rate.
+
+Activations are scaled per token only: one calibrated scale per layer (what ``quant="fp8"`` allows with
+``"activations": "static"``) lowered that worst image to 28.9 dB in int8, because int8 has no exponent to absorb a
+token whose values are much smaller than the layer's largest.
+
+Under torch.compile the row quantization below is traced, so Inductor fuses it into the op that produces the
+activation, and the int32 -> scaled 16-bit rescale into one elementwise kernel after the GEMM (or into the GEMM
+where Inductor takes its Triton int8 template over cuBLAS for the shape).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .qlinear import QuantizedLinear, matmul_support, rel_err
+
+INT8_MAX = 127.0
+# cuBLASLt's int8 GEMM needs the matrix dimensions that meet in the product to be multiples of 8 ...
+INT8_ALIGN = 8
+# ... and more than 16 rows: shorter inputs (a short prompt's text tokens) are padded to this many rows.
+MIN_GPU_ROWS = 17
+_PADDED_ROWS = 32
+_MIN_AMAX = 1e-12
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a 2-D tensor to int8 with its own symmetric scale (max |row| / 127, values rounded half to
+    even): returns (x_int8, scale (rows, 1) fp32), so that ``x ≈ x_int8.float() * scale``."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_AMAX)
+    scale = amax / INT8_MAX
+    x_int8 = torch.round(x.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return x_int8, scale
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_int_mm_works() -> bool:
+    try:
+        a = torch.zeros(32, 16, dtype=torch.int8)
+        torch._int_mm(a, a.t())
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def int8_matmul_support(device: torch.device) -> tuple[bool, str]:
+    """(supported, reason) for int8 GEMMs (int8 x int8 -> int32) on ``device``."""
+    cpu_works = device.type == "cpu" and _cpu_int_mm_works()
+    return matmul_support(device, "int8", (7, 5), "torch._int_mm", cpu_works, "torch._int_mm")
+
+
+def int8_alignment_problem(linear: torch.nn.Linear) -> str | None:
+    """Why ``linear`` cannot become an int8 GEMM, or None when it can."""
+    bad = [f"{n}={v}" for n, v in (("in_features", linear.in_features), ("out_features", linear.out_features))
+           if v % INT8_ALIGN]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {INT8_ALIGN} (int8 GEMM alignment)"
+    return None
+
+
+def rows_to_pad(x2: torch.Tensor) -> int:
+    """How many zero rows the GPU's int8 GEMM needs below ``x2`` (it refuses 16 rows or fewer); 0 on the CPU."""
+    return _PADDED_ROWS - x2.shape[0] if x2.is_cuda and x2.shape[0] < MIN_GPU_ROWS else 0
+
+
+class Int8Linear(QuantizedLinear):
+    """Drop-in for ``nn.Linear`` holding an int8 weight and one fp32 scale per output channel."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(linear)
+        weight = linear.weight.detach()
+        w_int8, w_scale = quantize_rows_int8(weight)
+        self.register_buffer("weight_int8", w_int8, persistent=False)  # (out, in): its .t() is column-major
+        self.register_buffer("weight_scale", w_scale.reshape(1, -1).contiguous(), persistent=False)
+        self.weight_rel_err = rel_err(w_int8.float() * w_scale, weight.float())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, per-token activations"
+
+    def _product(self, x2: torch.Tensor) -> torch.Tensor:
+        rows = x2.shape[0]
+        x_int8, x_scale = quantize_rows_int8(x2)
+        if padding := rows_to_pad(x2):  # zero rows multiply to zero and are cut off again below
+            x_int8 = torch.nn.functional.pad(x_int8, (0, 0, 0, padding))
+        # the weight's transposed view, not a contiguous (in, out) copy: cuBLASLt's int8 GEMM wants it column-major
+        acc = torch._int_mm(x_int8, self.weight_int8.t())[:rows]
+        # fp32 dequantization: int32 sums of up to 127 * 127 * in_features do not fit a 16-bit mantissa
+        return (acc.float() * x_scale * self.weight_scale).to(x2.dtype)

@@ -1,0 +1,166 @@
+"""int8 W8A8 linears (quant="int8"): the integer arithmetic, its error against e4m3, refusals, compile, restore."""
+
+import pytest
+import torch
+
+import omni_accel
+from omni_accel import AccelError
+from omni_accel.kernels import int8 as int8_mod
+from omni_accel.kernels.fp8 import Fp8Linear
+from omni_accel.kernels.int8 import Int8Linear, quantize_rows_int8
+from omni_accel.kernels.quant import quant_error_report
+from omni_accel.testing import run, run_compiled_twice, tiny_pipeline
+
+
+def _linear(n_in=64, n_out=48, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(n_in, n_out)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_row_quantization_rounds_to_the_nearest_of_127_steps_per_row():
+    x = torch.randn(32, 256) * torch.logspace(-2, 2, 32)[:, None]  # rows over four decades: scales are per row
+    x_int8, scale = quantize_rows_int8(x)
+    assert x_int8.dtype == torch.int8 and scale.shape == (32, 1)
+    assert torch.equal(x_int8.abs().amax(dim=1), torch.full((32,), 127, dtype=torch.int8))  # each row's max -> 127
+    assert ((x_int8.float() * scale - x).abs() <= scale / 2 * (1 + 1e-5)).all()  # half a step at most
+    zeros, zero_scale = quantize_rows_int8(torch.zeros(2, 8))  # an all-zero row: no division by zero
+    assert torch.equal(zeros, torch.zeros(2, 8, dtype=torch.int8)) and (zero_scale > 0).all()
+
+
+def test_int8_linear_is_the_exact_integer_product_rescaled():
+    lin = _linear()
+    layer = Int8Linear(lin)
+    x = torch.randn(5, 7, 64)
+    y = layer(x)
+    assert y.shape == (5, 7, 48) and y.dtype == x.dtype
+    xq, xs = quantize_rows_int8(x.reshape(-1, 64))
+    wq, ws = quantize_rows_int8(lin.weight.detach())
+    exact_sums = xq.long() @ wq.long().t()  # what the int32 accumulator holds
+    expected = exact_sums.double() * xs.double() * ws.double().t() + lin.bias.detach().double()
+    torch.testing.assert_close(y.reshape(-1, 48).double(), expected, rtol=1e-5, atol=1e-5)
+    assert layer.weight_int8.dtype == torch.int8 and layer.weight_int8.shape == (48, 64)
+
+
+def test_int8_is_more_precise_than_e4m3_on_gaussian_layers():
+    """The reason the mode exists: 7 bits on each row's largest value against e4m3's 3 mantissa bits."""
+    lin = _linear(256, 128).to(torch.bfloat16)
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    exact = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+    int8_err = _rel(Int8Linear(lin)(x), exact)
+    fp8_err = _rel(Fp8Linear(lin, "w8a8")(x), exact)
+    assert int8_err < 0.015 and int8_err < fp8_err / 2, (int8_err, fp8_err)
+
+
+def test_short_inputs_are_padded_for_the_gpu_gemm_and_cut_back(monkeypatch):
+    layer = Int8Linear(_linear())
+    x = torch.randn(3, 64)
+    plain = layer(x)
+    seen = []
+    int_mm = torch._int_mm
+
+    def spy(a, b):
+        seen.append(a.shape[0])
+        return int_mm(a, b)
+
+    monkeypatch.setattr(int8_mod, "rows_to_pad", lambda x2: 32 - x2.shape[0])  # as on a GPU
+    monkeypatch.setattr(torch, "_int_mm", spy)
+    padded = layer(x)
+    assert seen == [32] and padded.shape == (3, 48)
+    assert torch.equal(padded, plain)
+    monkeypatch.undo()
+    assert int8_mod.rows_to_pad(torch.zeros(3, 64)) == 0  # the CPU GEMM takes any row count
+
+
+def test_int8_pipeline_is_closer_to_plain_than_fp8_and_restores_exactly():
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    errors = {}
+    for mode in ("int8", "fp8"):
+        omni_accel.accelerate(pipe, quant=mode, quant_config={"measure_error": True})
+        errors[mode] = _rel(run(pipe, kwargs), plain)
+        if mode == "int8":
+            (quant,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
+            t = pipe.transformer
+            assert quant["mode"] == "int8" and quant["fast_accum"] is False
+            assert isinstance(t.transformer_blocks[0].attn.to_q, Int8Linear)
+            assert isinstance(t.transformer_blocks[0].norm1.linear, torch.nn.Linear)  # AdaLN modulation kept
+            layer_errors = quant_error_report(pipe)
+            assert len(layer_errors) == quant["layers"]
+            assert all(0 < e["output_rel_err"] < 0.03 for e in layer_errors.values())
+        omni_accel.restore(pipe)
+    assert errors["int8"] < 0.01 and errors["int8"] < errors["fp8"], errors
+    assert not any(isinstance(m, Int8Linear) for m in pipe.transformer.modules())
+    assert torch.equal(run(pipe, kwargs), plain)
+
+
+def test_int8_takes_shapes_the_fp8_gemm_refuses():
+    pipe, kwargs = tiny_pipeline("wan")  # hidden size 24: a multiple of 8, not of 16
+    plain = run(pipe, kwargs)
+    with pytest.raises(AccelError, match=r"not a multiple of 16 \(FP8 GEMM alignment\)"):
+        omni_accel.accelerate(pipe, quant="fp8")
+    omni_accel.accelerate(pipe, quant="int8")
+    assert _rel(run(pipe, kwargs), plain) < 0.02
+    omni_accel.restore(pipe)
+
+
+def test_int8_compiles_without_graph_breaks_or_recompiles():
+    pipe, kwargs = tiny_pipeline("flux")
+    omni_accel.accelerate(pipe, quant="int8")
+    eager = run(pipe, kwargs)
+    omni_accel.restore(pipe)
+    compiled, counts = run_compiled_twice(pipe, kwargs, quant="int8", compile=True)
+    assert counts["graph_breaks"] == 0
+    assert counts["graphs_second_call"] == counts["graphs_first_call"] > 0
+    assert _rel(compiled, eager) < 1e-3
+
+
+@pytest.mark.parametrize("quant_config, message", [
+    ({"activations": "static"},
+     "quant_config['activations']='static' is not offered with quant='int8': int8 has no exponent, so one scale per "
+     "layer rounds a token with small values coarsely (on the built-in model it lowered the worst image from 43.3 "
+     "to 28.9 dB). Drop 'activations' (a scale per token), or use quant='fp8' for static scales."),
+    ({"fast_accum": True},
+     "quant_config['fast_accum']=True needs quant='fp8': quant='int8' runs int8 GEMMs, which accumulate exactly in "
+     "int32 and have no FP8 accumulation to speed up. Use quant='fp8', or drop 'fast_accum'."),
+])
+def test_int8_refuses_fp8_only_settings_before_patching(quant_config, message):
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as info:
+        omni_accel.accelerate(pipe, quant="int8", quant_config=quant_config)
+    assert str(info.value) == message
+    assert not hasattr(pipe, "omni_accel")
+
+
+def test_int8_without_int8_matmul_names_the_reason_and_the_alternative(monkeypatch):
+    pipe, _ = tiny_pipeline("flux")
+    monkeypatch.setattr(int8_mod, "_cpu_int_mm_works", lambda: False)
+    with pytest.raises(AccelError) as info:
+        omni_accel.accelerate(pipe, quant="int8")
+    assert str(info.value) == (
+        f"quant='int8' needs int8 matrix multiplication, which is not available here: this torch build "
+        f"({torch.__version__}) has no CPU torch._int_mm. Use quant='fp8_weight_only' (e4m3 weights dequantized on "
+        "the fly: half the weight memory, runs anywhere), or run on a GPU with int8 tensor cores (Turing or newer).")
+    assert not hasattr(pipe, "omni_accel")
+
+
+def test_auto_attention_keeps_the_lossless_rows_beside_int8(monkeypatch):
+    """FP8 attention brought the int8 pipeline's worst built-in image back to 24.7 dB (docs/fp8.md): auto's FP8 row
+    belongs to quant="fp8" only."""
+    from omni_accel.kernels import attention as attn
+
+    asked, choose = {}, attn.choose_auto
+
+    def spy(device, dtype, compiled, head_dim, fp8_stack, *args, **kwargs):
+        asked[quant] = fp8_stack
+        return choose(device, dtype, compiled, head_dim, fp8_stack, *args, **kwargs)
+
+    monkeypatch.setattr(attn, "choose_auto", spy)
+    pipe, _ = tiny_pipeline("flux")
+    for quant in ("int8", "fp8"):
+        omni_accel.accelerate(pipe, quant=quant, attention="auto", compile=True)
+        omni_accel.restore(pipe)
+    assert asked == {"int8": False, "fp8": True}
