@@ -380,6 +380,13 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         False, inductor=_MK_PDL, cuda_only=True,
         note="quant='fp8' as it runs by default (per-token scales, fast accumulation, CUDA graph), fuse_qkv, auto "
              "attention (cuDNN): the FP8 side of the int8 rows"),
+    # SageAttention 2 (int8 Q K^T, FP8 P . V; its Hopper kernel is built from source, there is no wheel of it):
+    # the 8-bit attention whose arithmetic the formats study puts beside int8 linears
+    Row("ours_bf16_mk_pdl_sage", _ours(attention="sage", compile=True), False, inductor=_MK_PDL,
+        needs=("sageattention",), cuda_only=True, note="ours_bf16_mk_pdl with attention='sage' (SageAttention)"),
+    Row("ours_int8_pdl_sage", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
+        inductor=_MK_PDL, needs=("sageattention",), cuda_only=True,
+        note="ours_int8_pdl with attention='sage': int8 linears and SageAttention"),
     Row("torchao_int8", _torchao_int8, False, destructive=True, needs=("torchao",), cuda_only=True,
         note="torchao Int8DynamicActivationInt8WeightConfig + cuDNN + compile_repeated_blocks (run it apart from "
              "torchao_fp8_rowwise: each changes the weights in place)"),
@@ -655,12 +662,14 @@ def summarize(rows: list[dict]) -> dict:
     for model in sorted({r["model"] for r in rows}):
         ok = {r["config"]: r for r in rows if r["model"] == model and "ms" in r}
 
-        def best(prefix: str, lossless: bool, int8: bool = False):
-            cands = [r for n, r in ok.items() if n.startswith(prefix) and r["lossless"] == lossless
-                     and n.startswith("ours_int8") == int8]
-            return min(cands, key=lambda r: r["ms"], default=None)
+        def best(wanted: Callable[[str, dict], bool]):
+            return min((r for n, r in ok.items() if n.startswith("ours") and wanted(n, r)), key=lambda r: r["ms"],
+                       default=None)
 
-        ours_bf16, ours_fp8, ours_int8 = best("ours", True), best("ours", False), best("ours", False, int8=True)
+        # lossy rows by the format of their linears; a lossy attention beside bf16 linears is in neither
+        ours_bf16 = best(lambda n, r: r["lossless"])
+        ours_fp8 = best(lambda n, r: not r["lossless"] and "fp8" in n)
+        ours_int8 = best(lambda n, r: not r["lossless"] and n.startswith("ours_int8"))
         entry = {"ours_best_lossless": ours_bf16 and ours_bf16["config"],
                  "ours_best_fp8": ours_fp8 and ours_fp8["config"]}
         if ours_int8:

@@ -21,7 +21,8 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
   says so): e4m3 (what ``quant="fp8"`` computes, per-token activation scales), int8 with a scale per token and per
   output channel (the format of int8 tensor-core GEMMs, as fast as e4m3 on Hopper), int8 after SmoothQuant's
   per-channel migration of activation range into the weights, weight-only rows for each: which activation format
-  would hold the worst caption, before any kernel is written for it.
+  would hold the worst caption, before any kernel is written for it; then int8 linears beside 8-bit attentions
+  (cuDNN's FP8, int8 Q K^T with e4m3 or 16-bit P . V, a 16-bit output): which attention arithmetic keeps it.
 - ``linears``: static W8A8 linears alone (attention in bf16), one group of linears kept in bf16 per row (the dual
   blocks' MLPs, the single blocks' proj_mlp or proj_out, the attention projections, the first or the last block),
   each with the share of FLUX.1-dev's linear FLOPs it would take out of FP8: which linears the worst caption
@@ -39,6 +40,7 @@ Also the fp32 model against the bf16 one: how far a rounding change that is not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -76,10 +78,12 @@ def int8_rounded(x: torch.Tensor, tokens_per_scale: int) -> torch.Tensor:
 
 
 def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: bool, round_o: bool,
-              rotation: torch.Tensor | None = None, qk_int8_tokens: tuple[int, int] | None = None) -> torch.Tensor:
+              rotation: torch.Tensor | None = None, qk_int8_tokens: tuple[int, int] | None = None,
+              v_per_channel: bool = False) -> torch.Tensor:
     """(B, S, H, D) attention with cuDNN's FP8 roundings switched one by one (per-tensor scales, K smoothed by its
     token mean as the library does); float32 elsewhere. ``qk_int8_tokens`` = (q's, k's) rounds q and k to int8
-    instead of e4m3, a scale per head and per that many tokens."""
+    instead of e4m3, a scale per head and per that many tokens; ``v_per_channel`` gives v a scale per head and
+    channel (SageAttention 2's FP8 v) instead of one per tensor."""
     q, k, v = q.float(), k.float(), v.float()
     k = k - k.mean(dim=1, keepdim=True)  # softmax-invariant shift
     if rotation is not None:
@@ -88,7 +92,7 @@ def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: 
         q, k = int8_rounded(q, qk_int8_tokens[0]), int8_rounded(k, qk_int8_tokens[1])
     elif round_qk:
         q, k = rounded(q, q.abs().amax() / cfa.FP8_MAX), rounded(k, k.abs().amax() / cfa.FP8_MAX)
-    v_scale = v.abs().amax() / cfa.FP8_MAX
+    v_scale = (v.abs().amax(dim=(0, 1), keepdim=True) if v_per_channel else v.abs().amax()) / cfa.FP8_MAX
     if round_v:
         v = rounded(v, v_scale)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * sm_scale
@@ -373,9 +377,23 @@ def smoothing_factors(pipe, linears, calibration: list[str], alpha: float) -> di
     return factors
 
 
+# The attention arithmetic of a FORMATS row: which operands are rounded and how (float32 elsewhere)
+ATTENTION_ARITHMETIC = {
+    "e4m3": ALL_ON,  # cuDNN's FP8 SDPA: per-tensor e4m3 q, k, v, P and output
+    "int8": {**ALL_ON, "qk_int8_tokens": (1, 1)},  # Q K^T in int8 per token and head, the rest as cuDNN's
+    # SageAttention 1's split: int8 Q K^T per token, P . V in 16 bits
+    "int8_qk_bf16_pv": dict(round_qk=True, round_p=False, round_v=False, round_o=False, qk_int8_tokens=(1, 1)),
+    # a kernel that writes its output in 16 bits (cuDNN's FP8 SDPA on Hopper writes e4m3): int8 Q K^T, e4m3 P . V
+    "int8_qk_e4m3_pv": dict(round_qk=True, round_p=True, round_v=True, round_o=False, qk_int8_tokens=(1, 1)),
+    # close to SageAttention 2's Hopper kernel (sageattn_qk_int8_pv_fp8_cuda_sm90): int8 q per token, k per group
+    # of 32 keys (its per-thread groups are strided, not consecutive), e4m3 P and v with a scale per channel,
+    # fp32 accumulation, 16-bit output
+    "sage2_sm90": dict(round_qk=True, round_p=True, round_v=True, round_o=False, qk_int8_tokens=(1, 32),
+                       v_per_channel=True),
+}
 # (row name, activation format -- per token, or "_static": one scale per layer from the calibration caption's max |x|
-# --, weight format, SmoothQuant alpha or None, Q K^T of the FP8 attention: None = no FP8 attention, "e4m3" =
-# cuDNN's per-tensor, "int8" = int8 per token and head)
+# --, weight format, SmoothQuant alpha or None, the attention's arithmetic: None = bf16 attention, else a key of
+# ATTENTION_ARITHMETIC)
 FORMATS = (
     ("e4m3 weights only", "bf16", "e4m3", None, None),
     ("int8 weights only", "bf16", "int8", None, None),
@@ -390,6 +408,14 @@ FORMATS = (
     ("int8 W8A8 + FP8 attention with e4m3 Q K^T", "int8", "int8", None, "e4m3"),
     ("int8 W8A8 + FP8 attention with int8 Q K^T per token", "int8", "int8", None, "int8"),
     ("e4m3 W8A8 + FP8 attention with int8 Q K^T per token", "e4m3", "e4m3", None, "int8"),
+    ("int8 W8A8 + attention with int8 Q K^T per token, P . V in bf16 (SageAttention 1)", "int8", "int8", None,
+     "int8_qk_bf16_pv"),
+    ("int8 W8A8 + attention with int8 Q K^T per token, e4m3 P . V, 16-bit output", "int8", "int8", None,
+     "int8_qk_e4m3_pv"),
+    ("int8 W8A8 + attention close to SageAttention 2 on Hopper (k per 32 keys, v per channel)", "int8", "int8",
+     None, "sage2_sm90"),
+    ("e4m3 W8A8 + attention close to SageAttention 2 on Hopper", "e4m3", "e4m3", None, "sage2_sm90"),
+    ("bf16 linears + attention close to SageAttention 2 on Hopper", "bf16", "bf16", None, "sage2_sm90"),
 )
 
 
@@ -404,17 +430,17 @@ def formats_study(pipe, prompts: list[str], reference: torch.Tensor, modules: li
     rows = {}
     for name, activations, weights, alpha, qk in FORMATS:
         static = activations.endswith("_static")
-        with EmulatedLinears(linears, activations.removesuffix("_static"), weights, factors.get(alpha),
-                             static_amax if static else None):
+        emulated = EmulatedLinears(linears, activations.removesuffix("_static"), weights, factors.get(alpha),
+                                   static_amax if static else None)
+        with emulated if (activations, weights) != ("bf16", "bf16") else contextlib.nullcontext():  # plain linears
             if qk is None:
                 got = quality.images(pipe, prompts, 0)
             else:
-                tokens = (1, 1) if qk == "int8" else None
                 with Replaced(pipe, len(modules),
-                              lambda i, q, k, v, s, t=tokens: attention(q, k, v, s, **ALL_ON, qk_int8_tokens=t)):
+                              lambda i, q, k, v, s, a=ATTENTION_ARITHMETIC[qk]: attention(q, k, v, s, **a)):
                     got = quality.images(pipe, prompts, 0)
         rows[name] = {"activations": activations, "weights": weights, "smoothquant_alpha": alpha,
-                      "attention_qk": qk, **summary(psnr(got, reference), prompts)}
+                      "attention": qk, **summary(psnr(got, reference), prompts)}
         print("formats", name, {k: v for k, v in rows[name].items() if k != "psnr"}, flush=True)
     return {"linears": len(linears), "calibration_caption": calibration, "rows": rows}
 

@@ -40,7 +40,7 @@ def _fingerprint(pipe):
         (dict(cfg_parallel=1.5), "cfg_parallel=1.5 is invalid: cfg_parallel must be a positive integer (1 turns it off)."),
         (dict(cache="teacache"), "cache='teacache' is not known. Use one of: 'tea_cache', 'cache_dit', 'fb_cache', 'mag_cache'."),
         (dict(offload="disk"), "offload='disk' is not known. Use one of: 'model', 'block'."),
-        (dict(quant="int4"), "quant='int4' is not known. Use one of: 'fp8', 'fp8_weight_only'."),
+        (dict(quant="int4"), "quant='int4' is not known. Use one of: 'fp8', 'fp8_weight_only', 'int8'."),
         (dict(compile="fast"), "compile='fast' is not known. Use False / 'off', True / 'on' (regional) or 'max'."),
         (dict(ulysses=2, ring=2, sp=8), "ulysses=2 x ring=2 = 4 does not match sp=8; set sp=4 or leave sp out."),
         (dict(ulysses=3, sp=4), "ulysses=3 does not divide sp=4; choose ulysses among the divisors of sp."),
