@@ -1,7 +1,9 @@
 """FP8 and int8 pieces on FLUX.1-dev block shapes: bf16 GEMM vs row-wise-scaled e4m3 ``_scaled_mm`` vs int8
 ``_int_mm`` (int32 out), the per-token activation quantization (PyTorch expression eager, torch.compile of it, the
 Triton kernel), and whole quantized linears compiled (``Fp8Linear`` / ``Int8Linear``: quantize the activation,
-multiply, rescale; Inductor picks among cuBLAS and its Triton GEMM templates and fuses the rescale where it can).
+multiply, rescale; Inductor picks among cuBLAS and its Triton GEMM templates and fuses the rescale where it can);
+then the AdaLN modulation linears' matrix-vector products, bf16 against int8 weights only (``quant_config=
+{"modulation": "int8"}``), with the bandwidth each reaches.
 
     python benchmarks/bench_fp8_gemm.py --log-clocks --out benchmarks/results/bench_fp8_gemm_h200.json   # one GPU
     python benchmarks/bench_fp8_gemm.py --device cpu --tiny --out /tmp/fp8.json              # CPU smoke test
@@ -39,6 +41,9 @@ FLUX_SHAPES = (
     ("dual.txt.ff.up", 512, 3072, 12288),
 )
 TINY_SHAPES = (("tiny", 64, 128, 256),)
+# (name, M, K, N): FLUX.1-dev's AdaLN modulation linears, one token per sample: matrix-vector products
+MODULATION_SHAPES = (("dual.norm1.linear (AdaLN)", 1, 3072, 18432), ("single.norm.linear (AdaLN)", 1, 3072, 9216))
+TINY_MODULATION_SHAPES = (("tiny_gemv", 1, 128, 256),)
 
 
 def timed(fn, device, iters: int) -> float:
@@ -100,6 +105,26 @@ def int8_rows(x, w, exact, flops, bf16_ms, device, iters) -> dict:
     return out
 
 
+def gemv_row(name, m, k, n, device, iters) -> dict:
+    """A modulation linear: bf16 (cuBLAS's GEMV) against the int8 weight-only layer compiled (one reduction kernel
+    that reads the int8 weight), with the bandwidth each reaches on its weight bytes."""
+    g = torch.Generator("cpu").manual_seed(m + k + n)
+    linear = torch.nn.Linear(k, n, bias=True).to(device, torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_((torch.randn(n, k, generator=g) / k**0.5).to(device, torch.bfloat16))
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    exact = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    bf16_ms = timed(lambda: linear(x), device, iters)
+    compiled = torch.compile(int8.Int8WeightOnlyLinear(linear), dynamic=False)
+    int8_ms = timed(lambda: compiled(x), device, iters)
+    got = compiled(x).float()
+    return {"shape": name, "M": m, "K": k, "N": n, "bf16_gemv_ms": round(bf16_ms, 4),
+            "bf16_gemv_gbs": round(2 * n * k / bf16_ms / 1e6, 1), "int8_weight_only_compiled_ms": round(int8_ms, 4),
+            "int8_weight_only_gbs": round(n * k / int8_ms / 1e6, 1),
+            "int8_weight_only_speedup": round(bf16_ms / int8_ms, 3),
+            "int8_weight_only_rel_err": ((got - exact).norm() / exact.norm()).item()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -122,10 +147,12 @@ def main(argv=None) -> int:
     rows = []
     clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
     try:
-        for spec in TINY_SHAPES if args.tiny else FLUX_SHAPES:
+        shapes = [(row, spec) for spec in (TINY_SHAPES if args.tiny else FLUX_SHAPES)]
+        shapes += [(gemv_row, spec) for spec in (TINY_MODULATION_SHAPES if args.tiny else MODULATION_SHAPES)]
+        for measure, spec in shapes:
             clocks.mark()
             try:
-                rows.append(row(*spec, device, iters))
+                rows.append(measure(*spec, device, iters))
             except Exception as exc:  # noqa: BLE001 -- one failing shape must not lose the others
                 rows.append({"shape": spec[0], "error": repr(exc)})
             rows[-1].update(clocks.since_mark())

@@ -22,6 +22,8 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
 - ``int8``: ``quant="int8"`` (int8 W8A8, a scale per token and per output channel; PyTorch's CPU ``_int_mm``, the
   same integer arithmetic as the GPU's) -- the more precise 8-bit format for the linears.
 - ``int8_fp8attn``: ``int8`` plus FP8 attention with cuDNN's arithmetic (per-call scales), as ``fp8attn`` does.
+- ``int8_modulation`` / ``fp8_static_modulation``: ``int8`` / ``fp8_static`` with the AdaLN modulation linears'
+  weights in int8 too (``quant_config={"modulation": "int8"}``).
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
   linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
 
@@ -45,6 +47,9 @@ change of rounding moves their image more than others'; this row shows how far b
     # int8 linears against FP8 ones, over the 16 held-out captions and the 100 adherence captions
     python benchmarks/bench_fp8_quality.py --modes fp8,int8,int8_fp8attn,fp32 --adherence 100 \
         --out benchmarks/results/int8_quality.json
+    # the AdaLN modulation linears' weights in int8 beside int8 and static FP8 linears
+    python benchmarks/bench_fp8_quality.py --modes int8,int8_modulation,fp8_static,fp8_static_modulation \
+        --out benchmarks/results/modulation_int8_quality.json
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ def adherence(got: torch.Tensor, captions: list[str], reference: torch.Tensor | 
 
 
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
-         "fp8_static_promoted", "fp8attn", "int8", "int8_fp8attn", "fp32")
+         "fp8_static_promoted", "fp8attn", "int8", "int8_fp8attn", "int8_modulation", "fp8_static_modulation",
+         "fp32")
 LOSSLESS = ("fp32",)  # reference-noise rows: no FP8 anywhere
 
 
@@ -229,6 +235,8 @@ def main(argv=None) -> int:
             quant_config["activations"] = "static"
         if mode.endswith("_promoted"):
             quant_config["fast_accum"] = False
+        if mode.endswith("_modulation"):
+            quant_config["modulation"] = "int8"
         linears = mode != "fp8attn"  # "fp8attn": bf16 linears, only the attention in FP8
         if linears:
             omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config)

@@ -387,6 +387,13 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8_pdl_sage", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, needs=("sageattention",), cuda_only=True,
         note="ours_int8_pdl with attention='sage': int8 linears and SageAttention"),
+    # the AdaLN modulation linears' weights in int8 (76 matrix-vector products per FLUX step read 6.4 GB in bf16)
+    Row("ours_fp8_fp8attn_static_fa_pdl_mod", _fp8attn({**_FAST_STATIC, "modulation": "int8"}), False,
+        calibrates=True, inductor=_MK_PDL, cuda_only=True,
+        note="ours_fp8_fp8attn_static_fa_pdl with quant_config['modulation']='int8'"),
+    Row("ours_int8_pdl_mod", _ours(attention="auto", quant="int8", quant_config={"modulation": "int8"},
+                                   fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
+        note="ours_int8_pdl with quant_config['modulation']='int8'"),
     Row("torchao_int8", _torchao_int8, False, destructive=True, needs=("torchao",), cuda_only=True,
         note="torchao Int8DynamicActivationInt8WeightConfig + cuDNN + compile_repeated_blocks (run it apart from "
              "torchao_fp8_rowwise: each changes the weights in place)"),

@@ -79,7 +79,8 @@ class AccelConfig:
             if not isinstance(self.quant_config, dict):
                 raise AccelError(f"quant_config={self.quant_config!r} must be a dict, e.g. {{'skip': ['*.ff.*']}}.")
             if self.quant is None:
-                raise AccelError("quant_config was given without quant=...; add quant='fp8', 'fp8_weight_only' or 'int8'.")
+                raise AccelError(
+                    "quant_config was given without quant=...; add quant='fp8', 'fp8_weight_only' or 'int8'.")
         if not isinstance(self.attention, str) or not self.attention:
             raise AccelError(f"attention={self.attention!r} must be a backend name such as 'auto'.")
         if not isinstance(self.compile, (bool, str)) or self.compile not in COMPILE_MODES:

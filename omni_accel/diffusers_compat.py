@@ -82,8 +82,8 @@ class DiffusersCompatPass(AccelPass):
             if config.quant is not None and _LAYERWISE_CASTING in _diffusers_hooks(transformer):
                 raise AccelError(
                     f"quant={config.quant!r}: the {name} stores its weights in a low-precision dtype already "
-                    f"(diffusers' {name}.enable_layerwise_casting()); quantized layers cannot be made from them. Load the "
-                    "model without layerwise casting to use quant, or leave quant out to keep diffusers' casting."
+                    f"(diffusers' {name}.enable_layerwise_casting()); quantized layers cannot be made from them. "
+                    "Load the model without layerwise casting to use quant, or leave quant out to keep diffusers' casting."
                 )
 
     def apply(self, ctx: PassContext) -> None:
@@ -114,8 +114,8 @@ class DiffusersCompatPass(AccelPass):
             if config.quant is not None:
                 guard(transformer, "fuse_qkv_projections", _refusal(
                     f"{name}.fuse_qkv_projections() after accelerate(quant={config.quant!r}) cannot fuse "
-                    "quantized layers: use accelerate(fuse_qkv=True, quant=...), which fuses before quantizing, or fuse "
-                    "before accelerate()."), component=name)
+                    "quantized layers: use accelerate(fuse_qkv=True, quant=...), which fuses before quantizing, or "
+                    "fuse before accelerate()."), component=name)
             if config.quant is not None or config.fuse_qkv:
                 guard(transformer, "unfuse_qkv_projections", _refusal(
                     f"{name}.unfuse_qkv_projections() after accelerate({shown}) would rebuild projections omni_accel "

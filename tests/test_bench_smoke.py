@@ -364,12 +364,16 @@ def test_peers_summary_keeps_int8_rows_out_of_the_fp8_ratios_and_refuses_two_in_
 
 def test_fp8_gemm_bench_tiny_cpu_times_fp8_and_int8_linears(tmp_path):
     """bench_fp8_gemm.py on the CPU: the bf16, e4m3 and int8 GEMMs and the two quantized linears compiled whole,
-    each with its error against the exact product (int8's below e4m3's on Gaussian data)."""
+    each with its error against the exact product (int8's below e4m3's on Gaussian data), and a modulation-shaped
+    matrix-vector row, bf16 against the compiled int8 weight-only layer."""
     out = tmp_path / "gemm.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fp8_gemm.py"), "--device", "cpu",
                     "--tiny", "--iters", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
-    (row,) = json.loads(out.read_text())["rows"]
-    assert "error" not in row, row
+    row, gemv = json.loads(out.read_text())["rows"]
+    assert "error" not in row and "error" not in gemv, (row, gemv)
     for key in ("bf16_gemm_ms", "fp8_gemm_ms", "int8_gemm_ms", "fp8_linear_compiled_ms", "int8_linear_compiled_ms"):
         assert row[key] > 0, key
     assert row["int8_linear_rel_err"] < 0.015 and row["int8_linear_rel_err"] < row["fp8_linear_rel_err"]
+    # the modulation row: one token, the int8 weight-only layer compiled as a reduction
+    assert gemv["M"] == 1 and gemv["bf16_gemv_ms"] > 0 and gemv["int8_weight_only_compiled_ms"] > 0
+    assert gemv["int8_weight_only_rel_err"] < 0.015

@@ -8,6 +8,7 @@ from omni_accel import AccelError
 from omni_accel.kernels import int8 as int8_mod
 from omni_accel.kernels.fp8 import Fp8Linear
 from omni_accel.kernels.int8 import Int8Linear, quantize_rows_int8
+from omni_accel.kernels.qlinear import QuantizedLinear
 from omni_accel.kernels.quant import quant_error_report
 from omni_accel.testing import run, run_compiled_twice, tiny_pipeline
 
@@ -164,3 +165,47 @@ def test_auto_attention_keeps_the_lossless_rows_beside_int8(monkeypatch):
         omni_accel.accelerate(pipe, quant=quant, attention="auto", compile=True)
         omni_accel.restore(pipe)
     assert asked == {"int8": False, "fp8": True}
+
+
+# ------------------------------------------------------------------ quant_config={"modulation": "int8"}
+def test_weight_only_layer_is_the_rescaled_product_eager_and_as_a_traced_reduction():
+    lin = _linear(64, 48).to(torch.bfloat16)
+    layer = int8_mod.Int8WeightOnlyLinear(lin)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    wq, ws = quantize_rows_int8(lin.weight.detach())
+    expected = x.double() @ (wq.double() * ws.double()).t() + lin.bias.detach().double()
+    eager = layer(x)
+    traced = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)  # the multiply-and-sum form
+    assert eager.dtype == traced.dtype == torch.bfloat16 and layer.weight_int8.dtype == torch.int8
+    for got in (eager, traced):
+        assert _rel(got, expected) < 0.01
+    assert _rel(eager, lin(x)) < 0.02 and 0 < layer.weight_rel_err < 0.01
+
+
+def test_modulation_int8_quantizes_the_family_skip_list_weights_only_and_restores(monkeypatch):
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, quant="int8", quant_config={"modulation": "int8", "skip": ["*.norm1_context.linear"]})
+    t = pipe.transformer
+    (quant,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
+    assert isinstance(t.transformer_blocks[0].norm1.linear, int8_mod.Int8WeightOnlyLinear)
+    assert isinstance(t.single_transformer_blocks[0].norm.linear, int8_mod.Int8WeightOnlyLinear)
+    assert isinstance(t.transformer_blocks[0].norm1_context.linear, torch.nn.Linear)  # the user's skip wins
+    assert quant["modulation_layers"] == len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    assert "transformer_blocks.0.norm1.linear" not in quant["skipped"]
+    assert quant["skipped"]["transformer_blocks.0.norm1_context.linear"] == "skip pattern '*.norm1_context.linear'"
+    assert 0 < quant["modulation_weight_rel_err_max"] < 0.01
+    assert _rel(run(pipe, kwargs), plain) < 0.01
+    omni_accel.restore(pipe)
+    assert not any(isinstance(m, QuantizedLinear) for m in t.modules())
+    assert torch.equal(run(pipe, kwargs), plain)
+
+
+def test_unknown_modulation_mode_is_refused_before_patching():
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as info:
+        omni_accel.accelerate(pipe, quant="fp8", quant_config={"modulation": "fp8"})
+    assert str(info.value) == (
+        "quant_config['modulation']='fp8' is not known; use 'bf16' (the AdaLN modulation linears as they are, the "
+        "default) or 'int8' (their weights in int8, activations in 16 bits).")
+    assert not hasattr(pipe, "omni_accel")

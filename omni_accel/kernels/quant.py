@@ -28,7 +28,7 @@ from ..lora import quant_target_name
 from ..pass_base import AccelPass, PassContext
 from .cudnn_fp8_attention import AttentionScales
 from .fp8 import FP8_MAX, STATIC_MARGIN, Fp8Linear, fp8_alignment_problem, fp8_matmul_support
-from .int8 import Int8Linear, int8_alignment_problem, int8_matmul_support
+from .int8 import Int8Linear, Int8WeightOnlyLinear, int8_alignment_problem, int8_matmul_support
 from .qlinear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,10 @@ MODES = {"fp8": "w8a8", "fp8_weight_only": "weight_only", "int8": "int8"}
 # the W8A8 modes: (can this device multiply them, why a layer's shape cannot be multiplied, GPU architectures)
 _W8A8 = {"fp8": (fp8_matmul_support, fp8_alignment_problem, "Ada, Hopper, Blackwell"),
          "int8": (int8_matmul_support, int8_alignment_problem, "Turing or newer")}
-QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attention_scales", "fast_accum")
+QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attention_scales", "fast_accum", "modulation")
+# The family's per-sample AdaLN modulation linears (ModelAdapter.quant_skip): kept in the model dtype ("bf16", the
+# default), or int8 weights with 16-bit activations ("int8": half the bytes of their matrix-vector products).
+MODULATION_MODES = ("bf16", "int8")
 ACTIVATION_MODES = ("dynamic", "static")
 # FP8 attention's q / k / v scales beside static linears: per call (default) or calibrated with the linears. Per call
 # is the default because calibrated attention scales lowered the built-in model's worst held-out image from 30.4 to
@@ -55,6 +58,25 @@ DEFAULT_ATTENTION_SCALES = "dynamic"
 def _skip_patterns(ctx: PassContext) -> tuple[str, ...]:
     user = (ctx.config.quant_config or {}).get("skip", ())
     return tuple(ctx.adapter.quant_skip) + tuple(user)
+
+
+def _modulation_plan(ctx: PassContext, transformer) -> list[tuple[str, torch.nn.Linear]]:
+    """The family's modulation linears (its skip list) that ``quant_config={"modulation": "int8"}`` turns into int8
+    weight-only layers: all of them unless the user's own skip patterns name them too."""
+    qc = ctx.config.quant_config or {}
+    if qc.get("modulation", "bf16") != "int8":
+        return []
+    family, user = tuple(ctx.adapter.quant_skip), tuple(qc.get("skip", ()))
+    found = []
+    for block_name, block in ctx.adapter.blocks_of(transformer):
+        for rel, module in block.named_modules():
+            name = f"{block_name}.{rel}"
+            target = quant_target_name(name) if rel else None
+            if (isinstance(module, torch.nn.Linear) and target is not None
+                    and any(fnmatch.fnmatchcase(target, p) for p in family)
+                    and not any(fnmatch.fnmatchcase(target, p) for p in user)):
+                found.append((name, module))
+    return found
 
 
 def _plan(ctx: PassContext, transformer) -> tuple[list[tuple[str, torch.nn.Linear]], dict[str, str]]:
@@ -127,6 +149,11 @@ def _check_quant_config(config) -> None:
         raise AccelError(
             f"quant_config['attention_scales']={attention_scales!r} is not known; use 'static' (FP8 attention's q / k "
             "/ v scales calibrated with the linears') or 'dynamic' (computed per call).")
+    modulation = qc.get("modulation", "bf16")
+    if modulation not in MODULATION_MODES:
+        raise AccelError(
+            f"quant_config['modulation']={modulation!r} is not known; use 'bf16' (the AdaLN modulation linears as "
+            "they are, the default) or 'int8' (their weights in int8, activations in 16 bits).")
     if "attention_scales" in qc and activations != "static":
         raise AccelError("quant_config['attention_scales'] only applies with quant_config['activations']='static' "
                          "(dynamic activations keep per-call attention scales); add it, or drop 'attention_scales'.")
@@ -334,20 +361,29 @@ class QuantPass(AccelPass):
         fast_accum = mode == "w8a8" and bool((ctx.config.quant_config or {}).get("fast_accum", DEFAULT_FAST_ACCUM))
         for tname, transformer in ctx.adapter.transformers_of(ctx.pipe):
             chosen, skipped = _plan(ctx, transformer)
+            modulation = _modulation_plan(ctx, transformer)
             swapped = []  # (parent, attr, original module, original weight device)
             try:
                 for name, linear in chosen:
-                    swapped.append(self._swap(transformer, name, linear, mode, measure, fast_accum))
+                    quantized = (Int8Linear(linear) if mode == "int8"
+                                 else Fp8Linear(linear, mode, fast_accum=fast_accum))
+                    swapped.append(self._swap(transformer, name, linear, quantized, measure))
+                for name, linear in modulation:
+                    swapped.append(self._swap(transformer, name, linear, Int8WeightOnlyLinear(linear), measure))
+                    skipped.pop(name)
             except BaseException:
                 _put_back(swapped)
                 raise
             layers = {name: round(transformer.get_submodule(name).weight_rel_err, 6) for name, _ in chosen}
+            modulation_err = [transformer.get_submodule(name).weight_rel_err for name, _ in modulation]
             before = sum(_nbytes(original) for _, _, original, _ in swapped)
-            after = sum(_nbytes(transformer.get_submodule(name)) for name, _ in chosen)
+            after = sum(_nbytes(transformer.get_submodule(name)) for name, _ in chosen + modulation)
             ctx.state.record(
                 "quant", lambda s=swapped: _put_back(s), component=tname, mode=ctx.config.quant, layers=len(chosen),
                 skipped=skipped, weight_rel_err=layers, weight_rel_err_max=max(layers.values()),
                 linear_bytes_before=before, linear_bytes_after=after, measure_error=measure, fast_accum=fast_accum,
+                modulation_layers=len(modulation),
+                modulation_weight_rel_err_max=round(max(modulation_err), 6) if modulation_err else None,
             )
             ctx.state.quantized[tname] = transformer
             logger.info("omni_accel: %s: %d linears -> %s, %d kept", tname, len(chosen), ctx.config.quant,
@@ -356,10 +392,9 @@ class QuantPass(AccelPass):
             _start_static_activations(ctx)
 
     @staticmethod
-    def _swap(transformer, name: str, linear: torch.nn.Linear, mode: str, measure: bool, fast_accum: bool):
+    def _swap(transformer, name: str, linear: torch.nn.Linear, quantized: QuantizedLinear, measure: bool):
         parent_name, _, attr = name.rpartition(".")
         parent = transformer.get_submodule(parent_name)
-        quantized = Int8Linear(linear) if mode == "int8" else Fp8Linear(linear, mode, fast_accum=fast_accum)
         device = linear.weight.device
         if measure:
             quantized.reference_weight = linear.weight.detach()
