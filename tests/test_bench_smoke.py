@@ -377,3 +377,27 @@ def test_fp8_gemm_bench_tiny_cpu_times_fp8_and_int8_linears(tmp_path):
     # the modulation row: one token, the int8 weight-only layer compiled as a reduction
     assert gemv["M"] == 1 and gemv["bf16_gemv_ms"] > 0 and gemv["int8_weight_only_compiled_ms"] > 0
     assert gemv["int8_weight_only_rel_err"] < 0.015
+
+
+def test_formats_study_rounds_rows_and_smoothing_leaves_the_product_unchanged():
+    """study_fp8_attention_error.py --studies formats: int8 rows are within half a step of their own max / 127, a
+    calibrated amax clips beyond it, and SmoothQuant's x / s, W * s leaves an unrounded linear's output unchanged
+    (the emulation patches and restores the module)."""
+    spec = importlib.util.spec_from_file_location("study", os.path.join(ROOT, "benchmarks",
+                                                                         "study_fp8_attention_error.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    import torch
+
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(0)) * torch.logspace(-1, 1, 6)[:, None]
+    step = x.abs().amax(dim=1, keepdim=True) / 127
+    assert ((study.rows_rounded(x, "int8") - x).abs() <= step / 2 + 1e-6).all()
+    assert study.rows_rounded(x, "int8", torch.tensor(0.5)).abs().max() <= 0.5 + 1e-6  # clipped at the calibration
+    assert torch.equal(study.rows_rounded(x, "bf16"), x)
+    linear = torch.nn.Linear(32, 8)
+    plain = linear(x)
+    s = {"l": torch.rand(32) + 0.5}
+    with study.EmulatedLinears([("l", linear)], "bf16", "bf16", smoothing=s):
+        smoothed = linear(x)
+    torch.testing.assert_close(smoothed, plain, rtol=1e-5, atol=1e-5)
+    assert "forward" not in vars(linear)

@@ -7,6 +7,7 @@ import torch
 import omni_accel
 from omni_accel import AccelError
 from omni_accel.kernels.fp8 import Fp8Linear
+from omni_accel.kernels.int8 import Int8Linear, Int8WeightOnlyLinear
 from omni_accel.lora import adapters_of, set_lora_scale
 from omni_accel.testing import run, tiny_pipeline
 from omni_accel.testing.lora import random_lora
@@ -33,6 +34,21 @@ def test_lora_loaded_before_accelerate_keeps_the_delta_beside_fp8_base_layers():
     (quant,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
     assert "transformer_blocks.0.norm1.linear" in quant["skipped"]  # skip patterns still match under a wrapper
     assert pipe.omni_accel.report()["lora"] == {"transformer": ["a"]}
+    omni_accel.restore(pipe)
+    assert torch.equal(run(pipe, kwargs), with_lora)
+
+
+def test_lora_beside_int8_bases_and_int8_modulation_weights():
+    """quant="int8" with the modulation linears in int8 too: each peft wrapper's base layer becomes the int8 layer
+    of its kind (the LoRA matrices stay as they are) and the adapter still applies."""
+    pipe, kwargs = tiny_pipeline("flux")
+    pipe.load_lora_weights(random_lora(pipe, seed=1, targets=("*attn.to_q", "*norm1.linear")), adapter_name="a")
+    with_lora = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, quant="int8", quant_config={"modulation": "int8"})
+    bases = {type(m.base_layer) for m in _lora_layers(pipe)}
+    assert bases == {Int8Linear, Int8WeightOnlyLinear}
+    assert isinstance(pipe.transformer.transformer_blocks[0].norm1.linear.base_layer, Int8WeightOnlyLinear)
+    assert ((run(pipe, kwargs) - with_lora).norm() / with_lora.norm()) < 0.02
     omni_accel.restore(pipe)
     assert torch.equal(run(pipe, kwargs), with_lora)
 
