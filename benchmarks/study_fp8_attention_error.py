@@ -23,6 +23,10 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
   per-channel migration of activation range into the weights, weight-only rows for each: which activation format
   would hold the worst caption, before any kernel is written for it; then int8 linears beside 8-bit attentions
   (cuDNN's FP8, int8 Q K^T with e4m3 or 16-bit P . V, a 16-bit output): which attention arithmetic keeps it.
+- ``formats_tail``: the ``formats`` rows with per-token int8 linears (bf16 attention and each 8-bit attention
+  arithmetic) and per-token e4m3 ones (bf16 attention, SageAttention 2's), meant for many captions (``--prompts
+  100``, with ``fp32``): how often each puts an image below 30 / 35 dB, which one fragile caption's worst case
+  cannot show.
 - ``linears``: static W8A8 linears alone (attention in bf16), one group of linears kept in bf16 per row (the dual
   blocks' MLPs, the single blocks' proj_mlp or proj_out, the attention projections, the first or the last block),
   each with the share of FLUX.1-dev's linear FLOPs it would take out of FP8: which linears the worst caption
@@ -30,11 +34,13 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
 
 Also the fp32 model against the bf16 one: how far a rounding change that is not FP8 moves each caption.
 
-    # one study only (fp32, operands, rotation, modules, fallback, qk_int8, formats, linears), to its own file
+    # one study only (fp32, operands, rotation, modules, fallback, qk_int8, formats, formats_tail, linears)
     python benchmarks/study_fp8_attention_error.py --studies fallback --out benchmarks/results/fp8_fallback_study.json
     python benchmarks/study_fp8_attention_error.py --studies qk_int8 --out benchmarks/results/fp8_qk_int8_study.json
     python benchmarks/study_fp8_attention_error.py --studies linears --out benchmarks/results/fp8_linears_study.json
     python benchmarks/study_fp8_attention_error.py --studies formats --out benchmarks/results/linear_formats_study.json
+    python benchmarks/study_fp8_attention_error.py --studies fp32,formats_tail --prompts 100 \
+        --out benchmarks/results/formats_tail_study.json
 """
 
 from __future__ import annotations
@@ -155,10 +161,11 @@ class Replaced:
 def summary(p: list[float], prompts: list[str]) -> dict:
     worst = min(range(len(p)), key=lambda i: p[i])
     return {"psnr_min": round(p[worst], 2), "psnr_mean": round(sum(p) / len(p), 2), "worst_caption": prompts[worst],
-            "psnr": [round(x, 2) for x in p]}
+            "psnr_median": round(sorted(p)[len(p) // 2], 2), "below_30_db": sum(x < 30 for x in p),
+            "below_35_db": sum(x < 35 for x in p), "psnr": [round(x, 2) for x in p]}
 
 
-STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8", "formats", "linears")
+STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8", "formats", "formats_tail", "linears")
 SENSITIVE_ATTENTION = "transformer_blocks.1.attn"  # what the modules study singles out on the built-in model
 QK_PROJECTIONS = ["*attn.to_q", "*attn.to_k", "*attn.add_q_proj", "*attn.add_k_proj"]
 # (row name, FP8 linears?, their skip patterns, attention modules kept in bf16 -- None: no FP8 attention at all)
@@ -419,16 +426,17 @@ FORMATS = (
 )
 
 
-def formats_study(pipe, prompts: list[str], reference: torch.Tensor, modules: list[str]) -> dict:
-    """The ``FORMATS`` rows, SmoothQuant calibrated on the training caption of seed 7 (bench_fp8_quality's
+def formats_study(pipe, prompts: list[str], reference: torch.Tensor, modules: list[str],
+                  formats: tuple = FORMATS) -> dict:
+    """The ``formats`` rows, SmoothQuant calibrated on the training caption of seed 7 (bench_fp8_quality's
     default calibration caption)."""
     linears = block_linears(pipe)
     calibration = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(7)))
     factors = {alpha: smoothing_factors(pipe, linears, calibration, alpha)
-               for alpha in sorted({row[3] for row in FORMATS if row[3] is not None})}
+               for alpha in sorted({row[3] for row in formats if row[3] is not None})}
     static_amax = input_channel_amax(pipe, linears, calibration)
     rows = {}
-    for name, activations, weights, alpha, qk in FORMATS:
+    for name, activations, weights, alpha, qk in formats:
         static = activations.endswith("_static")
         emulated = EmulatedLinears(linears, activations.removesuffix("_static"), weights, factors.get(alpha),
                                    static_amax if static else None)
@@ -502,6 +510,10 @@ def main(argv=None) -> int:
         result["linears"] = fallback_study(pipe, prompts, reference, modules, linear_groups(pipe))
     if "formats" in studies:
         result["formats"] = formats_study(pipe, prompts, reference, modules)
+    if "formats_tail" in studies:  # per-token int8 / e4m3 linears beside each attention: meant for --prompts 100
+        result["formats_tail"] = formats_study(pipe, prompts, reference, modules, tuple(
+            row for row in FORMATS if row[1:4] == ("int8", "int8", None)
+            or (row[1:4] == ("e4m3", "e4m3", None) and row[4] in (None, "sage2_sm90"))))
     if "qk_int8" in studies:
         result["qk_int8"] = qk_int8_study(pipe, prompts, reference, modules, (7, 8))
     write_result(args.out, result)
