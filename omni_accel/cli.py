@@ -110,6 +110,8 @@ def add_acceleration_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--cache-config", default=None, metavar="JSON",
                    help='cache options as JSON, e.g. \'{"rel_l1": 0.2}\'')
     a.add_argument("--quant", default=None, help="quantization (fp8, fp8_weight_only, int8)")
+    a.add_argument("--quant-config", default=None, metavar="JSON",
+                   help='quantization options as JSON, e.g. \'{"activations": "static"}\' or \'{"modulation": "int8"}\'')
     a.add_argument("--text-encoder", default=None, help="text-encoder engine (vllm, transformers)")
     a.add_argument("--kernels", action="store_true", help="fused kernels")
     a.add_argument("--fuse-qkv", action="store_true", help="one q/k/v GEMM per stream (flux, flux2, wan)")
@@ -140,23 +142,34 @@ def _resolve_device(arg: str | None) -> str:
     return arg
 
 
+def _json_flag(args: argparse.Namespace, name: str):
+    """The JSON value of the ``--cache-config`` / ``--quant-config`` style flag ``name`` (None when not given)."""
+    text = getattr(args, name, None)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--{name.replace('_', '-')} is not valid JSON ({exc}): {text!r}")
+
+
 def _accel_config(args: argparse.Namespace, device: str):
     from .config import AccelConfig
 
-    cache_config = None
-    if args.cache_config is not None:
-        try:
-            cache_config = json.loads(args.cache_config)
-        except json.JSONDecodeError as exc:
-            raise CliError(f"--cache-config is not valid JSON ({exc}): {args.cache_config!r}")
     config = AccelConfig(
         sp=args.sp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel, tp=args.tp,
-        vae_parallel=args.vae_parallel, cache=args.cache, cache_config=cache_config, offload=args.offload,
-        quant=args.quant, attention=args.attention, compile=args.compile,
+        vae_parallel=args.vae_parallel, cache=args.cache, cache_config=_json_flag(args, "cache_config"),
+        offload=args.offload, quant=args.quant, quant_config=_json_flag(args, "quant_config"),
+        attention=args.attention, compile=args.compile,
         text_encoder=args.text_encoder, kernels=args.kernels, fuse_qkv=args.fuse_qkv, vae_tiling=args.vae_tiling,
         vae_slicing=args.vae_slicing, device=device,
     )
-    return config.validate()
+    config.validate()
+    if config.quant is not None:  # quant_config's own checks need no model: before any loading
+        from .kernels.quant import check_quant_config
+
+        check_quant_config(config)
+    return config
 
 
 def start_compile_cache(args: argparse.Namespace) -> bool:

@@ -50,6 +50,16 @@ def test_generate_json_report(tiny_flux_dir, tmp_path, capsys):
     assert out.exists()
 
 
+def test_quant_config_flag_reaches_accelerate(tiny_flux_dir, tmp_path, capsys):
+    out = tmp_path / "q.png"
+    assert _generate(tiny_flux_dir, out, "--quant", "int8", "--quant-config", '{"modulation": "int8"}',
+                     "--report", "json") == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (quant,) = [p for p in report["applied"] if p["pass"] == "quant"]
+    assert quant["mode"] == "int8" and quant["modulation_layers"] > 0
+    assert report["config"]["quant_config"] == {"modulation": "int8"} and out.exists()
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [
@@ -59,6 +69,10 @@ def test_generate_json_report(tiny_flux_dir, tmp_path, capsys):
         (["--cache-config", '{"a": 1}'], "cache_config"),
         (["--steps", "0"], "--steps"),
         (["--quant", "int3"], "quant='int3'"),
+        (["--quant", "int8", "--quant-config", "{oops"], "--quant-config is not valid JSON"),
+        (["--quant", "int8", "--quant-config", '{"activations": "static"}'],
+         "quant_config['activations']='static' is not offered with quant='int8'"),
+        (["--quant-config", '{"skip": []}'], "quant_config was given without quant=..."),
     ],
 )
 def test_bad_values_exit_2_with_clear_message(tiny_flux_dir, tmp_path, capsys, flags, needle):

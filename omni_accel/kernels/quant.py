@@ -101,7 +101,9 @@ def _plan(ctx: PassContext, transformer) -> tuple[list[tuple[str, torch.nn.Linea
     return chosen, skipped
 
 
-def _check_quant_config(config) -> None:
+def check_quant_config(config) -> None:
+    """Refuse a bad ``quant_config`` (keys, values, their combinations with ``quant``) with the fix; needs no model,
+    so the command line runs it before loading one."""
     qc = config.quant_config or {}
     unknown = sorted(set(qc) - set(QUANT_CONFIG_KEYS))
     if unknown:
@@ -309,7 +311,7 @@ class QuantPass(AccelPass):
 
     def check(self, ctx: PassContext) -> None:
         cfg = ctx.config
-        _check_quant_config(cfg)
+        check_quant_config(cfg)
         if cfg.tp > 1:
             raise AccelError(
                 f"quant={cfg.quant!r} cannot be combined with tp={cfg.tp} yet: tensor parallelism shards nn.Linear "
