@@ -376,10 +376,12 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8_pdl_graphs", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile="max"), False,
         inductor=_MK_PDL, note="ours_int8_pdl + CUDA graph of the whole forward (compile='max', as quant='fp8' gets "
                                "from compile=True)"),
-    Row("ours_fp8_dynamic_fa_pdl", _ours(attention="auto", quant="fp8", fuse_if_supported=True, compile=True),
+    # attention="cudnn", not auto: auto would give quant="fp8" cuDNN's FP8 attention, and this row is the bf16-attention
+    # twin of the int8 rows
+    Row("ours_fp8_dynamic_fa_pdl", _ours(attention="cudnn", quant="fp8", fuse_if_supported=True, compile=True),
         False, inductor=_MK_PDL, cuda_only=True,
-        note="quant='fp8' as it runs by default (per-token scales, fast accumulation, CUDA graph), fuse_qkv, auto "
-             "attention (cuDNN): the FP8 side of the int8 rows"),
+        note="quant='fp8' with its default linears (per-token scales, fast accumulation, CUDA graph), fuse_qkv, bf16 "
+             "cuDNN attention: the FP8 side of the int8 rows"),
     # SageAttention 2 (int8 Q K^T, FP8 P . V; its Hopper kernel is built from source, there is no wheel of it):
     # the 8-bit attention whose arithmetic the formats study puts beside int8 linears
     Row("ours_bf16_mk_pdl_sage", _ours(attention="sage", compile=True), False, inductor=_MK_PDL,
