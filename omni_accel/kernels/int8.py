@@ -75,8 +75,8 @@ def rows_to_pad(x2: torch.Tensor) -> int:
     return _PADDED_ROWS - x2.shape[0] if x2.is_cuda and x2.shape[0] < MIN_GPU_ROWS else 0
 
 
-class Int8Linear(QuantizedLinear):
-    """Drop-in for ``nn.Linear`` holding an int8 weight and one fp32 scale per output channel."""
+class _Int8Weight(QuantizedLinear):
+    """An int8 weight with one fp32 scale per output channel, what both int8 layers hold."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear)
@@ -85,6 +85,11 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight_int8", w_int8, persistent=False)  # (out, in): its .t() is column-major
         self.register_buffer("weight_scale", w_scale.reshape(1, -1).contiguous(), persistent=False)
         self.weight_rel_err = rel_err(w_int8.float() * w_scale, weight.float())
+
+
+class Int8Linear(_Int8Weight):
+    """Drop-in for ``nn.Linear`` holding an int8 weight and one fp32 scale per output channel; activations are
+    rounded to int8 per token at run time."""
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, per-token activations"
@@ -100,21 +105,13 @@ class Int8Linear(QuantizedLinear):
         return (acc.float() * x_scale * self.weight_scale).to(x2.dtype)
 
 
-class Int8WeightOnlyLinear(QuantizedLinear):
+class Int8WeightOnlyLinear(_Int8Weight):
     """Drop-in for ``nn.Linear`` with an int8 weight (one fp32 scale per output channel) and 16-bit activations,
     for the per-sample AdaLN modulation linears (``quant_config={"modulation": "int8"}``): one token per sample,
     so each call is a matrix-vector product that reads the whole weight -- FLUX.1-dev's 76 of them read 6.4 GB of
     bf16 per step. Under torch.compile a call with few rows is written as multiply-and-sum, which Inductor turns into
     one reduction kernel that reads the int8 weight itself (half the bytes) and rescales in its epilogue; cuBLAS has
     no int8-weight GEMV. Eager, or with many rows, it multiplies the dequantized weight."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__(linear)
-        weight = linear.weight.detach()
-        w_int8, w_scale = quantize_rows_int8(weight)
-        self.register_buffer("weight_int8", w_int8, persistent=False)
-        self.register_buffer("weight_scale", w_scale.reshape(1, -1).contiguous(), persistent=False)
-        self.weight_rel_err = rel_err(w_int8.float() * w_scale, weight.float())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights only"

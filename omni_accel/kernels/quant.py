@@ -34,9 +34,10 @@ from .qlinear import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 MODES = {"fp8": "w8a8", "fp8_weight_only": "weight_only", "int8": "int8"}
-# the W8A8 modes: (can this device multiply them, why a layer's shape cannot be multiplied, GPU architectures)
-_W8A8 = {"fp8": (fp8_matmul_support, fp8_alignment_problem, "Ada, Hopper, Blackwell"),
-         "int8": (int8_matmul_support, int8_alignment_problem, "Turing or newer")}
+# the W8A8 modes: (can this device multiply them, why a layer's shape cannot be multiplied, the format's name,
+# GPU architectures)
+_W8A8 = {"fp8": (fp8_matmul_support, fp8_alignment_problem, "FP8", "Ada, Hopper, Blackwell"),
+         "int8": (int8_matmul_support, int8_alignment_problem, "int8", "Turing or newer")}
 QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attention_scales", "fast_accum", "modulation")
 # The family's per-sample AdaLN modulation linears (ModelAdapter.quant_skip): kept in the model dtype ("bf16", the
 # default), or int8 weights with 16-bit activations ("int8": half the bytes of their matrix-vector products).
@@ -60,29 +61,22 @@ def _skip_patterns(ctx: PassContext) -> tuple[str, ...]:
     return tuple(ctx.adapter.quant_skip) + tuple(user)
 
 
-def _modulation_plan(ctx: PassContext, transformer) -> list[tuple[str, torch.nn.Linear]]:
-    """The family's modulation linears (its skip list) that ``quant_config={"modulation": "int8"}`` turns into int8
-    weight-only layers: all of them unless the user's own skip patterns name them too."""
-    qc = ctx.config.quant_config or {}
-    if qc.get("modulation", "bf16") != "int8":
-        return []
-    family, user = tuple(ctx.adapter.quant_skip), tuple(qc.get("skip", ()))
-    found = []
-    for block_name, block in ctx.adapter.blocks_of(transformer):
-        for rel, module in block.named_modules():
-            name = f"{block_name}.{rel}"
-            target = quant_target_name(name) if rel else None
-            if (isinstance(module, torch.nn.Linear) and target is not None
-                    and any(fnmatch.fnmatchcase(target, p) for p in family)
-                    and not any(fnmatch.fnmatchcase(target, p) for p in user)):
-                found.append((name, module))
-    return found
+class _Plan(NamedTuple):
+    """One transformer's linears, names relative to it."""
+
+    chosen: list[tuple[str, torch.nn.Linear]]  # to quantize in the ``quant`` mode
+    skipped: dict[str, str]  # name -> why it stays as it is
+    # the family's modulation linears that ``quant_config={"modulation": "int8"}`` turns into int8 weight-only layers
+    # (those the user's own skip patterns name stay skipped)
+    modulation: list[tuple[str, torch.nn.Linear]]
 
 
-def _plan(ctx: PassContext, transformer) -> tuple[list[tuple[str, torch.nn.Linear]], dict[str, str]]:
-    """(linears to quantize, {skipped name: reason}) for one transformer, names relative to it."""
+def _plan(ctx: PassContext, transformer) -> _Plan:
     patterns = _skip_patterns(ctx)
-    chosen, skipped = [], {}
+    family = set(ctx.adapter.quant_skip)
+    user = tuple((ctx.config.quant_config or {}).get("skip", ()))
+    int8_modulation = (ctx.config.quant_config or {}).get("modulation", "bf16") == "int8"
+    chosen, skipped, modulation = [], {}, []
     for block_name, block in ctx.adapter.blocks_of(transformer):
         for rel, module in block.named_modules():
             if not isinstance(module, torch.nn.Linear) or not rel:
@@ -92,13 +86,16 @@ def _plan(ctx: PassContext, transformer) -> tuple[list[tuple[str, torch.nn.Linea
             if target is None:
                 continue  # the LoRA matrices stay in the pipeline's dtype beside the FP8 base
             hit = next((p for p in patterns if fnmatch.fnmatchcase(target, p)), None)
-            if hit is not None:
+            if (int8_modulation and hit in family
+                    and not any(fnmatch.fnmatchcase(target, p) for p in user)):
+                modulation.append((name, module))
+            elif hit is not None:
                 skipped[name] = f"skip pattern {hit!r}"
             elif ctx.config.quant in _W8A8 and (problem := _W8A8[ctx.config.quant][1](module)) is not None:
                 skipped[name] = problem
             else:
                 chosen.append((name, module))
-    return chosen, skipped
+    return _Plan(chosen, skipped, modulation)
 
 
 def check_quant_config(config) -> None:
@@ -319,17 +316,16 @@ class QuantPass(AccelPass):
                 "drop quant."
             )
         if cfg.quant in _W8A8:
-            support, _, gpus = _W8A8[cfg.quant]
+            support, _, kind, gpus = _W8A8[cfg.quant]
             ok, reason = support(ctx.device)
             if not ok:
-                kind = "FP8" if cfg.quant == "fp8" else "int8"
                 raise AccelError(
                     f"quant={cfg.quant!r} needs {kind} matrix multiplication, which is not available here: {reason}. "
                     "Use quant='fp8_weight_only' (e4m3 weights dequantized on the fly: half the weight memory, "
                     f"runs anywhere), or run on a GPU with {kind} tensor cores ({gpus})."
                 )
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
-            chosen, skipped = _plan(ctx, transformer)
+            chosen, skipped, _ = _plan(ctx, transformer)
             # the dtype of the linears themselves: Wan keeps norms / embedders in fp32 beside bf16 blocks
             dtype = chosen[0][1].weight.dtype if chosen else next(transformer.parameters()).dtype
             if cfg.quant == "fp8" and ctx.device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
@@ -347,7 +343,7 @@ class QuantPass(AccelPass):
         scales = (cfg.quant_config or {}).get("scales")
         if scales is not None:
             wanted = {f"{tname}.{name}" for tname, t in ctx.adapter.transformers_of(ctx.pipe)
-                      for name, _ in _plan(ctx, t)[0]}
+                      for name, _ in _plan(ctx, t).chosen}
             missing = sorted(wanted - set(_load_scales(scales).linears))
             if missing:
                 raise AccelError(
@@ -362,8 +358,7 @@ class QuantPass(AccelPass):
         # weight-only layers run bf16 GEMMs: no FP8 accumulation to speed up, so none is reported either
         fast_accum = mode == "w8a8" and bool((ctx.config.quant_config or {}).get("fast_accum", DEFAULT_FAST_ACCUM))
         for tname, transformer in ctx.adapter.transformers_of(ctx.pipe):
-            chosen, skipped = _plan(ctx, transformer)
-            modulation = _modulation_plan(ctx, transformer)
+            chosen, skipped, modulation = _plan(ctx, transformer)
             swapped = []  # (parent, attr, original module, original weight device)
             try:
                 for name, linear in chosen:
@@ -372,7 +367,6 @@ class QuantPass(AccelPass):
                     swapped.append(self._swap(transformer, name, linear, quantized, measure))
                 for name, linear in modulation:
                     swapped.append(self._swap(transformer, name, linear, Int8WeightOnlyLinear(linear), measure))
-                    skipped.pop(name)
             except BaseException:
                 _put_back(swapped)
                 raise
