@@ -373,10 +373,10 @@ class EmulatedLinears:
             del module.forward
 
 
-def smoothing_factors(pipe, linears, calibration: list[str], alpha: float) -> dict[str, torch.Tensor]:
-    """SmoothQuant's s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) per input channel j, from one calibration
-    caption: alpha moves that share of each channel's activation range into the weights."""
-    x_amax = input_channel_amax(pipe, linears, calibration)
+def smoothing_factors(linears, x_amax: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """SmoothQuant's s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) per input channel j, from a calibration run's
+    per-channel max |x| (``input_channel_amax``): alpha moves that share of each channel's activation range into
+    the weights."""
     factors = {}
     for name, module in linears:
         w_amax = module.weight.detach().float().abs().amax(dim=0)
@@ -432,9 +432,9 @@ def formats_study(pipe, prompts: list[str], reference: torch.Tensor, modules: li
     default calibration caption)."""
     linears = block_linears(pipe)
     calibration = ds.captions_of(ds.sample_params(1, torch.Generator().manual_seed(7)))
-    factors = {alpha: smoothing_factors(pipe, linears, calibration, alpha)
+    static_amax = input_channel_amax(pipe, linears, calibration)  # one calibration run serves every row
+    factors = {alpha: smoothing_factors(linears, static_amax, alpha)
                for alpha in sorted({row[3] for row in formats if row[3] is not None})}
-    static_amax = input_channel_amax(pipe, linears, calibration)
     rows = {}
     for name, activations, weights, alpha, qk in formats:
         static = activations.endswith("_static")
