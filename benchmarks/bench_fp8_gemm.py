@@ -7,6 +7,7 @@ then the AdaLN modulation linears' matrix-vector products, bf16 against int8 wei
 
     python benchmarks/bench_fp8_gemm.py --log-clocks --out benchmarks/results/bench_fp8_gemm_h200.json   # one GPU
     python benchmarks/bench_fp8_gemm.py --device cpu --tiny --out /tmp/fp8.json              # CPU smoke test
+    python benchmarks/bench_fp8_gemm.py --int8-autotune --log-clocks --out ...  # + int8 under max-autotune
 
 Shapes: M = 4608 tokens (4096 image + 512 text) for the single-stream blocks, M = 4096 / 512 for the two streams of
 the dual blocks; (K, N) of every distinct block linear. Timing: CUDA events, median of ``--iters`` after warm-up.
@@ -17,6 +18,7 @@ the dual blocks; (K, N) of every distinct block linear. Timing: CUDA events, med
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -52,7 +54,7 @@ def timed(fn, device, iters: int) -> float:
     return statistics.median(sample_ms(fn, device, iters))
 
 
-def row(name, m, k, n, device, iters) -> dict:
+def row(name, m, k, n, device, iters, autotune: bool = False) -> dict:
     g = torch.Generator("cpu").manual_seed(m + k + n)
     x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device, torch.bfloat16)
@@ -80,13 +82,15 @@ def row(name, m, k, n, device, iters) -> dict:
     exact = (x.float() @ w.float().t())
     got = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16).float()
     out["fp8_rel_err"] = ((got - exact).norm() / exact.norm()).item()
-    out.update(int8_rows(x, w, exact, flops, bf16_ms, device, iters))
+    out.update(int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune))
     return out
 
 
-def int8_rows(x, w, exact, flops, bf16_ms, device, iters) -> dict:
+def int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune: bool = False) -> dict:
     """int8 beside the FP8 figures: the raw GEMM, and the FP8 and int8 linears compiled whole (activation
-    quantization and rescale included), the comparison that decides between the two formats."""
+    quantization and rescale included), the comparison that decides between the two formats. ``autotune`` adds the
+    int8 linear under max-autotune, where Inductor may take its Triton int8 GEMM template, which fuses the rescale
+    into the GEMM (cuBLAS's ``_int_mm`` writes int32 sums, which a second kernel reads back)."""
     w_int8, _ = int8.quantize_rows_int8(w)
     x_int8, _ = int8.quantize_rows_int8(x)
     int_mm_ms = timed(lambda: torch._int_mm(x_int8, w_int8.t()), device, iters)
@@ -94,14 +98,47 @@ def int8_rows(x, w, exact, flops, bf16_ms, device, iters) -> dict:
     linear.weight.data.copy_(w)
     out = {"int8_gemm_ms": round(int_mm_ms, 4), "int8_tops": round(flops / int_mm_ms / 1e9, 1),
            "int8_gemm_speedup": round(bf16_ms / int_mm_ms, 3)}
+    out.update(int8_rescale_rows(x, w, flops, device, iters))
     fp8_layer = fp8.Fp8Linear(linear, "w8a8", fast_accum=True)
-    for name, layer in (("fp8", fp8_layer), ("int8", int8.Int8Linear(linear))):
-        compiled = torch.compile(layer, dynamic=False)
+    layers = [("fp8", fp8_layer, None), ("int8", int8.Int8Linear(linear), None)]
+    if autotune:
+        layers.append(("int8_autotuned", int8.Int8Linear(linear), "max-autotune-no-cudagraphs"))
+    for name, layer, mode in layers:
+        compiled = torch.compile(layer, dynamic=False, mode=mode)
         ms = timed(lambda c=compiled: c(x), device, iters)
         got = compiled(x).float()
         out.update({f"{name}_linear_compiled_ms": round(ms, 4),
                     f"{name}_linear_compiled_speedup": round(bf16_ms / ms, 3),
                     f"{name}_linear_rel_err": ((got - exact).norm() / exact.norm()).item()})
+    return out
+
+
+def int8_rescale_rows(x, w, flops, device, iters) -> dict:
+    """The int8 GEMM with its rescale to bf16, the activation already quantized (what ``fp8_gemm_ms`` is for e4m3):
+    cuBLAS's ``_int_mm`` (int32 out) plus a compiled rescale kernel, against the Triton kernel that rescales in its
+    epilogue (omni_accel/kernels/int8_gemm_triton.py), one row per tile configuration (GPU only)."""
+    x_int8, x_scale = int8.quantize_rows_int8(x)
+    w_int8, w_scale = int8.quantize_rows_int8(w)
+    w_scale = w_scale.reshape(1, -1).contiguous()
+    rescale = torch.compile(lambda acc: (acc.float() * x_scale * w_scale).to(torch.bfloat16), dynamic=False)
+    reference = rescale(torch._int_mm(x_int8, w_int8.t()))
+    ms = timed(lambda: rescale(torch._int_mm(x_int8, w_int8.t())), device, iters)
+    out = {"int8_gemm_rescale_ms": round(ms, 4), "int8_gemm_rescale_tops": round(flops / ms / 1e9, 1)}
+    if device.type != "cuda":
+        return out
+    from omni_accel.kernels import int8_gemm_triton
+
+    for config in int8_gemm_triton.CONFIGS:
+        def fused(c=config):
+            return int8_gemm_triton.int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, None, torch.bfloat16, c)
+        try:
+            same = bool(torch.equal(fused(), reference))
+            ms = timed(fused, device, iters)
+        except Exception as exc:  # noqa: BLE001 -- a tile that does not fit this GPU must not lose the others
+            out[f"int8_triton_{config}_error"] = repr(exc)[:300]
+            continue
+        out.update({f"int8_triton_{config}_ms": round(ms, 4), f"int8_triton_{config}_tops": round(flops / ms / 1e9, 1),
+                    f"int8_triton_{config}_equal": same})
     return out
 
 
@@ -132,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--log-clocks", action="store_true",
                     help="sample SM clock and power with nvidia-smi beside every shape (GPU only)")
+    ap.add_argument("--int8-autotune", action="store_true",
+                    help="also time the int8 linear compiled with max-autotune (Inductor's Triton int8 GEMM, rescale "
+                         "fused; tens of seconds of autotuning per shape)")
     ap.add_argument("--out", default="bench_fp8_gemm.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -147,7 +187,8 @@ def main(argv=None) -> int:
     rows = []
     clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
     try:
-        shapes = [(row, spec) for spec in (TINY_SHAPES if args.tiny else FLUX_SHAPES)]
+        shapes = [(functools.partial(row, autotune=args.int8_autotune), spec)
+                  for spec in (TINY_SHAPES if args.tiny else FLUX_SHAPES)]
         shapes += [(gemv_row, spec) for spec in (TINY_MODULATION_SHAPES if args.tiny else MODULATION_SHAPES)]
         for measure, spec in shapes:
             clocks.mark()

@@ -22,6 +22,10 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
 - ``int8``: ``quant="int8"`` (int8 W8A8, a scale per token and per output channel; PyTorch's CPU ``_int_mm``, the
   same integer arithmetic as the GPU's) -- the more precise 8-bit format for the linears.
 - ``int8_fp8attn``: ``int8`` plus FP8 attention with cuDNN's arithmetic (per-call scales), as ``fp8attn`` does.
+- ``sage`` / ``int8_sage``: bf16 / int8 linears with ``attention="sage"``: SageAttention's own GPU kernel (int8
+  Q K^T, FP8 P V on Hopper; the built-in model's 32-wide heads are zero-padded to 64 by the package, which changes
+  no score). GPU only (``--device cuda``, the ``sageattention`` package): unlike the ``fp8attn`` rows, this is the
+  shipped kernel's arithmetic, not an emulation.
 - ``int8_modulation`` / ``fp8_static_modulation``: ``int8`` / ``fp8_static`` with the AdaLN modulation linears'
   weights in int8 too (``quant_config={"modulation": "int8"}``).
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
@@ -137,7 +141,8 @@ def adherence(got: torch.Tensor, captions: list[str], reference: torch.Tensor | 
 
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
          "fp8_static_promoted", "fp8attn", "int8", "int8_fp8attn", "int8_modulation", "fp8_static_modulation",
-         "fp32")
+         "sage", "int8_sage", "fp32")
+GPU_ONLY = ("sage", "int8_sage")  # SageAttention has CUDA kernels only
 LOSSLESS = ("fp32",)  # reference-noise rows: no FP8 anywhere
 
 
@@ -187,7 +192,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma list of {', '.join(MODES)} (default: all that run on --device; "
+                         f"{', '.join(GPU_ONLY)} need cuda)")
     ap.add_argument("--calibration-seed", type=int, default=7,
                     help="picks the training caption the static rows calibrate on")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU's own FP8 GEMMs (fast_accum differs "
@@ -200,9 +207,13 @@ def main(argv=None) -> int:
                          "whether each image meets its caption (omni_accel.builtin.metric)")
     ap.add_argument("--out", default="benchmarks/results/fp8_quality.json")
     args = ap.parse_args(argv)
-    modes = args.modes.split(",")
+    modes = args.modes.split(",") if args.modes else [m for m in MODES
+                                                       if args.device != "cpu" or m not in GPU_ONLY]
     if any(m not in MODES for m in modes):
         ap.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    if args.device == "cpu" and any(m in GPU_ONLY for m in modes):
+        ap.error(f"--modes {args.modes!r}: {', '.join(m for m in modes if m in GPU_ONLY)} run SageAttention's CUDA "
+                 "kernel; add --device cuda (with the sageattention package installed) or leave them out")
     if args.adherence < 0:
         ap.error(f"--adherence {args.adherence}: give a number of captions >= 0 (0 skips the adherence rows)")
     torch.manual_seed(0)
@@ -237,9 +248,12 @@ def main(argv=None) -> int:
             quant_config["fast_accum"] = False
         if mode.endswith("_modulation"):
             quant_config["modulation"] = "int8"
-        linears = mode != "fp8attn"  # "fp8attn": bf16 linears, only the attention in FP8
+        linears = mode not in ("fp8attn", "sage")  # bf16 linears, only the attention 8-bit
+        attention = "sage" if mode.endswith("sage") else "auto"
         if linears:
-            omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config)
+            omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config, attention=attention)
+        elif attention != "auto":
+            omni_accel.accelerate(pipe, attention=attention)
         undo_route = _route_fp8_attention(pipe, mode.endswith("_static")) if "fp8attn" in mode else None
         if mode.startswith("fp8_static"):
             images(pipe, [calibration_prompt], args.seed + 1000)  # observes; the next call freezes the scales
@@ -251,7 +265,7 @@ def main(argv=None) -> int:
         attention_states = [m.activations for m in pipe.transformer.modules() if isinstance(m, AttentionScales)]
         if undo_route is not None:
             undo_route()
-        if linears:
+        if linears or attention != "auto":
             omni_accel.restore(pipe)
         p, s = psnr(got, reference), ssim(got, reference)
         for i in sorted(range(len(p)), key=p.__getitem__)[:2]:

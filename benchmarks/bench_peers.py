@@ -376,6 +376,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8_pdl_graphs", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile="max"), False,
         inductor=_MK_PDL, note="ours_int8_pdl + CUDA graph of the whole forward (compile='max', as quant='fp8' gets "
                                "from compile=True)"),
+    Row("ours_int8_pdl_triton", _ours(attention="auto", quant="int8", quant_config={"int8_gemm": "triton"},
+                                      fuse_if_supported=True, compile=True), False, inductor=_MK_PDL, cuda_only=True,
+        note="ours_int8_pdl with omni_accel's Triton int8 GEMM (rescale in the epilogue) instead of cuBLAS's _int_mm"),
     # attention="cudnn", not auto: auto would give quant="fp8" cuDNN's FP8 attention, and this row is the bf16-attention
     # twin of the int8 rows
     Row("ours_fp8_dynamic_fa_pdl", _ours(attention="cudnn", quant="fp8", fuse_if_supported=True, compile=True),
@@ -389,6 +392,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8_pdl_sage", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, needs=("sageattention",), cuda_only=True,
         note="ours_int8_pdl with attention='sage': int8 linears and SageAttention"),
+    Row("ours_int8_pdl_triton_sage", _ours(attention="sage", quant="int8", quant_config={"int8_gemm": "triton"},
+                                           fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
+        needs=("sageattention",), cuda_only=True, note="ours_int8_pdl_sage with the Triton int8 GEMM"),
     # the AdaLN modulation linears' weights in int8 (76 matrix-vector products per FLUX step read 6.4 GB in bf16)
     Row("ours_fp8_fp8attn_static_fa_pdl_mod", _fp8attn({**_FAST_STATIC, "modulation": "int8"}), False,
         calibrates=True, inductor=_MK_PDL, cuda_only=True,

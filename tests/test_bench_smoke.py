@@ -314,6 +314,18 @@ def test_fp8_quality_adherence_scores_captions_and_counts_flipped_verdicts(capsy
     assert "--adherence -3: give a number of captions >= 0" in capsys.readouterr().err
 
 
+def test_fp8_quality_refuses_sage_rows_on_the_cpu(capsys):
+    """bench_fp8_quality.py --modes sage / int8_sage run SageAttention's CUDA kernel: on the CPU the run stops before
+    loading anything, naming the rows and the fix."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_fp8_quality as quality
+
+    with pytest.raises(SystemExit):
+        quality.main(["--modes", "int8,int8_sage", "--out", "/nonexistent/x.json"])
+    assert ("--modes 'int8,int8_sage': int8_sage run SageAttention's CUDA kernel; add --device cuda (with the "
+            "sageattention package installed) or leave them out") in capsys.readouterr().err
+
+
 def test_fp8_quality_fp32_row_measures_bf16_rounding_against_the_reference(tmp_path):
     """bench_fp8_quality.py --modes fp32: the float32 model against the bf16 reference -- close (bf16's own rounding,
     well above the 30 dB bound), not identical (a row that could not differ would show nothing)."""
@@ -363,17 +375,20 @@ def test_peers_summary_keeps_int8_rows_out_of_the_fp8_ratios_and_refuses_two_in_
 
 
 def test_fp8_gemm_bench_tiny_cpu_times_fp8_and_int8_linears(tmp_path):
-    """bench_fp8_gemm.py on the CPU: the bf16, e4m3 and int8 GEMMs and the two quantized linears compiled whole,
-    each with its error against the exact product (int8's below e4m3's on Gaussian data), and a modulation-shaped
-    matrix-vector row, bf16 against the compiled int8 weight-only layer."""
+    """bench_fp8_gemm.py on the CPU: the bf16, e4m3 and int8 GEMMs and the two quantized linears compiled whole
+    (int8 also under max-autotune), each with its error against the exact product (int8's below e4m3's on Gaussian
+    data), and a modulation-shaped matrix-vector row, bf16 against the compiled int8 weight-only layer."""
     out = tmp_path / "gemm.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fp8_gemm.py"), "--device", "cpu",
-                    "--tiny", "--iters", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+                    "--tiny", "--iters", "1", "--int8-autotune", "--out", str(out)], check=True, cwd=ROOT,
+                   capture_output=True)
     row, gemv = json.loads(out.read_text())["rows"]
     assert "error" not in row and "error" not in gemv, (row, gemv)
-    for key in ("bf16_gemm_ms", "fp8_gemm_ms", "int8_gemm_ms", "fp8_linear_compiled_ms", "int8_linear_compiled_ms"):
+    for key in ("bf16_gemm_ms", "fp8_gemm_ms", "int8_gemm_ms", "fp8_linear_compiled_ms", "int8_linear_compiled_ms",
+                "int8_autotuned_linear_compiled_ms"):
         assert row[key] > 0, key
     assert row["int8_linear_rel_err"] < 0.015 and row["int8_linear_rel_err"] < row["fp8_linear_rel_err"]
+    assert row["int8_autotuned_linear_rel_err"] == pytest.approx(row["int8_linear_rel_err"], rel=1e-3)
     # the modulation row: one token, the int8 weight-only layer compiled as a reduction
     assert gemv["M"] == 1 and gemv["bf16_gemv_ms"] > 0 and gemv["int8_weight_only_compiled_ms"] > 0
     assert gemv["int8_weight_only_rel_err"] < 0.015

@@ -209,3 +209,37 @@ def test_unknown_modulation_mode_is_refused_before_patching():
         "quant_config['modulation']='fp8' is not known; use 'bf16' (the AdaLN modulation linears as they are, the "
         "default) or 'int8' (their weights in int8, activations in 16 bits).")
     assert not hasattr(pipe, "omni_accel")
+
+
+def test_triton_int8_gemm_choice_gives_the_cublas_outputs_and_compiles_whole():
+    """quant_config={"int8_gemm": "triton"}: the same int32 sums and rescale behind one op (on the CPU its PyTorch
+    reference; tests/test_kernels.py checks the Triton kernel against it), so the pipeline's output equals the
+    default's, eager and compiled without graph breaks."""
+    pipe, kwargs = tiny_pipeline("flux")
+    omni_accel.accelerate(pipe, quant="int8")
+    cublas = run(pipe, kwargs)
+    omni_accel.restore(pipe)
+    omni_accel.accelerate(pipe, quant="int8", quant_config={"int8_gemm": "triton"})
+    layer = pipe.transformer.transformer_blocks[0].attn.to_q
+    assert isinstance(layer, Int8Linear) and layer.gemm == "triton" and "triton GEMM" in repr(layer)
+    assert torch.equal(run(pipe, kwargs), cublas)
+    omni_accel.restore(pipe)
+    compiled, counts = run_compiled_twice(pipe, kwargs, quant="int8", quant_config={"int8_gemm": "triton"},
+                                          compile=True)
+    assert counts["graph_breaks"] == 0 and counts["graphs_second_call"] == counts["graphs_first_call"] > 0
+    assert _rel(compiled, cublas) < 1e-3
+
+
+@pytest.mark.parametrize("quant, quant_config, message", [
+    ("int8", {"int8_gemm": "cutlass"},
+     "quant_config['int8_gemm']='cutlass' is not known; use 'cublas' (torch._int_mm, the default) or 'triton' "
+     "(omni_accel's int8 GEMM with the rescale in its epilogue)."),
+    ("fp8", {"int8_gemm": "triton"},
+     "quant_config['int8_gemm'] applies to quant='int8' only (quant='fp8'); set quant='int8', or drop 'int8_gemm'."),
+])
+def test_int8_gemm_choice_is_checked_before_patching(quant, quant_config, message):
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as info:
+        omni_accel.accelerate(pipe, quant=quant, quant_config=quant_config)
+    assert str(info.value) == message
+    assert not hasattr(pipe, "omni_accel")

@@ -69,6 +69,14 @@ def test_triton_kernel_matches_float64(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
+@pytest.mark.parametrize("case", WORKER.INT8_GEMM_CASES)
+def test_int8_gemm_kernel_equals_int_mm_and_the_rescale(interpreted, case):
+    """Exact int32 sums either way, then the same fp32 rescale and one rounding: the outputs are equal."""
+    r = interpreted["int8_gemm"][case]
+    assert "error" not in r, r.get("error")
+    assert r["equal"], r
+
+
 @pytest.mark.parametrize("case", WORKER.FP8_QUANT_CASES)
 def test_fp8_row_quantization_kernel_matches_the_torch_expression(interpreted, case):
     r = interpreted["fp8_quant"][case]
@@ -221,6 +229,24 @@ def test_fp8_attention_kernel_compiles_for_hopper_in_every_mode(mode):
         report = _ptxas_report(compiled.asm["ptx"])
         assert ("C7515" in report) == (mode not in fa.K_BLOCKS), report
         assert mode not in fa.K_BLOCKS or "0 bytes spill stores" in report, report
+
+
+def test_int8_gemm_kernel_compiles_to_hopper_int8_mmas_in_every_tile_config():
+    """Each shipped tile configuration lowers to an sm_90 cubin whose PTX multiplies with warp-group int8 MMAs
+    (wgmma ... s8), without spilling registers; the interpreter checks the arithmetic, not this."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    pointers = dict(x_ptr="*i8", w_ptr="*i8", out_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                    bias_ptr="*bf16")
+    for name, (block_m, block_n, block_k, group_m, warps, stages) in g.CONFIGS.items():
+        consts = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                      EVEN_K=True)
+        compiled = _compile_for_hopper(g._int8_mm_rescale_kernel, pointers, consts,
+                                       {"num_warps": warps, "num_stages": stages}, floats=(), aligned=True)
+        ptx = compiled.asm["ptx"]
+        assert "wgmma" in ptx and ".s8" in ptx, name
+        report = _ptxas_report(ptx)
+        assert "0 bytes spill stores" in report, (name, report)
 
 
 def _ptxas_report(ptx: str) -> str:

@@ -104,7 +104,7 @@ def _fingerprint(pipe):
     [
         (dict(quant="fp8", quant_config={"bits": 4}),
          "quant_config has unknown keys ['bits']; known keys: ['skip', 'measure_error', 'activations', 'scales', "
-         "'attention_scales', 'fast_accum', 'modulation']."),
+         "'attention_scales', 'fast_accum', 'modulation', 'int8_gemm']."),
         (dict(quant="fp8", quant_config={"fast_accum": 1}),
          "quant_config['fast_accum']=1 must be True or False."),
         (dict(quant="fp8_weight_only", quant_config={"fast_accum": True}),

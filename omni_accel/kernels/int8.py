@@ -15,6 +15,10 @@ token whose values are much smaller than the layer's largest.
 Under torch.compile the row quantization below is traced, so Inductor fuses it into the op that produces the
 activation, and the int32 -> scaled 16-bit rescale into one elementwise kernel after the GEMM (or into the GEMM
 where Inductor takes its Triton int8 template over cuBLAS for the shape).
+
+The GEMM: cuBLAS's ``torch._int_mm`` (``quant_config={"int8_gemm": "cublas"}``, the default), whose int32 sums cross
+memory before the rescale, or omni_accel's Triton kernel that rescales in its epilogue (``"triton"``,
+kernels/int8_gemm_triton.py; an opaque op to Inductor, on the CPU the same arithmetic in PyTorch).
 """
 
 from __future__ import annotations
@@ -75,6 +79,37 @@ def rows_to_pad(x2: torch.Tensor) -> int:
     return _PADDED_ROWS - x2.shape[0] if x2.is_cuda and x2.shape[0] < MIN_GPU_ROWS else 0
 
 
+INT8_GEMMS = ("cublas", "triton")
+
+
+def int8_mm_rescale_reference(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.Tensor,
+                              w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """What the Triton kernel computes, in PyTorch: int32 sums, fp32 rescale, bias, one rounding to ``out_dtype``."""
+    rows = x_int8.shape[0]
+    if padding := rows_to_pad(x_int8):
+        x_int8 = torch.nn.functional.pad(x_int8, (0, 0, 0, padding))
+    y = torch._int_mm(x_int8, w_int8.t())[:rows].float() * x_scale * w_scale.reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+# Explicit schema: custom_op's annotation inference does not read postponed (string) annotations.
+@torch.library.custom_op("omni_accel::int8_mm_rescale", mutates_args=(), schema=(
+    "(Tensor x_int8, Tensor w_int8, Tensor x_scale, Tensor w_scale, Tensor? bias, ScalarType out_dtype) -> Tensor"))
+def int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, bias, out_dtype):
+    if x_int8.is_cuda:
+        from . import int8_gemm_triton
+
+        return int8_gemm_triton.int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, bias, out_dtype)
+    return int8_mm_rescale_reference(x_int8, w_int8, x_scale, w_scale, bias, out_dtype)
+
+
+@int8_mm_rescale.register_fake
+def _(x_int8, w_int8, x_scale, w_scale, bias, out_dtype):
+    return x_int8.new_empty((x_int8.shape[0], w_int8.shape[0]), dtype=out_dtype)
+
+
 class _Int8Weight(QuantizedLinear):
     """An int8 weight with one fp32 scale per output channel, what both int8 layers hold."""
 
@@ -89,14 +124,24 @@ class _Int8Weight(QuantizedLinear):
 
 class Int8Linear(_Int8Weight):
     """Drop-in for ``nn.Linear`` holding an int8 weight and one fp32 scale per output channel; activations are
-    rounded to int8 per token at run time."""
+    rounded to int8 per token at run time. ``gemm``: one of INT8_GEMMS (the module docstring)."""
+
+    def __init__(self, linear: torch.nn.Linear, gemm: str = "cublas"):
+        if gemm not in INT8_GEMMS:
+            raise ValueError(f"gemm={gemm!r}: use one of {INT8_GEMMS}")
+        super().__init__(linear)
+        self.gemm = gemm
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, per-token activations"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, per-token activations, "
+                f"{self.gemm} GEMM")
 
     def _product(self, x2: torch.Tensor) -> torch.Tensor:
         rows = x2.shape[0]
         x_int8, x_scale = quantize_rows_int8(x2)
+        if self.gemm == "triton":  # the rescale inside the GEMM: no int32 round trip through memory
+            return torch.ops.omni_accel.int8_mm_rescale(x_int8, self.weight_int8, x_scale, self.weight_scale, None,
+                                                        x2.dtype)
         if padding := rows_to_pad(x2):  # zero rows multiply to zero and are cut off again below
             x_int8 = torch.nn.functional.pad(x_int8, (0, 0, 0, padding))
         # the weight's transposed view, not a contiguous (in, out) copy: cuBLASLt's int8 GEMM wants it column-major

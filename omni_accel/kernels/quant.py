@@ -22,13 +22,14 @@ import torch
 
 from diffusers.hooks import ModelHook
 
+from ..deps import installed, missing_message
 from ..errors import AccelError
 from ..hooks import add_hook
 from ..lora import quant_target_name
 from ..pass_base import AccelPass, PassContext
 from .cudnn_fp8_attention import AttentionScales
 from .fp8 import FP8_MAX, STATIC_MARGIN, Fp8Linear, fp8_alignment_problem, fp8_matmul_support
-from .int8 import Int8Linear, Int8WeightOnlyLinear, int8_alignment_problem, int8_matmul_support
+from .int8 import INT8_GEMMS, Int8Linear, Int8WeightOnlyLinear, int8_alignment_problem, int8_matmul_support
 from .qlinear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ MODES = {"fp8": "w8a8", "fp8_weight_only": "weight_only", "int8": "int8"}
 # GPU architectures)
 _W8A8 = {"fp8": (fp8_matmul_support, fp8_alignment_problem, "FP8", "Ada, Hopper, Blackwell"),
          "int8": (int8_matmul_support, int8_alignment_problem, "int8", "Turing or newer")}
-QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attention_scales", "fast_accum", "modulation")
+QUANT_CONFIG_KEYS = ("skip", "measure_error", "activations", "scales", "attention_scales", "fast_accum", "modulation",
+                     "int8_gemm")
 # The family's per-sample AdaLN modulation linears (ModelAdapter.quant_skip): kept in the model dtype ("bf16", the
 # default), or int8 weights with 16-bit activations ("int8": half the bytes of their matrix-vector products).
 MODULATION_MODES = ("bf16", "int8")
@@ -153,6 +155,17 @@ def check_quant_config(config) -> None:
         raise AccelError(
             f"quant_config['modulation']={modulation!r} is not known; use 'bf16' (the AdaLN modulation linears as "
             "they are, the default) or 'int8' (their weights in int8, activations in 16 bits).")
+    int8_gemm = qc.get("int8_gemm", "cublas")
+    if int8_gemm not in INT8_GEMMS:
+        raise AccelError(
+            f"quant_config['int8_gemm']={int8_gemm!r} is not known; use 'cublas' (torch._int_mm, the default) or "
+            "'triton' (omni_accel's int8 GEMM with the rescale in its epilogue).")
+    if "int8_gemm" in qc and config.quant != "int8":
+        raise AccelError(f"quant_config['int8_gemm'] applies to quant='int8' only (quant={config.quant!r}); set "
+                         "quant='int8', or drop 'int8_gemm'.")
+    if int8_gemm == "triton" and not installed("triton"):
+        raise AccelError(missing_message("triton", "quant_config['int8_gemm']='triton'",
+                                         "use quant_config['int8_gemm']='cublas'"))
     if "attention_scales" in qc and activations != "static":
         raise AccelError("quant_config['attention_scales'] only applies with quant_config['activations']='static' "
                          "(dynamic activations keep per-call attention scales); add it, or drop 'attention_scales'.")
@@ -357,12 +370,13 @@ class QuantPass(AccelPass):
         measure = bool((ctx.config.quant_config or {}).get("measure_error", False))
         # weight-only layers run bf16 GEMMs: no FP8 accumulation to speed up, so none is reported either
         fast_accum = mode == "w8a8" and bool((ctx.config.quant_config or {}).get("fast_accum", DEFAULT_FAST_ACCUM))
+        int8_gemm = (ctx.config.quant_config or {}).get("int8_gemm", "cublas")
         for tname, transformer in ctx.adapter.transformers_of(ctx.pipe):
             chosen, skipped, modulation = _plan(ctx, transformer)
             swapped = []  # (parent, attr, original module, original weight device)
             try:
                 for name, linear in chosen:
-                    quantized = (Int8Linear(linear) if mode == "int8"
+                    quantized = (Int8Linear(linear, int8_gemm) if mode == "int8"
                                  else Fp8Linear(linear, mode, fast_accum=fast_accum))
                     swapped.append(self._swap(transformer, name, linear, quantized, measure))
                 for name, linear in modulation:
