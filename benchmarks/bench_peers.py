@@ -224,7 +224,13 @@ def _torchao_fp8(pipe, transformer, inputs, model):
 def _torchao_int8(pipe, transformer, inputs, model):
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-    quantize_(transformer, Int8DynamicActivationInt8WeightConfig())
+    # torchao's int8 path multiplies with torch._int_mm, which refuses 16 rows or fewer: the one-token AdaLN and
+    # time / guidance embedding linears stay bf16, as a torchao user must keep them (the whole model failed with
+    # "self.size(0) needs to be greater than 16" in bench_peers_h200_flux_int8_20261205.json)
+    def many_rows(module, name: str) -> bool:
+        return isinstance(module, torch.nn.Linear) and not any(part in name for part in ("norm", "time", "embedder"))
+
+    quantize_(transformer, Int8DynamicActivationInt8WeightConfig(), filter_fn=many_rows)
     return _cudnn_regional_compile(transformer, inputs)
 
 
@@ -372,13 +378,18 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     # int8 W8A8 linears (a scale per token and per output channel) against FP8 ones with the same scales, bf16
     # attention in both: the int8 format is the precise one on the built-in model (linear_formats_study.json)
     Row("ours_int8_pdl", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
-        inductor=_MK_PDL, note="quant='int8' (per-token activation scales), fuse_qkv, auto attention (cuDNN), compile"),
+        inductor=_MK_PDL, note="quant='int8' (per-token activation scales; int8 GEMM 'auto': Triton on GPUs since "
+                               "2026-12-05), fuse_qkv, auto attention (cuDNN), compile"),
     Row("ours_int8_pdl_graphs", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile="max"), False,
         inductor=_MK_PDL, note="ours_int8_pdl + CUDA graph of the whole forward (compile='max', as quant='fp8' gets "
                                "from compile=True)"),
     Row("ours_int8_pdl_triton", _ours(attention="auto", quant="int8", quant_config={"int8_gemm": "triton"},
                                       fuse_if_supported=True, compile=True), False, inductor=_MK_PDL, cuda_only=True,
-        note="ours_int8_pdl with omni_accel's Triton int8 GEMM (rescale in the epilogue) instead of cuBLAS's _int_mm"),
+        note="ours_int8_pdl with omni_accel's Triton int8 GEMM (rescale in the epilogue; the default on GPUs since "
+             "2026-12-05, when ours_int8_pdl still meant cuBLAS)"),
+    Row("ours_int8_pdl_cublas", _ours(attention="auto", quant="int8", quant_config={"int8_gemm": "cublas"},
+                                      fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
+        note="ours_int8_pdl with cuBLAS's _int_mm (int32 out, rescale in the next kernel)"),
     # attention="cudnn", not auto: auto would give quant="fp8" cuDNN's FP8 attention, and this row is the bf16-attention
     # twin of the int8 rows
     Row("ours_fp8_dynamic_fa_pdl", _ours(attention="cudnn", quant="fp8", fuse_if_supported=True, compile=True),

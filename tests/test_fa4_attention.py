@@ -18,7 +18,8 @@ from omni_accel import AccelError
 from omni_accel.kernels import attention as attn
 from omni_accel.kernels import fa4_attention as fa4
 from omni_accel.kernels import fp8_attention as route
-from omni_accel.testing import run, run_compiled_twice, tiny_pipeline
+from omni_accel.testing import (check_route_takes_every_call, check_sdpa_fallback, run, run_compiled_twice,
+                                tiny_pipeline)
 
 HOPPER = (9, 0)
 CUDA = torch.device("cuda")
@@ -125,17 +126,7 @@ def fa4_on_cpu(monkeypatch):
 
 def test_fa4_takes_every_call_and_restore_puts_the_dispatcher_back(fa4_on_cpu):
     pipe, kwargs = tiny_pipeline("flux")
-    plain = run(pipe, kwargs)
-    omni_accel.accelerate(pipe, attention="fa4")
-    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
-    assert applied["backend"] == "fa4"
-    routed = run(pipe, kwargs)
-    blocks = len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
-    assert len(fa4_on_cpu) == blocks * kwargs["num_inference_steps"]
-    assert torch.allclose(routed, plain, atol=1e-5)
-    omni_accel.restore(pipe)
-    fa4_on_cpu.clear()
-    assert torch.equal(run(pipe, kwargs), plain) and not fa4_on_cpu
+    assert check_route_takes_every_call(pipe, kwargs, fa4_on_cpu, attention="fa4")["backend"] == "fa4"
 
 
 def test_the_route_takes_only_calls_with_enough_keys(fa4_on_cpu):
@@ -199,16 +190,8 @@ def fa4_import_fails(monkeypatch, caplog):
 
 
 def test_the_op_falls_back_to_sdpa_once_per_shape_and_says_why(fa4_import_fails):
-    q, k, v = (torch.randn(1, 24, 4, 32, dtype=torch.bfloat16) for _ in range(3))
-    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              scale=0.2).transpose(1, 2)
-    for _ in range(2):
-        out = torch.ops.omni_accel.fa4_attention(q, k, v, 0.2)
-        assert torch.equal(out, expected) and out.is_contiguous()
-    (why,) = fa4.refused_shapes().values()
-    assert why.startswith("ImportError") or why.startswith("ModuleNotFoundError")
-    warnings = [r for r in fa4_import_fails.records if "FlashAttention-4 failed" in r.getMessage()]
-    assert len(warnings) == 1 and "SDPA computes this shape from now on" in warnings[0].getMessage()
+    check_sdpa_fallback(torch.ops.omni_accel.fa4_attention, fa4.refused_shapes, fa4_import_fails.records,
+                        "FlashAttention-4")
 
 
 def test_compiled_blocks_trace_the_route_and_the_op_without_graph_breaks(fa4_import_fails, monkeypatch):

@@ -216,7 +216,9 @@ def test_triton_int8_gemm_choice_gives_the_cublas_outputs_and_compiles_whole():
     reference; tests/test_kernels.py checks the Triton kernel against it), so the pipeline's output equals the
     default's, eager and compiled without graph breaks."""
     pipe, kwargs = tiny_pipeline("flux")
-    omni_accel.accelerate(pipe, quant="int8")
+    omni_accel.accelerate(pipe, quant="int8")  # auto: cuBLAS's (here the CPU's) _int_mm off a CUDA GPU
+    (quant,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "quant"]
+    assert quant["int8_gemm"] == "cublas"
     cublas = run(pipe, kwargs)
     omni_accel.restore(pipe)
     omni_accel.accelerate(pipe, quant="int8", quant_config={"int8_gemm": "triton"})
@@ -232,8 +234,9 @@ def test_triton_int8_gemm_choice_gives_the_cublas_outputs_and_compiles_whole():
 
 @pytest.mark.parametrize("quant, quant_config, message", [
     ("int8", {"int8_gemm": "cutlass"},
-     "quant_config['int8_gemm']='cutlass' is not known; use 'cublas' (torch._int_mm, the default) or 'triton' "
-     "(omni_accel's int8 GEMM with the rescale in its epilogue)."),
+     "quant_config['int8_gemm']='cutlass' is not known; use 'auto' (the default: 'triton' on a CUDA GPU with Triton "
+     "installed, else 'cublas'), 'triton' (omni_accel's int8 GEMM with the rescale in its epilogue) or 'cublas' "
+     "(torch._int_mm)."),
     ("fp8", {"int8_gemm": "triton"},
      "quant_config['int8_gemm'] applies to quant='int8' only (quant='fp8'); set quant='int8', or drop 'int8_gemm'."),
 ])
@@ -243,3 +246,14 @@ def test_int8_gemm_choice_is_checked_before_patching(quant, quant_config, messag
         omni_accel.accelerate(pipe, quant=quant, quant_config=quant_config)
     assert str(info.value) == message
     assert not hasattr(pipe, "omni_accel")
+
+
+def test_auto_int8_gemm_takes_triton_on_a_cuda_gpu_with_triton(monkeypatch):
+    from omni_accel import deps
+
+    monkeypatch.setattr(deps, "installed", lambda module: True)
+    assert int8_mod.resolve_int8_gemm("auto", torch.device("cuda")) == "triton"
+    assert int8_mod.resolve_int8_gemm("auto", torch.device("cpu")) == "cublas"
+    assert int8_mod.resolve_int8_gemm("cublas", torch.device("cuda")) == "cublas"
+    monkeypatch.setattr(deps, "installed", lambda module: module != "triton")
+    assert int8_mod.resolve_int8_gemm("auto", torch.device("cuda")) == "cublas"

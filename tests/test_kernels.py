@@ -241,7 +241,7 @@ def test_int8_gemm_kernel_compiles_to_hopper_int8_mmas_in_every_tile_config():
     for name, (block_m, block_n, block_k, group_m, warps, stages) in g.CONFIGS.items():
         consts = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                       EVEN_K=True)
-        compiled = _compile_for_hopper(g._int8_mm_rescale_kernel, pointers, consts,
+        compiled = _compile_for_hopper(g._int8_gemm_rescale_kernel, pointers, consts,
                                        {"num_warps": warps, "num_stages": stages}, floats=(), aligned=True)
         ptx = compiled.asm["ptx"]
         assert "wgmma" in ptx and ".s8" in ptx, name

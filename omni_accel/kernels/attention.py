@@ -54,7 +54,8 @@ BACKENDS: dict[str, Backend] = {
         Backend("math", "_native_math", SDPBackend.MATH, False, note="SDPA math reference"),
         Backend("flash_attn", "flash", None, True, "flash_attn", note="flash-attn package (FA2)"),
         Backend("fa3", "_flash_3", None, True, "flash_attn_interface", note="FlashAttention-3 (Hopper)"),
-        Backend("sage", "sage", None, True, "sageattention", note="SageAttention (lossy int8 QK)"),
+        Backend("sage", "sage", None, True, "sageattention",
+                note="SageAttention 2 (int8 Q K^T, FP8 P V on Hopper; lossy), as one op compiled blocks keep whole"),
         Backend("flex", "flex", None, False, note="torch flex_attention"),
         Backend("xformers", "xformers", None, True, "xformers", note="xformers memory-efficient attention"),
         Backend("fa4", "", None, True, "flash_attn.cute",
@@ -316,6 +317,10 @@ class AttentionPass(AccelPass):
                 continue
             elif backend.name == "fa4":
                 undo = route_transformer(transformer, "fa4")
+            elif backend.name == "sage" and ctx.config.sequence_degree == 1:
+                # our op, not diffusers' sage backend: its Python breaks compiled blocks (sage_attention.py)
+                undo = route_transformer(transformer, "sage")
+                details["route"] = "omni_accel::sage_attention"
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
                 if fa4_min_tokens:  # auto: long sequences to FlashAttention-4, the rest to the SDPA kernel

@@ -82,24 +82,38 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: fl
     return out.transpose(1, 2).contiguous()  # the fake implementation's layout: (batch, tokens, heads, dim)
 
 
-@torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())
-def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
+def call_or_sdpa(kernel: str, refused: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float | None, call) -> torch.Tensor:
+    """``call()`` (a packaged kernel on q, k, v), or SDPA where it failed: a failure is logged once per shape and kept
+    in ``refused`` (shape -> why), and that shape goes straight to SDPA from then on. Shared by the routed kernels
+    (FlashAttention-4 here, SageAttention in sage_attention.py)."""
     shape = (tuple(query.shape), tuple(key.shape), tuple(value.shape), str(query.dtype).replace("torch.", ""))
-    if shape in _REFUSED:
+    if shape in refused:
         return _sdpa(query, key, value, scale)
     try:
-        from flash_attn.cute.interface import flash_attn_func
-
-        out = flash_attn_func(query, key, value, softmax_scale=scale, causal=False)
+        out = call()
     except Exception as exc:  # noqa: BLE001 -- any failure of the package costs this shape the fast kernel only
         why = f"{type(exc).__name__}: {exc}"[:300]
         with _REFUSED_LOCK:
-            _REFUSED[shape] = why
-        logger.warning("omni_accel: FlashAttention-4 failed for q %s, k %s (%s); SDPA computes this shape from now "
-                       "on", shape[0], shape[1], why)
+            refused[shape] = why
+        logger.warning("omni_accel: %s failed for q %s, k %s (%s); SDPA computes this shape from now on", kernel,
+                       shape[0], shape[1], why)
         return _sdpa(query, key, value, scale)
+    return out
+
+
+def _fa4_call(query, key, value, scale):
+    from flash_attn.cute.interface import flash_attn_func
+
+    out = flash_attn_func(query, key, value, softmax_scale=scale, causal=False)
     return out[0] if isinstance(out, tuple) else out  # some versions return (out, lse)
+
+
+@torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())
+def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
+    return call_or_sdpa("FlashAttention-4", _REFUSED, query, key, value, scale,
+                        lambda: _fa4_call(query, key, value, scale))
 
 
 @fa4_attention.register_fake

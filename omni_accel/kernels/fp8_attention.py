@@ -18,9 +18,9 @@ The Triton implementation, and why it is split as it is:
 - The kernel (``fp8_attention_triton.py``) is one custom op, ``omni_accel::fp8_attention_core``, opaque to
   inductor like SDPA is.
 - Routing: the attention pass swaps the processors' module-global ``dispatch_attention_fn`` for a wrapper that
-  takes the FP8 path only while an FP8-routed transformer runs (the same route carries FlashAttention-4, a 16-bit
-  kernel, for ``attention="fa4"`` and auto's long sequences: ``fa4_attention.py``) (other pipelines of the same family in the process
-  keep their attention) and only for calls it can serve (no mask, not causal, no dropout, head dim 64 or 128, same
+  takes the FP8 path only while an FP8-routed transformer runs (other pipelines of the same family in the process
+  keep their attention; the same route carries FlashAttention-4 for ``attention="fa4"`` and auto's long sequences,
+  ``fa4_attention.py``, and SageAttention for ``attention="sage"``, ``sage_attention.py``) and only for calls it can serve (no mask, not causal, no dropout, head dim 64 or 128, same
   head count for q and k/v); every other call goes to the original dispatcher.
 - Static scales (cuDNN implementation, with the FP8 linears' static activations): ``attach_attention_scales``
   gives every attention module (a module with a ``processor``) its own ``AttentionScales`` child and a hook that
@@ -38,7 +38,7 @@ from diffusers.hooks import ModelHook
 
 from ..errors import AccelError
 from ..hooks import add_hook, swap_module_global
-from . import fa4_attention, fused
+from . import fa4_attention, fused, sage_attention
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 HEAD_DIMS = (64, 128)  # what the GPU kernel is tuned for (every supported DiT); 8-bit MMAs need >= 32 anyway
@@ -154,7 +154,7 @@ def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             and query.dtype.is_floating_point)
 
 
-IMPLEMENTATIONS = ("cudnn", "triton")  # FP8 ones; the route also carries 16-bit "fa4" (fa4_attention.py)
+IMPLEMENTATIONS = ("cudnn", "triton")  # FP8 ones; the route also carries "fa4" (fa4_attention.py) and "sage"
 
 
 def implementation_for(device: torch.device) -> str:
@@ -242,12 +242,16 @@ def attach_attention_scales(transformer: torch.nn.Module, prefix: str) -> tuple[
 
 
 def _served(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
+    if _Route.implementation == "sage":
+        return sage_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal)
     if _Route.implementation == "fa4":
         return fa4_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal, _Route.min_tokens)
     return fp8_eligible(query, key, value, attn_mask, dropout_p, is_causal)
 
 
 def _routed_attention(query, key, value, scale):
+    if _Route.implementation == "sage":
+        return sage_attention.sage_attention(query, key, value, scale)
     if _Route.implementation == "fa4":
         return fa4_attention.fa4_attention(query, key, value, scale)
     if _Route.implementation == "cudnn":

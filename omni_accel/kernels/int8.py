@@ -16,9 +16,11 @@ Under torch.compile the row quantization below is traced, so Inductor fuses it i
 activation, and the int32 -> scaled 16-bit rescale into one elementwise kernel after the GEMM (or into the GEMM
 where Inductor takes its Triton int8 template over cuBLAS for the shape).
 
-The GEMM: cuBLAS's ``torch._int_mm`` (``quant_config={"int8_gemm": "cublas"}``, the default), whose int32 sums cross
-memory before the rescale, or omni_accel's Triton kernel that rescales in its epilogue (``"triton"``,
-kernels/int8_gemm_triton.py; an opaque op to Inductor, on the CPU the same arithmetic in PyTorch).
+The GEMM (``quant_config["int8_gemm"]``): omni_accel's Triton kernel that rescales in its epilogue (``"triton"``,
+kernels/int8_gemm_triton.py; an opaque op to Inductor, on the CPU the same arithmetic in PyTorch), or cuBLAS's
+``torch._int_mm`` (``"cublas"``), whose int32 sums cross memory before the rescale and whose Hopper kernels ran at
+the bf16 rate. ``"auto"`` (the default) takes Triton on a CUDA GPU where Triton is installed: the FLUX forward took
+107.8 ms with it against 134.3 ms with cuBLAS on an H200 (benchmarks/results/bench_peers_h200_flux_int8_20261205.json).
 """
 
 from __future__ import annotations
@@ -79,7 +81,16 @@ def rows_to_pad(x2: torch.Tensor) -> int:
     return _PADDED_ROWS - x2.shape[0] if x2.is_cuda and x2.shape[0] < MIN_GPU_ROWS else 0
 
 
-INT8_GEMMS = ("cublas", "triton")
+INT8_GEMMS = ("auto", "triton", "cublas")
+
+
+def resolve_int8_gemm(choice: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"triton"`` on a CUDA GPU with Triton installed, else ``"cublas"``; other choices as given."""
+    if choice != "auto":
+        return choice
+    from ..deps import installed
+
+    return "triton" if device.type == "cuda" and installed("triton") else "cublas"
 
 
 def int8_mm_rescale_reference(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.Tensor,
@@ -127,8 +138,8 @@ class Int8Linear(_Int8Weight):
     rounded to int8 per token at run time. ``gemm``: one of INT8_GEMMS (the module docstring)."""
 
     def __init__(self, linear: torch.nn.Linear, gemm: str = "cublas"):
-        if gemm not in INT8_GEMMS:
-            raise ValueError(f"gemm={gemm!r}: use one of {INT8_GEMMS}")
+        if gemm not in ("triton", "cublas"):
+            raise ValueError(f"gemm={gemm!r}: use 'triton' or 'cublas' (resolve 'auto' with resolve_int8_gemm)")
         super().__init__(linear)
         self.gemm = gemm
 

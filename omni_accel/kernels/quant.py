@@ -29,7 +29,8 @@ from ..lora import quant_target_name
 from ..pass_base import AccelPass, PassContext
 from .cudnn_fp8_attention import AttentionScales
 from .fp8 import FP8_MAX, STATIC_MARGIN, Fp8Linear, fp8_alignment_problem, fp8_matmul_support
-from .int8 import INT8_GEMMS, Int8Linear, Int8WeightOnlyLinear, int8_alignment_problem, int8_matmul_support
+from .int8 import (INT8_GEMMS, Int8Linear, Int8WeightOnlyLinear, int8_alignment_problem, int8_matmul_support,
+                   resolve_int8_gemm)
 from .qlinear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -155,11 +156,12 @@ def check_quant_config(config) -> None:
         raise AccelError(
             f"quant_config['modulation']={modulation!r} is not known; use 'bf16' (the AdaLN modulation linears as "
             "they are, the default) or 'int8' (their weights in int8, activations in 16 bits).")
-    int8_gemm = qc.get("int8_gemm", "cublas")
+    int8_gemm = qc.get("int8_gemm", "auto")
     if int8_gemm not in INT8_GEMMS:
         raise AccelError(
-            f"quant_config['int8_gemm']={int8_gemm!r} is not known; use 'cublas' (torch._int_mm, the default) or "
-            "'triton' (omni_accel's int8 GEMM with the rescale in its epilogue).")
+            f"quant_config['int8_gemm']={int8_gemm!r} is not known; use 'auto' (the default: 'triton' on a CUDA GPU "
+            "with Triton installed, else 'cublas'), 'triton' (omni_accel's int8 GEMM with the rescale in its "
+            "epilogue) or 'cublas' (torch._int_mm).")
     if "int8_gemm" in qc and config.quant != "int8":
         raise AccelError(f"quant_config['int8_gemm'] applies to quant='int8' only (quant={config.quant!r}); set "
                          "quant='int8', or drop 'int8_gemm'.")
@@ -370,7 +372,7 @@ class QuantPass(AccelPass):
         measure = bool((ctx.config.quant_config or {}).get("measure_error", False))
         # weight-only layers run bf16 GEMMs: no FP8 accumulation to speed up, so none is reported either
         fast_accum = mode == "w8a8" and bool((ctx.config.quant_config or {}).get("fast_accum", DEFAULT_FAST_ACCUM))
-        int8_gemm = (ctx.config.quant_config or {}).get("int8_gemm", "cublas")
+        int8_gemm = resolve_int8_gemm((ctx.config.quant_config or {}).get("int8_gemm", "auto"), ctx.device)
         for tname, transformer in ctx.adapter.transformers_of(ctx.pipe):
             chosen, skipped, modulation = _plan(ctx, transformer)
             swapped = []  # (parent, attr, original module, original weight device)
@@ -392,7 +394,7 @@ class QuantPass(AccelPass):
                 "quant", lambda s=swapped: _put_back(s), component=tname, mode=ctx.config.quant, layers=len(chosen),
                 skipped=skipped, weight_rel_err=layers, weight_rel_err_max=max(layers.values()),
                 linear_bytes_before=before, linear_bytes_after=after, measure_error=measure, fast_accum=fast_accum,
-                modulation_layers=len(modulation),
+                modulation_layers=len(modulation), int8_gemm=int8_gemm if mode == "int8" else None,
                 modulation_weight_rel_err_max=round(max(modulation_err), 6) if modulation_err else None,
             )
             ctx.state.quantized[tname] = transformer

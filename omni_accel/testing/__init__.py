@@ -105,3 +105,40 @@ def run_compiled_twice(pipe: Any, call_kwargs: dict, **accelerate_kwargs: Any) -
         omni_accel.restore(pipe)
     return out, {"graphs_first_call": graphs_first, "graphs_second_call": graphs_second,
                  "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def check_route_takes_every_call(pipe: Any, call_kwargs: dict, calls: list, **accelerate_kwargs: Any) -> dict:
+    """For a kernel routed by the attention pass whose stand-in appends to ``calls``: ``accelerate(pipe,
+    **accelerate_kwargs)`` sends every block's attention call of every step to it with the plain pipeline's output
+    (within 1e-5), and ``restore`` brings back the exact plain output with no call routed. Returns the report's
+    attention entry (a FLUX-family pipeline: its dual and single blocks each attend once per step)."""
+    import omni_accel
+
+    plain = run(pipe, call_kwargs)
+    omni_accel.accelerate(pipe, **accelerate_kwargs)
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    routed = run(pipe, call_kwargs)
+    blocks = len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
+    assert len(calls) == blocks * call_kwargs["num_inference_steps"], (len(calls), blocks)
+    assert torch.allclose(routed, plain, atol=1e-5)
+    omni_accel.restore(pipe)
+    calls.clear()
+    assert torch.equal(run(pipe, call_kwargs), plain) and not calls
+    return applied
+
+
+def check_sdpa_fallback(op: Any, refused_shapes: Any, records: list, kernel: str) -> None:
+    """A routed kernel's op whose package cannot be imported: SDPA computes the call (equal to SDPA's own output)
+    twice, the shape is kept once with the import error as the reason, and one warning names ``kernel``."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, 24, 4, 32, dtype=torch.bfloat16) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              scale=0.2).transpose(1, 2)
+    for _ in range(2):
+        out = op(q, k, v, 0.2)
+        assert torch.equal(out, expected) and out.is_contiguous()
+    (why,) = refused_shapes().values()
+    assert why.startswith("ImportError") or why.startswith("ModuleNotFoundError"), why
+    warnings = [r.getMessage() for r in records if f"{kernel} failed" in r.getMessage()]
+    assert len(warnings) == 1 and "SDPA computes this shape from now on" in warnings[0], warnings

@@ -1,0 +1,102 @@
+"""attention="sage" (SageAttention) tested without a GPU: the route sends every call it can serve to the op
+omni_accel::sage_attention (SDPA standing in for the package's kernel: outputs must equal the plain pipeline's),
+compiled blocks keep the op whole (no graph breaks: diffusers' own sage backend broke them), the op falls back to
+SDPA where the package fails, and with sequence parallelism the pass keeps diffusers' backend."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import omni_accel
+from omni_accel import AccelError
+from omni_accel.kernels import attention as attn
+from omni_accel.kernels import sage_attention as sage
+from omni_accel.testing import check_route_takes_every_call, check_sdpa_fallback, run, run_compiled_twice, tiny_pipeline
+
+
+@pytest.fixture
+def sage_on_cpu(monkeypatch, caplog):
+    """A stand-in ``sageattention`` package whose ``sageattn`` is SDPA in the NHD layout (recording each call), the
+    backend's CUDA requirement lifted, and the tiny model's float32 accepted."""
+    calls = []
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None):
+        assert tensor_layout == "NHD" and not is_causal
+        calls.append(tuple(q.shape))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=sm_scale)
+        return out.transpose(1, 2)
+
+    monkeypatch.setitem(sys.modules, "sageattention", types.SimpleNamespace(sageattn=sageattn))
+    monkeypatch.setitem(attn.BACKENDS, "sage", attn.BACKENDS["sage"].__class__(
+        **{**attn.BACKENDS["sage"].__dict__, "needs_cuda": False}))
+    monkeypatch.setattr(attn, "_installed", lambda package: True)
+    monkeypatch.setattr(sage, "DTYPES", (torch.float32,))
+    monkeypatch.setattr(sage, "_REFUSED", {})
+    caplog.set_level(logging.WARNING)
+    return calls
+
+
+def test_sage_takes_every_call_through_its_op_and_restore_puts_the_dispatcher_back(sage_on_cpu):
+    pipe, kwargs = tiny_pipeline("flux")
+    applied = check_route_takes_every_call(pipe, kwargs, sage_on_cpu, attention="sage")
+    assert (applied["backend"], applied["route"]) == ("sage", "omni_accel::sage_attention")
+
+
+def test_compiled_blocks_keep_the_sage_op_whole(sage_on_cpu):
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    compiled, counts = run_compiled_twice(pipe, kwargs, attention="sage", compile=True)
+    assert counts["graph_breaks"] == 0
+    assert counts["graphs_second_call"] == counts["graphs_first_call"] > 0
+    assert sage_on_cpu  # the compiled blocks called the package through the op
+    assert ((compiled - plain).norm() / plain.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("change, served", [
+    ({}, True),
+    ({"attn_mask": torch.ones(1)}, False),
+    ({"is_causal": True}, False),
+    ({"dropout_p": 0.1}, False),
+    ({"dtype": torch.float32}, False),
+    ({"head_dim": 160}, False),  # over the package's 128
+    ({"head_dim": 32}, True),  # padded to 64 by the package
+    ({"kv_heads": 2}, False),  # grouped heads: not served
+])
+def test_eligible_calls(change, served):
+    dtype, head_dim = change.get("dtype", torch.bfloat16), change.get("head_dim", 64)
+    kv_heads = change.get("kv_heads", 8)
+    q = torch.zeros(1, 24, 8, head_dim, dtype=dtype)
+    kv = torch.zeros(1, 40, kv_heads, head_dim, dtype=dtype)
+    assert sage.eligible(q, kv, kv, change.get("attn_mask"), change.get("dropout_p", 0.0),
+                         change.get("is_causal", False)) is served
+
+
+def test_the_op_falls_back_to_sdpa_once_per_shape_and_says_why(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # found but would not import
+    monkeypatch.setattr(sage, "_REFUSED", {})
+    caplog.set_level(logging.WARNING)
+    check_sdpa_fallback(torch.ops.omni_accel.sage_attention, sage.refused_shapes, caplog.records, "SageAttention")
+
+
+def test_the_ops_fake_implementation_gives_the_output_shape_without_the_package():
+    with FakeTensorMode():
+        q = torch.empty(1, 4608, 24, 128, dtype=torch.bfloat16)
+        out = torch.ops.omni_accel.sage_attention(q, q, q, None)
+    assert out.shape == (1, 4608, 24, 128) and out.is_contiguous()
+
+
+def test_sage_on_a_cpu_is_refused_before_anything_is_patched(monkeypatch):
+    monkeypatch.setattr(attn, "_installed", lambda package: True)
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as err:
+        omni_accel.accelerate(pipe, attention="sageattention")  # the alias names the same backend
+    assert str(err.value) == ("attention='sageattention' needs a CUDA GPU but the pipeline runs on cpu; use "
+                              "attention='auto' or 'sdpa'.")
+    assert "omni_accel" not in vars(pipe)
