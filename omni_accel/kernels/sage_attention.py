@@ -2,7 +2,7 @@
 
 SageAttention 2 multiplies Q K^T in int8 (K smoothed by its token mean, scales per thread group) and P V in FP8 with
 fp32 accumulation (Hopper). Measured on an H200 beside int8 linears: the attention's kernel time per FLUX step 19.1
-against cuDNN's 23.4 ms, per Wan-81-frame step 1,057 against 1,513 ms; on the built-in model its images stay
+against cuDNN's 24.3 ms, per Wan-81-frame step 1,057 against 1,513 ms; on the built-in model its images stay
 within 46.8 dB of bf16 over 16 held-out captions (none of 100 captions below 33 dB; docs/fp8.md).
 
 Why an op of our own instead of diffusers' ``sage`` dispatcher backend: ``sageattn`` is Python around CUDA and
