@@ -20,8 +20,9 @@ The Triton implementation, and why it is split as it is:
 - Routing: the attention pass swaps the processors' module-global ``dispatch_attention_fn`` for a wrapper that
   takes the FP8 path only while an FP8-routed transformer runs (other pipelines of the same family in the process
   keep their attention; the same route carries FlashAttention-4 for ``attention="fa4"`` and auto's long sequences,
-  ``fa4_attention.py``, and SageAttention for ``attention="sage"``, ``sage_attention.py``) and only for calls it can serve (no mask, not causal, no dropout, head dim 64 or 128, same
-  head count for q and k/v); every other call goes to the original dispatcher.
+  ``fa4_attention.py``, and SageAttention for ``attention="sage"``, ``sage_attention.py``) and only for calls it
+  can serve (no mask, not causal, no dropout, head dim 64 or 128, same head count for q and k/v); every other call
+  goes to the original dispatcher.
 - Static scales (cuDNN implementation, with the FP8 linears' static activations): ``attach_attention_scales``
   gives every attention module (a module with a ``processor``) its own ``AttentionScales`` child and a hook that
   names it as the current module while its forward runs (``_SCOPE``); the dispatcher wrapper hands the innermost

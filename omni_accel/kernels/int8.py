@@ -13,8 +13,7 @@ Activations are scaled per token only: one calibrated scale per layer (what ``qu
 token whose values are much smaller than the layer's largest.
 
 Under torch.compile the row quantization below is traced, so Inductor fuses it into the op that produces the
-activation, and the int32 -> scaled 16-bit rescale into one elementwise kernel after the GEMM (or into the GEMM
-where Inductor takes its Triton int8 template over cuBLAS for the shape).
+activation; on the cuBLAS path it also fuses the int32 -> scaled 16-bit rescale into the kernel after the GEMM.
 
 The GEMM (``quant_config["int8_gemm"]``): omni_accel's Triton kernel that rescales in its epilogue (``"triton"``,
 kernels/int8_gemm_triton.py; an opaque op to Inductor, on the CPU the same arithmetic in PyTorch), or cuBLAS's

@@ -5,7 +5,7 @@ kernel, so every output element crosses memory as 4 bytes written and 4 read whe
 over FLUX.1-dev's 6.7 G linear outputs per forward that is about 27 GB more traffic. This kernel keeps the int32
 tile in registers, scales it by the row's and the column's fp32 factors, adds the bias and writes the 16-bit output
 once. On an H200 it ran FLUX.1-dev's block GEMMs at 910-1,063 TOPS where ``_int_mm`` plus the rescale reached
-584-849 (and FP8's ``_scaled_mm`` 1,077-1,294 TFLOP/s); the FLUX forward with int8 linears took 107.8 ms against
+464-849 (and FP8's ``_scaled_mm`` 1,077-1,294 TFLOP/s); the FLUX forward with int8 linears took 107.8 ms against
 134.3 with cuBLAS (``benchmarks/bench_fp8_gemm.py``, ``bench_peers.py``; docs/fp8.md).
 
 Operands: ``x`` (M, K) int8 row-major, ``w`` (N, K) int8 row-major (the weight as ``nn.Linear`` stores it: the
