@@ -91,14 +91,14 @@ def int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune: bool = False
     quantization and rescale included), the comparison that decides between the two formats. ``autotune`` adds the
     int8 linear under max-autotune, where Inductor may take its Triton int8 GEMM template, which fuses the rescale
     into the GEMM (cuBLAS's ``_int_mm`` writes int32 sums, which a second kernel reads back)."""
-    w_int8, _ = int8.quantize_rows_int8(w)
-    x_int8, _ = int8.quantize_rows_int8(x)
+    w_int8, w_scale = int8.quantize_rows_int8(w)
+    x_int8, x_scale = int8.quantize_rows_int8(x)
     int_mm_ms = timed(lambda: torch._int_mm(x_int8, w_int8.t()), device, iters)
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=w.dtype)
     linear.weight.data.copy_(w)
     out = {"int8_gemm_ms": round(int_mm_ms, 4), "int8_tops": round(flops / int_mm_ms / 1e9, 1),
            "int8_gemm_speedup": round(bf16_ms / int_mm_ms, 3)}
-    out.update(int8_rescale_rows(x, w, flops, device, iters))
+    out.update(int8_rescale_rows(x_int8, x_scale, w_int8, w_scale.reshape(1, -1).contiguous(), flops, device, iters))
     fp8_layer = fp8.Fp8Linear(linear, "w8a8", fast_accum=True)
     layers = [("fp8", fp8_layer, None), ("int8", int8.Int8Linear(linear), None)]
     if autotune:
@@ -113,13 +113,10 @@ def int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune: bool = False
     return out
 
 
-def int8_rescale_rows(x, w, flops, device, iters) -> dict:
+def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters) -> dict:
     """The int8 GEMM with its rescale to bf16, the activation already quantized (what ``fp8_gemm_ms`` is for e4m3):
     cuBLAS's ``_int_mm`` (int32 out) plus a compiled rescale kernel, against the Triton kernel that rescales in its
     epilogue (omni_accel/kernels/int8_gemm_triton.py), one row per tile configuration (GPU only)."""
-    x_int8, x_scale = int8.quantize_rows_int8(x)
-    w_int8, w_scale = int8.quantize_rows_int8(w)
-    w_scale = w_scale.reshape(1, -1).contiguous()
     rescale = torch.compile(lambda acc: (acc.float() * x_scale * w_scale).to(torch.bfloat16), dynamic=False)
     reference = rescale(torch._int_mm(x_int8, w_int8.t()))
     ms = timed(lambda: rescale(torch._int_mm(x_int8, w_int8.t())), device, iters)

@@ -70,10 +70,15 @@ _REFUSED: dict[tuple, str] = {}  # (q shape, k shape, v shape, dtype) -> why FA4
 _REFUSED_LOCK = threading.Lock()
 
 
+def listed_shapes(refused: dict) -> dict[str, str]:
+    """A routed kernel's ``refused`` shapes (``call_or_sdpa``), printable: {shape: why}."""
+    with _REFUSED_LOCK:
+        return {str(key): why for key, why in refused.items()}
+
+
 def refused_shapes() -> dict[str, str]:
     """The call shapes FA4 failed on in this process (SDPA computed them), with the reason."""
-    with _REFUSED_LOCK:
-        return {str(key): why for key, why in _REFUSED.items()}
+    return listed_shapes(_REFUSED)
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -116,6 +121,9 @@ def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
                         lambda: _fa4_call(query, key, value, scale))
 
 
-@fa4_attention.register_fake
-def _(query, key, value, scale):
+def attention_output_like(query, key, value, scale):
+    """The routed attention ops' fake implementation: (batch, tokens, heads, v's head dim), contiguous."""
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+fa4_attention.register_fake(attention_output_like)

@@ -94,10 +94,13 @@ def resolve_int8_gemm(choice: str, device: torch.device) -> str:
 
 def int8_mm_rescale_reference(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.Tensor,
                               w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """What the Triton kernel computes, in PyTorch: int32 sums, fp32 rescale, bias, one rounding to ``out_dtype``."""
+    """The cuBLAS path (``torch._int_mm``), and what the Triton kernel computes: int32 sums, fp32 rescale, bias, one
+    rounding to ``out_dtype``."""
     rows = x_int8.shape[0]
-    if padding := rows_to_pad(x_int8):
+    if padding := rows_to_pad(x_int8):  # zero rows multiply to zero and are cut off again below
         x_int8 = torch.nn.functional.pad(x_int8, (0, 0, 0, padding))
+    # the weight's transposed view, not a contiguous (in, out) copy: cuBLASLt's int8 GEMM wants it column-major;
+    # fp32 dequantization: int32 sums of up to 127 * 127 * in_features do not fit a 16-bit mantissa
     y = torch._int_mm(x_int8, w_int8.t())[:rows].float() * x_scale * w_scale.reshape(1, -1)
     if bias is not None:
         y = y + bias.float()
@@ -147,17 +150,11 @@ class Int8Linear(_Int8Weight):
                 f"{self.gemm} GEMM")
 
     def _product(self, x2: torch.Tensor) -> torch.Tensor:
-        rows = x2.shape[0]
         x_int8, x_scale = quantize_rows_int8(x2)
-        if self.gemm == "triton":  # the rescale inside the GEMM: no int32 round trip through memory
-            return torch.ops.omni_accel.int8_mm_rescale(x_int8, self.weight_int8, x_scale, self.weight_scale, None,
-                                                        x2.dtype)
-        if padding := rows_to_pad(x2):  # zero rows multiply to zero and are cut off again below
-            x_int8 = torch.nn.functional.pad(x_int8, (0, 0, 0, padding))
-        # the weight's transposed view, not a contiguous (in, out) copy: cuBLASLt's int8 GEMM wants it column-major
-        acc = torch._int_mm(x_int8, self.weight_int8.t())[:rows]
-        # fp32 dequantization: int32 sums of up to 127 * 127 * in_features do not fit a 16-bit mantissa
-        return (acc.float() * x_scale * self.weight_scale).to(x2.dtype)
+        # triton: the rescale inside the GEMM, no int32 round trip through memory (one op, opaque to Inductor);
+        # cublas: traced, so Inductor fuses the rescale into the kernel after the GEMM
+        multiply = torch.ops.omni_accel.int8_mm_rescale if self.gemm == "triton" else int8_mm_rescale_reference
+        return multiply(x_int8, self.weight_int8, x_scale, self.weight_scale, None, x2.dtype)
 
 
 class Int8WeightOnlyLinear(_Int8Weight):

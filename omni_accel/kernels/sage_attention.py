@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .fa4_attention import call_or_sdpa
+from .fa4_attention import attention_output_like, call_or_sdpa, listed_shapes
 
 PACKAGE = "sageattention"
 MAX_HEAD_DIM = 128  # the package pads smaller heads to 64 or 128 and refuses larger ones
@@ -31,7 +31,7 @@ _REFUSED: dict[tuple, str] = {}  # (q shape, k shape, v shape, dtype) -> why the
 
 def refused_shapes() -> dict[str, str]:
     """The call shapes SageAttention failed on in this process (SDPA computed them), with the reason."""
-    return {str(key): why for key, why in dict(_REFUSED).items()}
+    return listed_shapes(_REFUSED)
 
 
 def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask, dropout_p: float,
@@ -57,6 +57,4 @@ def sage_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                         lambda: _sage_call(query, key, value, scale))
 
 
-@sage_attention.register_fake
-def _(query, key, value, scale):
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+sage_attention.register_fake(attention_output_like)
