@@ -132,6 +132,7 @@ class Row:
     qk_norm_rope: bool = True  # kernels.epilogue_fusion.QK_NORM_ROPE (False: inductor's q / k norm + rotary + cast)
     layernorm: bool = True  # kernels.epilogue_fusion.LAYERNORM (False: inductor's AdaLN norm + modulate + cast)
     epilogue_pdl: bool = True  # kernels.epilogue_fusion.PDL (False: the pass's kernels launched without PDL)
+    int8_tma: bool = False  # kernels.int8_gemm_triton.PERSISTENT_TMA (True: the persistent TMA int8 GEMM)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -141,7 +142,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"),
             ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"),
             ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"),
-            ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"))
+            ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"),
+            ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"))
 
 
 @contextlib.contextmanager
@@ -390,6 +392,11 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8_pdl_cublas", _ours(attention="auto", quant="int8", quant_config={"int8_gemm": "cublas"},
                                       fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
         note="ours_int8_pdl with cuBLAS's _int_mm (int32 out, rescale in the next kernel)"),
+    Row("ours_int8_pdl_tma", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
+        inductor=_MK_PDL, cuda_only=True, int8_tma=True,
+        note="ours_int8_pdl with the persistent TMA kernel for the Triton int8 GEMM"),
+    Row("ours_int8_pdl_graphs_tma", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile="max"),
+        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, note="ours_int8_pdl_graphs with the persistent TMA kernel"),
     # attention="cudnn", not auto: auto would give quant="fp8" cuDNN's FP8 attention, and this row is the bf16-attention
     # twin of the int8 rows
     Row("ours_fp8_dynamic_fa_pdl", _ours(attention="cudnn", quant="fp8", fuse_if_supported=True, compile=True),
@@ -406,6 +413,12 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8_pdl_triton_sage", _ours(attention="sage", quant="int8", quant_config={"int8_gemm": "triton"},
                                            fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
         needs=("sageattention",), cuda_only=True, note="ours_int8_pdl_sage with the Triton int8 GEMM"),
+    Row("ours_int8_pdl_sage_tma", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
+        inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True,
+        note="ours_int8_pdl_sage with the persistent TMA kernel for the int8 GEMM"),
+    Row("ours_int8_pdl_sage_graphs_tma", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile="max"),
+        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True,
+        note="ours_int8_pdl_sage_tma with a CUDA graph of the whole forward (compile='max')"),
     # the AdaLN modulation linears' weights in int8 (76 matrix-vector products per FLUX step read 6.4 GB in bf16)
     Row("ours_fp8_fp8attn_static_fa_pdl_mod", _fp8attn({**_FAST_STATIC, "modulation": "int8"}), False,
         calibrates=True, inductor=_MK_PDL, cuda_only=True,

@@ -128,17 +128,23 @@ def kernel_cases() -> dict:
 # tiles, a K that leaves a partial K block (40 with the interpreter's 32-wide blocks), fp16 output
 INT8_GEMM_SHAPES = ((40, 64, 72, True, "bfloat16"), (33, 40, 24, False, "bfloat16"), (17, 96, 40, True, "float16"))
 INT8_GEMM_CASES = tuple(f"int8_gemm-{m}x{k}x{n}-{'bias' if b else 'nobias'}-{d}" for m, k, n, b, d in INT8_GEMM_SHAPES)
+# the persistent TMA kernel (16-byte aligned rows: K a multiple of 16): more tiles than the interpreter's 4 programs,
+# so each program walks several; partial row / column tiles, a partial K block (48 = 32 + 16)
+INT8_TMA_SHAPES = ((70, 128, 64, False, "bfloat16"), (40, 48, 72, True, "bfloat16"), (17, 96, 40, True, "float16"))
+INT8_TMA_CASES = tuple(f"int8_tma-{m}x{k}x{n}-{'bias' if b else 'nobias'}-{d}" for m, k, n, b, d in INT8_TMA_SHAPES)
 
 
 def int8_gemm_cases() -> dict:
-    """The Triton int8 GEMM + rescale against the PyTorch reference (torch._int_mm, the same fp32 rescale): equal."""
+    """Both Triton int8 GEMMs + rescale against the PyTorch reference (torch._int_mm, the same fp32 rescale): equal."""
     import torch
 
     from omni_accel.kernels import int8
     from omni_accel.kernels.int8_gemm_triton import int8_mm_rescale
 
     results = {}
-    for (m, k, n, has_bias, dtype_name), key in zip(INT8_GEMM_SHAPES, INT8_GEMM_CASES):
+    cases = [(shape, key, None) for shape, key in zip(INT8_GEMM_SHAPES, INT8_GEMM_CASES)]
+    cases += [(shape, key, "tma_128x256x128") for shape, key in zip(INT8_TMA_SHAPES, INT8_TMA_CASES)]
+    for (m, k, n, has_bias, dtype_name), key, config in cases:
         try:
             gen = torch.Generator().manual_seed(m * k + n)
             x = torch.randn(m, k, generator=gen) * torch.logspace(-1, 1, m)[:, None]
@@ -146,7 +152,7 @@ def int8_gemm_cases() -> dict:
             w_int8, w_scale = int8.quantize_rows_int8(torch.randn(n, k, generator=gen))
             bias = torch.randn(n, generator=gen).to(getattr(torch, dtype_name)) if has_bias else None
             args = (x_int8, w_int8, x_scale, w_scale.reshape(1, -1), bias, getattr(torch, dtype_name))
-            got, ref = int8_mm_rescale(*args), int8.int8_mm_rescale_reference(*args)
+            got, ref = int8_mm_rescale(*args, config=config), int8.int8_mm_rescale_reference(*args)
             results[key] = {"equal": bool(torch.equal(got, ref)), "dtype": str(got.dtype),
                             "max_abs_err": (got.float() - ref.float()).abs().max().item()}
         except Exception:  # noqa: BLE001 -- recorded per case

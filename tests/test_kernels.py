@@ -69,7 +69,7 @@ def test_triton_kernel_matches_float64(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
-@pytest.mark.parametrize("case", WORKER.INT8_GEMM_CASES)
+@pytest.mark.parametrize("case", WORKER.INT8_GEMM_CASES + WORKER.INT8_TMA_CASES)
 def test_int8_gemm_kernel_equals_int_mm_and_the_rescale(interpreted, case):
     """Exact int32 sums either way, then the same fp32 rescale and one rounding: the outputs are equal."""
     r = interpreted["int8_gemm"][case]
@@ -247,6 +247,36 @@ def test_int8_gemm_kernel_compiles_to_hopper_int8_mmas_in_every_tile_config():
         assert "wgmma" in ptx and ".s8" in ptx, name
         report = _ptxas_report(ptx)
         assert "0 bytes spill stores" in report, (name, report)
+
+
+def test_persistent_tma_int8_gemm_compiles_to_tma_copies_and_int8_mmas():
+    """The persistent kernel's tiles lower for sm_90 with TMA bulk-tensor copies (not per-thread loads) feeding
+    warp-group int8 MMAs, within the shared memory an H100 / H200 block gets (227 KiB), without spills."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    for name, (block_m, block_n, block_k, group_m, warps, stages) in g.TMA_CONFIGS.items():
+        consts = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=132)
+        pointers = dict(x_desc=f"tensordesc<i8[{block_m}, {block_k}]>", w_desc=f"tensordesc<i8[{block_n}, {block_k}]>",
+                        out_desc=f"tensordesc<bf16[{block_m}, {block_n}]>", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                        bias_ptr="*bf16")
+        compiled = _compile_for_hopper(g._int8_gemm_rescale_tma_kernel, pointers, consts,
+                                       {"num_warps": warps, "num_stages": stages}, floats=(), aligned=True)
+        ptx = compiled.asm["ptx"]
+        assert "cp.async.bulk.tensor" in ptx and "wgmma" in ptx and ".s8" in ptx, name
+        assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+        assert "0 bytes spill stores" in _ptxas_report(ptx), name
+
+
+def test_tma_config_refuses_operands_it_cannot_take():
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    x = torch.zeros(32, 24, dtype=torch.int8)  # K = 24: rows of 24 bytes are not 16-byte aligned
+    w = torch.zeros(16, 24, dtype=torch.int8)
+    scale = torch.ones(32, 1)
+    with pytest.raises(ValueError, match=r"config='tma_128x256x128': these operands cannot use TMA \(needs a "
+                                         r"Hopper-or-newer GPU and 16-byte aligned rows: K a multiple of 16, N of 8\); "
+                                         r"use a config without 'tma_'"):
+        g.int8_mm_rescale(x, w, scale, torch.ones(1, 16), None, torch.bfloat16, "tma_128x256x128")
 
 
 def _ptxas_report(ptx: str) -> str:

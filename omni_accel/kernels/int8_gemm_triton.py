@@ -11,15 +11,32 @@ once. On an H200 it ran FLUX.1-dev's block GEMMs at 910-1,063 TOPS where ``_int_
 Operands: ``x`` (M, K) int8 row-major, ``w`` (N, K) int8 row-major (the weight as ``nn.Linear`` stores it: the
 kernel reads it as the (K, N) column-major matrix), ``x_scale`` (M, 1) and ``w_scale`` (1, N) fp32. K is a multiple
 of 8 (the int8 layers' alignment); M and N take any size (masked tiles).
+
+Two kernels compute the same sums (integer arithmetic: bit for bit the same output):
+
+- ``_int8_gemm_rescale_kernel``: one program per output tile, operands loaded through pointers (Triton pipelines
+  them with asynchronous copies).
+- ``_int8_gemm_rescale_tma_kernel`` (``PERSISTENT_TMA``, on Hopper and newer): one program per SM walking the
+  output tiles, operands and output moved by the Tensor Memory Accelerator from host-built descriptors. Why: the
+  copy engine computes the addresses and masks that the pointer kernel spends registers and issue slots on, and a
+  persistent program overlaps one tile's epilogue with the next tile's first loads. It needs 16-byte aligned rows
+  (K a multiple of 16, N of 8); other shapes take the first kernel.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .fused_triton import INTERPRETED, _launcher, _on_device
+
+try:  # host-side TMA descriptors (Triton 3.4+)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
+    TensorDescriptor = None
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): Hopper tiles (wgmma takes int8 with K = 32 per instruction).
 # Measured on an H200 on FLUX.1-dev's block shapes (benchmarks/results/bench_fp8_gemm_h200_int8_20261205.json):
@@ -31,14 +48,53 @@ CONFIGS = {
     "256x128x128": (256, 128, 128, 8, 8, 3),
     "128x256x64": (128, 256, 64, 8, 8, 4),
 }
+# The persistent TMA kernel's tiles, same fields; named "tma_" + tile.
+TMA_CONFIGS = {
+    "tma_128x256x128": (128, 256, 128, 8, 8, 3),
+    "tma_128x128x128": (128, 128, 128, 8, 4, 4),
+    "tma_128x256x64": (128, 256, 64, 8, 8, 4),
+    "tma_256x128x128": (256, 128, 128, 8, 8, 3),
+}
 FEW_ROWS = 1024  # up to this many rows: the smaller tile (more tiles to fill the GPU)
+# Whether ``pick_config`` takes the persistent TMA kernel where the shape and GPU allow it (benchmarks' A/B rows
+# set it).
+PERSISTENT_TMA = False
 
 
-def pick_config(rows: int) -> str:
-    return "128x128x128" if rows <= FEW_ROWS else "128x256x128"
+def pick_config(rows: int, tma: bool = False) -> str:
+    tile = "128x128x128" if rows <= FEW_ROWS else "128x256x128"
+    return "tma_" + tile if tma else tile
+
+
+def tma_fits(x_int8: torch.Tensor, w_int8: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the TMA kernel takes these operands: a Hopper-or-newer GPU (or the interpreter), descriptors in this
+    Triton, 16-byte aligned base addresses and row strides for x, w and the output."""
+    if TensorDescriptor is None:
+        return False
+    if not INTERPRETED and not (x_int8.is_cuda and torch.cuda.get_device_capability(x_int8.device)[0] >= 9):
+        return False
+    out_row_bytes = w_int8.shape[0] * torch.empty((), dtype=out_dtype).element_size()
+    return (x_int8.data_ptr() % 16 == 0 and w_int8.data_ptr() % 16 == 0 and x_int8.stride(0) % 16 == 0
+            and w_int8.stride(0) % 16 == 0 and out_row_bytes % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 _INTERPRETER_TILE = (32, 32, 32, 4, 4, 1)
+
+
+@triton.jit
+def _tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    # grouped order: GROUP_M row tiles share each column tile while it is in L2
+    group = tile // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * tiles_n)) % group_size
+    pid_n = (tile % (GROUP_M * tiles_n)) // group_size
+    return pid_m, pid_n
 
 
 @triton.jit
@@ -48,15 +104,7 @@ def _int8_gemm_rescale_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    # grouped tile order: GROUP_M row tiles share each column tile while it is in L2
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_size = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,18 +136,74 @@ def _int8_gemm_rescale_kernel(
              mask=mask)
 
 
+@triton.jit
+def _int8_gemm_rescale_tma_kernel(
+    x_desc, w_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    # the epilogue recomputes its tile's coordinates from its own counter: with the loops flattened, the compiler
+    # can then issue the next tile's loads before this tile's stores (no dependence through pid_m / pid_n)
+    epilogue_tile = tl.program_id(0) - PROGRAMS
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k in range(k_steps):  # the descriptors zero-fill reads past M, N and K
+            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        epilogue_tile += PROGRAMS
+        pid_m, pid_n = _tile_coords(epilogue_tile, tiles_m, tiles_n, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
+        w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+        y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y.to(out_desc.dtype))  # clipped at M and N
+
+
+def _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
+    block_m, block_n, block_k, group_m, warps, stages = tile
+    m, k = x_int8.shape
+    n = w_int8.shape[0]
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    programs = min(tiles, 4 if INTERPRETED else _sm_count(x_int8.device.index or 0))
+    _launcher(_int8_gemm_rescale_tma_kernel, x_int8.device)[(programs,)](
+        TensorDescriptor.from_tensor(x_int8, [block_m, block_k]),
+        TensorDescriptor.from_tensor(w_int8, [block_n, block_k]),
+        TensorDescriptor.from_tensor(out, [block_m, block_n]),
+        x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out, m, n, k,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        PROGRAMS=programs, num_warps=warps, num_stages=stages)
+
+
 def int8_mm_rescale(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None, out_dtype: torch.dtype, config: str | None = None) -> torch.Tensor:
     """``(x_int8 @ w_int8.T) * x_scale * w_scale (+ bias)`` in ``out_dtype``, the int32 sums never leaving the chip;
-    ``config`` names a tile of CONFIGS (default: ``pick_config`` for the row count)."""
+    ``config`` names a tile of CONFIGS or TMA_CONFIGS (default: ``pick_config`` for the row count, the TMA kernel
+    where ``PERSISTENT_TMA`` is set and ``tma_fits``)."""
     m, k = x_int8.shape
     n = w_int8.shape[0]
     if x_int8.stride(1) != 1 or w_int8.stride(1) != 1:
         raise ValueError("int8_mm_rescale needs row-major operands (x: (M, K), w: (N, K), stride 1 along K)")
-    tile = CONFIGS[config or pick_config(m)]
-    block_m, block_n, block_k, group_m, warps, stages = _INTERPRETER_TILE if INTERPRETED else tile
+    if config is None:
+        config = pick_config(m, PERSISTENT_TMA and tma_fits(x_int8, w_int8, out_dtype))
+    elif config in TMA_CONFIGS and not tma_fits(x_int8, w_int8, out_dtype):
+        raise ValueError(f"config={config!r}: these operands cannot use TMA (needs a Hopper-or-newer GPU and 16-byte "
+                         "aligned rows: K a multiple of 16, N of 8); use a config without 'tma_'")
     # the interpreter's float32 -> bf16 cast does not round to nearest even: it stores fp32 and torch casts
     out = torch.empty((m, n), dtype=torch.float32 if INTERPRETED else out_dtype, device=x_int8.device)
+    if config in TMA_CONFIGS:
+        with _on_device(x_int8):
+            _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias,
+                        _INTERPRETER_TILE if INTERPRETED else TMA_CONFIGS[config])
+        return out.to(out_dtype)
+    block_m, block_n, block_k, group_m, warps, stages = _INTERPRETER_TILE if INTERPRETED else CONFIGS[config]
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     with _on_device(x_int8):
         _launcher(_int8_gemm_rescale_kernel, x_int8.device)[grid](
