@@ -270,7 +270,8 @@ def test_persistent_tma_int8_gemm_compiles_to_tma_copies_and_int8_mmas():
 def test_tma_config_refuses_operands_it_cannot_take():
     from omni_accel.kernels import int8_gemm_triton as g
 
-    x = torch.zeros(32, 24, dtype=torch.int8)  # K = 24: rows of 24 bytes are not 16-byte aligned
+    # refused twice over: CPU tensors outside the interpreter, and K = 24 (rows of 24 bytes are not 16-byte aligned)
+    x = torch.zeros(32, 24, dtype=torch.int8)
     w = torch.zeros(16, 24, dtype=torch.int8)
     scale = torch.ones(32, 1)
     with pytest.raises(ValueError, match=r"config='tma_128x256x128': these operands cannot use TMA \(needs a "

@@ -73,7 +73,7 @@ def tma_fits(x_int8: torch.Tensor, w_int8: torch.Tensor, out_dtype: torch.dtype)
         return False
     if not INTERPRETED and not (x_int8.is_cuda and torch.cuda.get_device_capability(x_int8.device)[0] >= 9):
         return False
-    out_row_bytes = w_int8.shape[0] * torch.empty((), dtype=out_dtype).element_size()
+    out_row_bytes = w_int8.shape[0] * out_dtype.itemsize  # no tensor made per call: this runs before every GEMM
     return (x_int8.data_ptr() % 16 == 0 and w_int8.data_ptr() % 16 == 0 and x_int8.stride(0) % 16 == 0
             and w_int8.stride(0) % 16 == 0 and out_row_bytes % 16 == 0)
 
