@@ -16,6 +16,9 @@
      tanh (``triton_tanh``: 56-64 us, not faster than the sigmoid form's 54; dropped); its ``triton_sigmoid`` rows
      are this kernel. ``inductor_concat`` needs an inductor option torch 2.11 does not have (those rows record it).
    The same with a bf16 output (the bf16 stack) where the attention output is bf16 too.
+1c. The int8 stack's version of 1 (``--cases int8``): the bf16 concatenation quantized per row to int8 for the int8
+   ``proj_out``: inductor alone, the library's bf16 kernel followed by inductor's quantization, and the library's one
+   kernel that writes the int8 rows and their scales (``epilogue_triton.concat_gelu_int8``), for a few tiles.
 1b. FP8 attention's q and k with static scales: the fused projection's bias, RMSNorm per head, the interleaved rotary
    embedding, K's mean subtracted, the cast (4608 x 24 rows of 128 per call, 38 + 19 calls per step): ``inductor``
    (torch.compile of the expression) against the library's kernel (``epilogue_triton.qk_norm_rope``, one launch
@@ -162,6 +165,56 @@ def epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps: int
     return rows
 
 
+# ---------------------------------------------------------------- 1c. concat + GELU -> int8 row quantization
+def int8_epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps: int,
+                       interpreted: bool) -> list[dict]:
+    """The int8 stack's single-block epilogue: bf16 attention output and GELU concatenated, quantized per row for
+    the int8 ``proj_out``. Ways: ``inductor`` (torch.compile of the whole expression, no graph pass),
+    ``bf16_then_inductor`` (the library's bf16 kernel, then inductor's quantization: what ``compile=True`` ran
+    before), ``triton_int8`` (``epilogue_triton.concat_gelu_int8``, one kernel, for a few tiles). Errors are against
+    quantize_rows_int8 of the float32 formula rounded to bf16 (int8 steps, scale relative)."""
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.int8 import quantize_rows_int8
+
+    gen = torch.Generator("cpu").manual_seed(1)
+    h = (torch.randn(tokens, mlp, generator=gen) * 2).to(device, torch.bfloat16)
+    bias = (torch.randn(mlp, generator=gen) * 0.1).to(device, torch.bfloat16)
+    attn = (torch.randn(tokens, dim, generator=gen) * 3).to(device, torch.bfloat16)
+    want_q, want_scale = quantize_rows_int8(epilogue_exact(attn, None, h, bias, None).to(torch.bfloat16))
+    moved = sum(t.numel() * t.element_size() for t in (attn, h, bias)) + tokens * (dim + mlp) + tokens * 4
+    rows = []
+
+    def check(out) -> dict:
+        q, scale = out
+        return {"max_int8_diff": int((q.int() - want_q.int()).abs().max()),
+                "frac_int8_equal": round(float((q == want_q).float().mean()), 6),
+                "max_scale_rel_err": float(((scale - want_scale).abs() / want_scale).max())}
+
+    def record(way: str, fn, **extra):
+        entry = {"case": "concat_gelu_int8", "way": way, "shape": [tokens, dim + mlp], **extra}
+        measure(rows, entry, fn, check, moved, device, iters, reps)
+
+    def whole(attn, h, bias):
+        return quantize_rows_int8(epilogue_graph(attn, None, h, bias, None))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(whole, dynamic=False, options=inductor_options(device))
+    record("inductor", lambda: compiled(attn, h, bias))
+    quantize = torch.compile(quantize_rows_int8, dynamic=False, options=inductor_options(device))
+    a3 = attn.reshape(tokens, 1, dim)
+    record("bf16_then_inductor",
+           lambda: quantize(epilogue_triton.concat_gelu(a3, None, h, bias, None, torch.bfloat16)))
+    for tile in ((1, 1024, 1024, 4), (1, 512, 512, 4), (2, 1024, 1024, 8), (1, 1024, 2048, 8), (4, 256, 256, 4)):
+        if max(tile[1], tile[2]) > dim:
+            continue
+        record("triton_int8", lambda t=tile: epilogue_triton.concat_gelu_int8(a3, None, h, bias, torch.bfloat16,
+                                                                              tile=t),
+               rows=tile[0], a_block=tile[1], h_block=tile[2], warps=tile[3])
+        if interpreted:
+            break
+    return rows
+
+
 # ------------------------------------------------------------------------ 1b. Q / K norm + rotary + cast
 def qk_graph(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):
     """What the compiled block computes for FP8 attention's q and k with static scales: the fused projection's bias,
@@ -265,7 +318,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--cases", default="epilogue,qk,gemm")
+    parser.add_argument("--cases", default="epilogue,int8,qk,gemm")
     parser.add_argument("--log-clocks", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -286,6 +339,9 @@ def main(argv=None) -> int:
     clocks.mark()
     if "epilogue" in cases:
         result["rows"] += epilogue_rows(device, tokens, dim, mlp, args.iters, args.reps, interpreted)
+        write_result(args.out, result)
+    if "int8" in cases:
+        result["rows"] += int8_epilogue_rows(device, tokens, dim, mlp, args.iters, args.reps, interpreted)
         write_result(args.out, result)
     if "qk" in cases:
         result["rows"] += qk_rows(device, tokens, *((4, 64) if args.tiny else (24, 128)), args.iters, args.reps,

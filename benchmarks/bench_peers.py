@@ -132,7 +132,8 @@ class Row:
     qk_norm_rope: bool = True  # kernels.epilogue_fusion.QK_NORM_ROPE (False: inductor's q / k norm + rotary + cast)
     layernorm: bool = True  # kernels.epilogue_fusion.LAYERNORM (False: inductor's AdaLN norm + modulate + cast)
     epilogue_pdl: bool = True  # kernels.epilogue_fusion.PDL (False: the pass's kernels launched without PDL)
-    int8_tma: bool = False  # kernels.int8_gemm_triton.PERSISTENT_TMA (True: the persistent TMA int8 GEMM)
+    int8_tma: bool = True  # kernels.int8_gemm_triton.PERSISTENT_TMA (False: the pointer int8 GEMM at every size)
+    int8_epilogue: bool = True  # kernels.epilogue_fusion.INT8 (False: bf16 concat + GELU, then inductor's quantization)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -143,7 +144,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"),
             ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"),
             ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"),
-            ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"))
+            ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"),
+            ("kernels.epilogue_fusion", "INT8", "int8_epilogue"))
 
 
 @contextlib.contextmanager
@@ -343,7 +345,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_bf16_mk_pdl_cudnn", _ours(attention="cudnn", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk_pdl with cuDNN SDPA for every attention call (auto before its FlashAttention-4 route)"),
     Row("ours_bf16_mk_pdl_fa4", _ours(attention="fa4", compile=True), True, inductor=_MK_PDL,
-        needs=("flash_attn.cute",), cuda_only=True, note="ours_bf16_mk_pdl with FlashAttention-4 (flash-attn-4) for every attention call it serves"),
+        needs=("flash_attn.cute",), cuda_only=True,
+        note="ours_bf16_mk_pdl with FlashAttention-4 (flash-attn-4) for every attention call it serves"),
     Row("ours_bf16_mk_pdl_graphs", _ours(attention="auto", compile="max"), True, inductor=_MK_PDL,
         note="ours_bf16_mk_pdl + CUDA graph of the whole forward (compile='max'): whether the epilogue kernels' "
              "host-side dispatch is what keeps bf16 from its kernel time"),
@@ -380,23 +383,41 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     # int8 W8A8 linears (a scale per token and per output channel) against FP8 ones with the same scales, bf16
     # attention in both: the int8 format is the precise one on the built-in model (linear_formats_study.json)
     Row("ours_int8_pdl", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
-        inductor=_MK_PDL, note="quant='int8' (per-token activation scales; int8 GEMM 'auto': Triton on GPUs since "
+        inductor=_MK_PDL, int8_tma=False, int8_epilogue=False, cuda_graphs=False,
+        note="quant='int8' (per-token activation scales; int8 GEMM 'auto': Triton on GPUs since "
                                "2026-12-05), fuse_qkv, auto attention (cuDNN), compile"),
     Row("ours_int8_pdl_graphs", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile="max"), False,
-        inductor=_MK_PDL, note="ours_int8_pdl + CUDA graph of the whole forward (compile='max', as quant='fp8' gets "
+        inductor=_MK_PDL, int8_tma=False, int8_epilogue=False,
+        note="ours_int8_pdl + CUDA graph of the whole forward (compile='max', as quant='fp8' gets "
                                "from compile=True)"),
     Row("ours_int8_pdl_triton", _ours(attention="auto", quant="int8", quant_config={"int8_gemm": "triton"},
                                       fuse_if_supported=True, compile=True), False, inductor=_MK_PDL, cuda_only=True,
+        int8_tma=False, int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl with omni_accel's Triton int8 GEMM (rescale in the epilogue; the default on GPUs since "
              "2026-12-05, when ours_int8_pdl still meant cuBLAS)"),
     Row("ours_int8_pdl_cublas", _ours(attention="auto", quant="int8", quant_config={"int8_gemm": "cublas"},
                                       fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
+        int8_tma=False, int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl with cuBLAS's _int_mm (int32 out, rescale in the next kernel)"),
     Row("ours_int8_pdl_tma", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, cuda_only=True, int8_tma=True,
+        int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl with the persistent TMA kernel for the Triton int8 GEMM"),
     Row("ours_int8_pdl_graphs_tma", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile="max"),
-        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, note="ours_int8_pdl_graphs with the persistent TMA kernel"),
+        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_epilogue=False,
+        note="ours_int8_pdl_graphs with the persistent TMA kernel"),
+    Row("ours_int8_pdl_int8epi", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
+        inductor=_MK_PDL, cuda_only=True, int8_epilogue=True,
+        int8_tma=False, cuda_graphs=False,
+        note="ours_int8_pdl with the single blocks' concat + GELU + int8 quantization in one kernel"),
+    Row("ours_int8_pdl_tma_int8epi", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True),
+        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_epilogue=True,
+        cuda_graphs=False,
+        note="ours_int8_pdl with both the persistent TMA int8 GEMM and the one-kernel int8 epilogue"),
+    Row("ours_int8_pdl_sage_tma_int8epi", _ours(attention="sage", quant="int8", fuse_if_supported=True,
+                                                compile=True), False, inductor=_MK_PDL, needs=("sageattention",),
+        cuda_only=True, int8_tma=True, int8_epilogue=True,
+        cuda_graphs=False, note="ours_int8_pdl_sage_tma with the one-kernel int8 epilogue"),
     # attention="cudnn", not auto: auto would give quant="fp8" cuDNN's FP8 attention, and this row is the bf16-attention
     # twin of the int8 rows
     Row("ours_fp8_dynamic_fa_pdl", _ours(attention="cudnn", quant="fp8", fuse_if_supported=True, compile=True),
@@ -409,22 +430,43 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         needs=("sageattention",), cuda_only=True, note="ours_bf16_mk_pdl with attention='sage' (SageAttention)"),
     Row("ours_int8_pdl_sage", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, needs=("sageattention",), cuda_only=True,
+        int8_tma=False, int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl with attention='sage': int8 linears and SageAttention"),
     Row("ours_int8_pdl_triton_sage", _ours(attention="sage", quant="int8", quant_config={"int8_gemm": "triton"},
                                            fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
-        needs=("sageattention",), cuda_only=True, note="ours_int8_pdl_sage with the Triton int8 GEMM"),
+        needs=("sageattention",), cuda_only=True, int8_tma=False, int8_epilogue=False, cuda_graphs=False,
+        note="ours_int8_pdl_sage with the Triton int8 GEMM"),
     Row("ours_int8_pdl_sage_tma", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True,
+        int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl_sage with the persistent TMA kernel for the int8 GEMM"),
     Row("ours_int8_pdl_sage_graphs_tma", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile="max"),
         False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True,
-        note="ours_int8_pdl_sage_tma with a CUDA graph of the whole forward (compile='max')"),
+        int8_epilogue=False, note="ours_int8_pdl_sage_tma with a CUDA graph of the whole forward (compile='max')"),
+    # the int8 stacks with the library's defaults since 2026-12-05 (compile=True: whole-forward CUDA graph; the
+    # persistent TMA int8 GEMM above 1,024 rows; concat + GELU + int8 quantization in one kernel), and A/B rows that
+    # take one of those back
+    Row("ours_int8", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
+        inductor=_MK_PDL, note="quant='int8', fuse_qkv, auto attention (cuDNN), compile=True: the library's defaults"),
+    Row("ours_int8_sage", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
+        inductor=_MK_PDL, needs=("sageattention",), cuda_only=True,
+        note="quant='int8' + attention='sage', fuse_qkv, compile=True: the 8-bit stack that holds the quality bound"),
+    Row("ours_int8_sage_nographs", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
+        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, cuda_graphs=False,
+        note="ours_int8_sage without the whole-forward CUDA graph"),
+    Row("ours_int8_sage_noint8epi", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
+        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_epilogue=False,
+        note="ours_int8_sage with the bf16 concat + GELU kernel and inductor's quantization after it"),
+    Row("ours_int8_sage_pointer", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
+        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=False,
+        note="ours_int8_sage with the pointer int8 GEMM kernel at every size"),
     # the AdaLN modulation linears' weights in int8 (76 matrix-vector products per FLUX step read 6.4 GB in bf16)
     Row("ours_fp8_fp8attn_static_fa_pdl_mod", _fp8attn({**_FAST_STATIC, "modulation": "int8"}), False,
         calibrates=True, inductor=_MK_PDL, cuda_only=True,
         note="ours_fp8_fp8attn_static_fa_pdl with quant_config['modulation']='int8'"),
     Row("ours_int8_pdl_mod", _ours(attention="auto", quant="int8", quant_config={"modulation": "int8"},
                                    fuse_if_supported=True, compile=True), False, inductor=_MK_PDL,
+        int8_tma=False, int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl with quant_config['modulation']='int8'"),
     Row("torchao_int8", _torchao_int8, False, destructive=True, needs=("torchao",), cuda_only=True,
         note="torchao Int8DynamicActivationInt8WeightConfig + cuDNN + compile_repeated_blocks (run it apart from "
@@ -717,6 +759,8 @@ def summarize(rows: list[dict]) -> dict:
                                   ("fp8_vs_torchao", ours_fp8, "torchao_fp8_rowwise"),
                                   ("fp8_vs_diffusers_best", ours_fp8, "diffusers_best"),
                                   ("int8_vs_torchao_int8", ours_int8, "torchao_int8"),
+                                  # the 8-bit stack a user would pick against the peers' FP8 path: named apart
+                                  ("int8_vs_torchao_fp8", ours_int8, "torchao_fp8_rowwise"),
                                   ("int8_vs_diffusers_best", ours_int8, "diffusers_best"),
                                   ("lossless_vs_diffusers_eager", ours_bf16, "diffusers_eager")):
             if mine and peer in ok:

@@ -6,8 +6,8 @@ whole-model compile. ``compile="max"`` adds, on CUDA where the transformer forwa
 parallel pass inside it), a CUDA graph of the whole transformer forward per input signature (``cuda_graphs.py``).
 It used to add inductor's GEMM autotuning too (max-autotune): measured on an H200 at FLUX 1024², the autotuned
 Triton GEMMs lost to cuBLAS (136.6 vs 133.2 ms/step), so "max" now compiles like ``True`` and adds the graphs only.
-``compile=True`` adds the same graph for ``quant="fp8"`` on a GPU, whose forward is host-bound
-(``fp8_graphs_by_default``). On GPUs the blocks' tanh-GELUs are computed in a form inductor codegens cheaply
+``compile=True`` adds the same graph for ``quant="fp8"`` and ``"int8"`` on a GPU, whose forwards are host-bound
+(``graphs_by_default``). On GPUs the blocks' tanh-GELUs are computed in a form inductor codegens cheaply
 (``sigmoid_gelu``).
 """
 
@@ -259,7 +259,7 @@ class CompilePass(AccelPass):
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus,
                              rotary_pair_swap=rotary,
                              joint_streams=[spec.block_list for spec in joint_specs], **_printable(options))
-        if ctx.config.compile == "max" or fp8_graphs_by_default(ctx):
+        if ctx.config.compile == "max" or graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
 
@@ -290,14 +290,16 @@ def _raise_recompile_limit(ctx: PassContext) -> None:
     ctx.state.record("compile", lambda: setattr(dynamo_config, name, before), hidden=True)
 
 
-def fp8_graphs_by_default(ctx: PassContext) -> bool:
-    """Whether ``compile=True`` adds the whole-forward CUDA graph of ``"max"`` by itself: for ``quant="fp8"`` on a
-    GPU. Why: the FP8 forward is host-bound. Its compiled blocks spend 24-58 us of CPU per ``torch._scaled_mm`` call
-    (measured) and launch ~1,500 kernels; on an H200 the host took 54-120 ms to queue one FLUX 1024²
-    forward whose kernels run for 81 ms, and a Qwen-Image forward took 164 ms for 85 ms of kernels (with the graph
-    113 ms; FLUX, where the host kept up, pays 1-2 %). A replay costs the host 2 ms. bf16 forwards are GPU-bound
-    and keep compile=True as it was (graphs measured no faster there)."""
-    return ctx.config.compile is True and ctx.config.quant == "fp8" and ctx.device.type == "cuda"
+def graphs_by_default(ctx: PassContext) -> bool:
+    """Whether ``compile=True`` adds the whole-forward CUDA graph of ``"max"`` by itself: for the 8-bit linears
+    (``quant="fp8"`` or ``"int8"``) on a GPU. Why: those forwards are host-bound. The FP8 stack's compiled blocks
+    spend 24-58 us of CPU per ``torch._scaled_mm`` call (measured) and launch ~1,500 kernels; on an H200 the host took
+    54-120 ms to queue one FLUX 1024² forward whose kernels run for 81 ms, and a Qwen-Image forward took 164 ms for 85
+    ms of kernels (with the graph 113 ms; FLUX, where the host kept up, pays 1-2 %). The int8 stack with
+    SageAttention, whose Python runs around every attention call, took 119.7 ms per FLUX forward without the graph
+    and 82.4 with it (benchmarks/results/bench_peers_h200_flux_int8_sage_levers_20261205.json). A replay costs the host
+    2 ms. bf16 forwards are GPU-bound and keep compile=True as it was (graphs measured no faster there)."""
+    return ctx.config.compile is True and ctx.config.quant in ("fp8", "int8") and ctx.device.type == "cuda"
 
 
 def cuda_graphs_blocker(ctx: PassContext) -> str | None:

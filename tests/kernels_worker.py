@@ -244,6 +244,49 @@ def concat_gelu_cases() -> dict:
     return results
 
 
+CONCAT_GELU_INT8_CASES = ("bf16-bias", "bf16-strided-heads", "fp16-rows17", "bf16-no-first-input", "fp8-attention")
+
+
+def concat_gelu_int8_cases() -> dict:
+    """The int8 epilogue kernel (cat([a, gelu(h + bias)]) rounded to 16 bits, then int8 per row) against
+    ``quantize_rows_int8`` of the float32 formula: int8 values and the per-row scales. The interpreter divides
+    exactly and the kernel rounds to bf16 on the bits, so only a GELU value whose float32 differs in its last bit
+    across a bf16 rounding tie can move an int8 value by one."""
+    import torch
+
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.epilogue_fusion import concat_gelu_int8_reference
+
+    results = {}
+    for case in CONCAT_GELU_INT8_CASES:
+        try:
+            gen = torch.Generator().manual_seed(len(case) + 100)
+            rows = 17 if case.endswith("rows17") else 13
+            dtype = torch.float16 if case.startswith("fp16") else torch.bfloat16
+            h = (torch.randn(rows, 96, generator=gen) * 2).to(dtype)
+            bias = None if case.startswith("bf16-strided") else (torch.randn(96, generator=gen) * 0.1).to(dtype)
+            a_scale = None
+            if case.endswith("no-first-input"):
+                a = None
+            elif case.endswith("strided-heads"):  # (rows, heads, head dim) seen through a transposed tensor
+                a = torch.randn(2, rows, 16, generator=gen).to(dtype).transpose(0, 1)
+            elif case.startswith("fp8"):  # an FP8 attention output and its scale
+                a = (torch.randn(rows, 1, 32, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+                a_scale = torch.tensor(0.01)
+            else:
+                a = (torch.randn(rows, 1, 48, generator=gen) * 3).to(dtype)
+            args = (a, a_scale, h, bias, dtype)
+            (q, scale), (q_ref, scale_ref) = epilogue_triton.concat_gelu_int8(*args), concat_gelu_int8_reference(*args)
+            diff = (q.int() - q_ref.int()).abs()
+            results[case] = {"dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
+                             "scale_shape": list(scale.shape), "int8_max_diff": diff.max().item(),
+                             "int8_frac_equal": (diff == 0).float().mean().item(),
+                             "scale_max_rel_err": ((scale - scale_ref).abs() / scale_ref).max().item()}
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+    return results
+
+
 QK_NORM_ROPE_CASES = ("q-bias", "k-bias-mean", "k-batch2-nobias")
 
 
@@ -440,6 +483,7 @@ def main(out_path: str) -> int:
     result["fp8_quant"] = fp8_quant_cases()
     result["int8_gemm"] = int8_gemm_cases()
     result["concat_gelu"] = concat_gelu_cases()
+    result["concat_gelu_int8"] = concat_gelu_int8_cases()
     result["qk_norm_rope"] = qk_norm_rope_cases()
     result["layernorm"] = layernorm_cases()
     result["pipelines"] = pipeline_cases()

@@ -232,19 +232,20 @@ def test_an_unknown_cuda_graphs_setting_is_refused_before_anything_is_patched(mo
 
 @pytest.mark.parametrize("knobs, device, graphs", [
     (dict(compile=True, quant="fp8"), "cuda", True),
+    (dict(compile=True, quant="int8"), "cuda", True),
     (dict(compile=True), "cuda", False),  # bf16: GPU-bound, graphs measured no faster
     (dict(compile=True, quant="fp8_weight_only"), "cuda", False),
     (dict(compile=True, quant="fp8"), "cpu", False),
     (dict(compile="max", quant="fp8"), "cuda", False),  # "max" graphs anyway; this rule is about True
 ])
-def test_compile_true_graphs_the_fp8_stack_on_a_gpu_only(knobs, device, graphs):
+def test_compile_true_graphs_the_8_bit_stacks_on_a_gpu_only(knobs, device, graphs):
     from omni_accel.config import AccelConfig
     from omni_accel.pass_base import PassContext
     from omni_accel.pipelines import adapter_for
 
     pipe, _ = tiny_pipeline("flux")
     ctx = PassContext(pipe, adapter_for(pipe), AccelConfig(**knobs), torch.device(device))
-    assert compiler.fp8_graphs_by_default(ctx) is graphs
+    assert compiler.graphs_by_default(ctx) is graphs
 
 
 def test_fp8_compile_true_installs_the_graphs_and_restore_removes_them(cpu_graphs, monkeypatch):
@@ -255,13 +256,13 @@ def test_fp8_compile_true_installs_the_graphs_and_restore_removes_them(cpu_graph
     pipe, kwargs = tiny_pipeline("flux")
     kwargs = dict(kwargs, num_inference_steps=3)
     plain = run(pipe, kwargs)
-    monkeypatch.setattr(compiler, "fp8_graphs_by_default", lambda ctx: False)
+    monkeypatch.setattr(compiler, "graphs_by_default", lambda ctx: False)
     omni_accel.accelerate(pipe, quant="fp8", compile=True)
     try:
         without_graphs = run(pipe, kwargs)
     finally:
         omni_accel.restore(pipe)
-    monkeypatch.setattr(compiler, "fp8_graphs_by_default", lambda ctx: ctx.config.quant == "fp8")
+    monkeypatch.setattr(compiler, "graphs_by_default", lambda ctx: ctx.config.quant == "fp8")
     omni_accel.accelerate(pipe, quant="fp8", compile=True)
     try:
         out = run(pipe, kwargs)

@@ -128,13 +128,18 @@ def test_other_concatenations_are_left_to_inductor(variant):
     assert out.shape == ref.shape
 
 
-def test_flux_single_block_compiles_its_epilogue_into_the_operation():
+@pytest.mark.parametrize("int8_proj_out", [False, True], ids=["bf16", "int8_proj_out"])
+def test_flux_single_block_compiles_its_epilogue_into_the_operation(int8_proj_out):
     """diffusers' FLUX single-stream block, with the sigmoid GELU compile=True installs: its concatenation of the
-    attention output and the MLP is the replaced one, and the block's output is unchanged."""
+    attention output and the MLP is the replaced one (with ``proj_out`` an int8 linear, as ``quant="int8"``
+    installs, together with that layer's activation quantization), and the block's output is unchanged."""
+    from omni_accel.kernels.int8 import Int8Linear
     from omni_accel.testing import tiny_pipeline
 
     pipe, _ = tiny_pipeline("flux")
     block = pipe.transformer.single_transformer_blocks[0].to(BF16)
+    if int8_proj_out:
+        block.proj_out = Int8Linear(block.proj_out, gemm="cublas")
     count, undo = compiler.use_sigmoid_gelu(block)
     assert count == 1
     g = torch.Generator().manual_seed(3)
@@ -146,9 +151,72 @@ def test_flux_single_block_compiles_its_epilogue_into_the_operation():
         ref, _ = _compiled(block, hidden, text, temb, with_pass=False)
         out, delta = _compiled_with_pass(block, hidden, text, temb)
     undo()
-    assert delta == {"concat_gelu": 1}
+    assert delta == {"concat_gelu_int8" if int8_proj_out else "concat_gelu": 1}
     for o, r in zip(out, ref):
         assert torch.equal(o, r)
+
+
+# ------------------------------------------------------------------------ concatenation + GELU -> int8 linear
+def _int8_single_block_epilogue(a16, x, w, bias, quantize=None):
+    """The single-stream block's epilogue as the int8 stack runs it: the bf16 concatenation, then the int8
+    ``proj_out``'s per-token quantization (``quantize`` in place of kernels/int8.py's, for the near misses)."""
+    from omni_accel.kernels.int8 import quantize_rows_int8
+
+    joint = _single_block_epilogue(None, None, a16, x, w, bias, None, fp8_attention=False, cast=False)
+    return (quantize or quantize_rows_int8)(joint.reshape(-1, joint.shape[-1]))
+
+
+@pytest.fixture
+def int8_epilogue(monkeypatch):
+    monkeypatch.setattr(epilogue_fusion, "INT8", True)
+
+
+def test_a_concatenation_feeding_an_int8_linear_becomes_one_operation_with_the_same_values(int8_epilogue):
+    """The int8 rows and their scales come out of the one operation, equal to inductor's own kernels' (the 16-bit
+    concatenation is never written)."""
+    inputs = {k: v for k, v in _inputs(6).items() if k in ("a16", "x", "w", "bias")}
+    (ref_q, ref_scale), _ = _compiled(_int8_single_block_epilogue, **inputs, with_pass=False)
+    (q, scale), delta = _compiled_with_pass(_int8_single_block_epilogue, **inputs)
+    assert delta == {"concat_gelu_int8": 1}
+    assert q.dtype == torch.int8 and torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+    # eager rounds each step of the GELU to bf16: an int8 value may move by one
+    eager_q, eager_scale = _int8_single_block_epilogue(**inputs)
+    assert (q.int() - eager_q.int()).abs().max() <= 1
+    assert torch.allclose(scale, eager_scale, rtol=2.0 ** -7)
+
+
+def _quantize_half_up(x):
+    """quantize_rows_int8 with another rounding (half away from zero): not the int8 linear's quantization."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / 127.0
+    q = x.float() / scale
+    return (torch.sign(q) * torch.floor(q.abs() + 0.5)).clamp(-127, 127).to(torch.int8), scale
+
+
+def _quantize_without_floor(x):
+    scale = x.abs().amax(dim=-1, keepdim=True).float() / 127.0
+    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+@pytest.mark.parametrize("quantize", [_quantize_half_up, _quantize_without_floor], ids=["half_up", "no_floor"])
+def test_other_row_quantizations_keep_the_bf16_operation(int8_epilogue, quantize):
+    """A quantization that is not exactly the int8 linear's is not folded in: the concatenation becomes the bf16
+    operation and inductor quantizes after it, to the same values as without the pass."""
+    inputs = {k: v for k, v in _inputs(7).items() if k in ("a16", "x", "w", "bias")}
+    (ref_q, ref_scale), _ = _compiled(_int8_single_block_epilogue, **inputs, quantize=quantize, with_pass=False)
+    (q, scale), delta = _compiled_with_pass(_int8_single_block_epilogue, **inputs, quantize=quantize)
+    assert delta == {"concat_gelu": 1}
+    assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+
+
+def test_the_int8_form_has_a_switch(monkeypatch):
+    """On by default; off, the concatenation is the bf16 operation and inductor quantizes after it."""
+    inputs = {k: v for k, v in _inputs(6).items() if k in ("a16", "x", "w", "bias")}
+    _, delta = _compiled_with_pass(_int8_single_block_epilogue, **inputs)
+    assert delta == {"concat_gelu_int8": 1}
+    monkeypatch.setattr(epilogue_fusion, "INT8", False)
+    _, delta = _compiled_with_pass(_int8_single_block_epilogue, **inputs)
+    assert delta == {"concat_gelu": 1}
 
 
 def test_compile_options_carry_the_pass_on_gpus_only(monkeypatch):

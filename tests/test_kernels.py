@@ -99,6 +99,17 @@ def test_concat_gelu_kernel_matches_its_formula(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
+@pytest.mark.parametrize("case", WORKER.CONCAT_GELU_INT8_CASES)
+def test_concat_gelu_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpreted, case):
+    """The int8 epilogue kernel: the int8 values and per-row scales of ``quantize_rows_int8`` applied to the 16-bit
+    concatenation, a GELU value at a bf16 rounding tie aside (one int8 step)."""
+    r = interpreted["concat_gelu_int8"][case]
+    assert "error" not in r, r.get("error")
+    assert r["dtype"] == "torch.int8" and r["shape"] == r["ref_shape"] and r["scale_shape"] == [r["shape"][0], 1]
+    assert r["int8_max_diff"] <= 1 and r["int8_frac_equal"] > 0.99, r
+    assert r["scale_max_rel_err"] <= 2.0 ** -8, r
+
+
 @pytest.mark.parametrize("kernel, case", [("qk_norm_rope", c) for c in WORKER.QK_NORM_ROPE_CASES]
                          + [("layernorm", c) for c in WORKER.LAYERNORM_CASES])
 def test_fp8_epilogue_kernel_matches_its_formula(interpreted, kernel, case):
@@ -314,6 +325,10 @@ def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
                                                   inverse0_ptr="*fp32", inverse1_ptr="*fp32", inverse2_ptr="*fp32",
                                                   out_ptr="*fp8e4nv"),
          dict(C=3072, BLOCK=4096, ROWS=2, SPLIT=True, COUNT=2), 8),
+        (et._concat_gelu_int8_kernel, dict(a_ptr="*bf16", a_scale_ptr="*fp32", h_ptr="*bf16", bias_ptr="*bf16",
+                                           out_ptr="*i8", scale_ptr="*fp32"),
+         dict(A_COLS=3072, A_HEAD=3072, H_COLS=12288, A_SCALED=False, HAS_BIAS=True, APPROX=True, BF16=True, ROWS=1,
+              A_BLOCK=1024, H_BLOCK=1024), 4),
     ]
     for kernel, pointers, consts, warps in cases:
         ptx = _compile_for_hopper(kernel, pointers, {**consts, "PDL": pdl}, {"num_warps": warps}).asm["ptx"]

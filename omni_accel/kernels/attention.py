@@ -232,11 +232,11 @@ def _fp8_stack(ctx: PassContext) -> bool:
 
 
 def _graph_captured(ctx: PassContext) -> bool:
-    """Whether the compile pass will capture the transformer forward in a CUDA graph (compile="max", or the FP8
-    stack's default graph): auto keeps FlashAttention-4 out of those, where its launches are not verified."""
-    from ..compiler import fp8_graphs_by_default
+    """Whether the compile pass will capture the transformer forward in a CUDA graph (compile="max", or the 8-bit
+    stacks' default graph): auto keeps FlashAttention-4 out of those, where its launches are not verified."""
+    from ..compiler import graphs_by_default
 
-    return ctx.config.compile == "max" or fp8_graphs_by_default(ctx)
+    return ctx.config.compile == "max" or graphs_by_default(ctx)
 
 
 def _head_dim(transformer) -> int | None:

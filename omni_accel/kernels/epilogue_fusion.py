@@ -5,6 +5,7 @@ What it finds, in the ATen graph inductor is about to lower (a post-grad custom 
 whatever model code produced it), and what each becomes:
 
     cat([a, gelu(h [+ bias])], dim=-1) [-> static_fp8_cast]    omni_accel::concat_gelu          (a linear's input)
+    cat([a, gelu(h [+ bias])], dim=-1) -> int8 rows + scales   omni_accel::concat_gelu_int8     (an int8 linear)
     gelu(h [+ bias]) -> static_fp8_cast                         omni_accel::concat_gelu, no a    (an FP8 down projection)
     layer_norm(x) * (1 + scale) + shift -> 1-3 static casts     omni_accel::layernorm_modulate_fp8   (AdaLN's norm)
     rotary(rms_norm(q or k of a fused projection)) [- mean] -> static cast   omni_accel::qk_norm_rope_fp8 (FP8 attention)
@@ -59,13 +60,19 @@ _CONVERT = prims.convert_element_type.default
 _FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
 _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else None
 
-# "concat_gelu_fp8" / "concat_gelu" / "gelu_fp8" / "layernorm_modulate_fp8" / "qk_norm_rope_fp8" -> how many this
-# process replaced (graphs compiled here: one loaded from inductor's cache ran its passes when it was first compiled)
+# "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "layernorm_modulate_fp8" /
+# "qk_norm_rope_fp8" -> how many this process replaced (graphs compiled here: one loaded from inductor's cache ran
+# its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
 # Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
 QK_NORM_ROPE = True
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
+# Whether a concatenation + GELU feeding an int8 linear's row quantization becomes one operation that writes the
+# int8 rows and their scales (else the 16-bit concatenation is written and quantized by inductor's kernel;
+# benchmarks' A/B rows set it). At FLUX's 4608 x 15360 on an H200: 130 us against 159 for the two kernels
+# (benchmarks/results/bench_fp8_epilogues_h200_int8_20261205.json).
+INT8 = True
 # Whether the kernels it puts in take part in programmatic dependent launch where inductor's own kernels do
 # (``_pdl``); benchmarks' A/B rows set it.
 PDL = True
@@ -121,6 +128,33 @@ def concat_gelu(a, a_scale, h, bias, inverse, out_dtype, pdl=False):
 def _(a, a_scale, h, bias, inverse, out_dtype, pdl=False):
     a_cols = a.shape[1] * a.shape[2] if a is not None else 0
     return h.new_empty((h.shape[0], a_cols + h.shape[1]), dtype=out_dtype)
+
+
+def concat_gelu_int8_reference(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor,
+                               bias: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``concat_gelu_reference`` in ``dtype``, then each row to int8 (kernels/int8.py's ``quantize_rows_int8``):
+    (int8 (rows, A + H), scale (rows, 1) float32)."""
+    from .int8 import quantize_rows_int8
+
+    return quantize_rows_int8(concat_gelu_reference(a, a_scale, h, bias, None, dtype))
+
+
+@torch.library.custom_op("omni_accel::concat_gelu_int8", mutates_args=(), schema=(
+    "(Tensor? a, Tensor? a_scale, Tensor h, Tensor? bias, ScalarType dtype, bool pdl=False) -> (Tensor, Tensor)"))
+def concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=False):
+    if _use_triton(h.device):
+        from . import epilogue_triton
+
+        a_cols, a_head = (a.shape[1] * a.shape[2], a.shape[2]) if a is not None else (0, 0)
+        if epilogue_triton.int8_supported(a_cols, a_head, h.shape[1]):
+            return epilogue_triton.concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=pdl)
+    return concat_gelu_int8_reference(a, a_scale, h, bias, dtype)
+
+
+@concat_gelu_int8.register_fake
+def _(a, a_scale, h, bias, dtype, pdl=False):
+    cols = (a.shape[1] * a.shape[2] if a is not None else 0) + h.shape[1]
+    return (h.new_empty((h.shape[0], cols), dtype=torch.int8), h.new_empty((h.shape[0], 1), dtype=torch.float32))
 
 
 def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int,
@@ -241,18 +275,60 @@ def _cast_after_mul(mul: fx.Node, operand):
     inverse = mul.args[1] if mul.args[0] is operand else mul.args[0]
     if not _is_scalar_tensor(inverse):
         return None
-    n = _only_user(mul)
-    if _call(n, aten.clamp.default) and _is_number(n.args[1], -FP8_MAX) and _is_number(n.args[2], FP8_MAX):
-        clamped = n
-    elif (_call(n, aten.clamp_min.default) and _is_number(n.args[1], -FP8_MAX)
-          and _call(hi := _only_user(n), aten.clamp_max.default) and _is_number(hi.args[1], FP8_MAX)):
-        clamped = hi
-    else:
-        return None
-    cast = _only_user(clamped)
+    clamped = _symmetric_clamp(_only_user(mul), FP8_MAX)
+    cast = _only_user(clamped) if clamped is not None else None
     if not (_call(cast, _CONVERT) and cast.args[1] == FP8_DTYPE and cast.users):
         return None
     return cast, inverse
+
+
+def _symmetric_clamp(n, bound: float):
+    """``n`` = clamp(t, -bound, bound), or clamp_min(t, -bound) used once by clamp_max(., bound): the node whose
+    value is the clamped one, else None."""
+    if _call(n, aten.clamp.default) and _is_number(n.args[1], -bound) and _is_number(n.args[2], bound):
+        return n
+    if (_call(n, aten.clamp_min.default) and _is_number(n.args[1], -bound)
+            and _call(hi := _only_user(n), aten.clamp_max.default) and _is_number(hi.args[1], bound)):
+        return hi
+    return None
+
+
+def _int8_row_quantization(node: fx.Node):
+    """The chain after ``node`` (a 16-bit tensor) that quantizes its rows to int8 for an int8 linear
+    (kernels/int8.py's ``quantize_rows_int8``): [views] -> both abs -> amax(last dim, keepdim) -> float32 ->
+    clamp_min(1e-12) -> / 127 (the scale), and float32 -> / scale -> round -> clamp(+-127) -> int8.
+    Returns (the int8 node, the scale node) or None."""
+    from .int8 import INT8_MAX, _MIN_AMAX
+
+    n = node
+    while (user := _only_user(n)) is not None and _call(user, *_VIEWS):
+        n = user
+    users = list(n.users)
+    absolute = next((u for u in users if _call(u, aten.abs.default)), None)
+    to_float = next((u for u in users if _call(u, _CONVERT) and u.args[1] == torch.float32), None)
+    if len(users) != 2 or absolute is None or to_float is None:
+        return None
+    amax = _only_user(absolute)
+    last = _val(n).dim() - 1
+    if not (_call(amax, aten.amax.default) and list(amax.args[1]) in ([-1], [last])
+            and (amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False))):
+        return None
+    widened = _only_user(amax)
+    floor = _only_user(widened) if _call(widened, _CONVERT) and widened.args[1] == torch.float32 else None
+    if not (_call(floor, aten.clamp_min.default) and _is_number(floor.args[1], _MIN_AMAX)):
+        return None
+    scale = _only_user(floor)
+    if not (_call(scale, aten.div.Tensor) and scale.args[0] is floor and _is_number(scale.args[1], INT8_MAX)):
+        return None
+    divided = _only_user(to_float)
+    if not (_call(divided, aten.div.Tensor) and divided.args[:2] == (to_float, scale)):
+        return None
+    rounded = _only_user(divided)
+    clamped = _symmetric_clamp(_only_user(rounded), INT8_MAX) if _call(rounded, aten.round.default) else None
+    cast = _only_user(clamped) if clamped is not None else None
+    if not (_call(cast, _CONVERT) and cast.args[1] == torch.int8 and cast.users):
+        return None
+    return cast, scale
 
 
 def _mul_factors(node, depth: int = 3) -> list:
@@ -337,9 +413,11 @@ def _rows_heads(val: torch.Tensor, cols: int):
 
 
 class _Candidate:
-    def __init__(self, cat, a, a_scale, a_layout, h, bias, final, inverse):
+    def __init__(self, cat, a, a_scale, a_layout, h, bias, final, inverse, int8_scale=None):
         self.cat, self.a, self.a_scale, self.a_layout, self.h, self.bias = cat, a, a_scale, a_layout, h, bias
-        self.final, self.inverse = final, inverse
+        # final: the node whose value the fused operation replaces (the concatenation, its e4m3 cast or its int8
+        # quantization); int8_scale: the quantization's scale node, replaced too
+        self.final, self.inverse, self.int8_scale = final, inverse, int8_scale
 
 
 def _candidate(cat: fx.Node):
@@ -367,6 +445,10 @@ def _candidate(cat: fx.Node):
     if layout is None:
         return None
     a_head = a_val.shape[-1] if layout[0] == "select0" else a_cols
+    if INT8 and (quantized := _int8_row_quantization(cat)) is not None:
+        if not _kernel_takes(out, lambda kernels: kernels.int8_supported(a_cols, a_head, h_cols)):
+            return None
+        return _Candidate(cat, a, a_scale, layout, h, bias, quantized[0], None, int8_scale=quantized[1])
     if not _kernel_takes(out, lambda kernels: kernels.supported(a_cols, a_head, h_cols)):
         return None
     cast = _static_fp8_cast(cat)
@@ -421,10 +503,24 @@ def _rewrite(graph: fx.Graph, c: _Candidate) -> None:
             a3 = (_node(graph, aten.reshape.default, c.a, shape) if how == "reshape"
                   else _node(graph, aten.select.int, c.a, 0, 0))
         h2 = _node(graph, aten.reshape.default, c.h, [-1, h_cols])
+        if c.int8_scale is not None:
+            _rewrite_int8(graph, c, a3, h2)
+            return
         fused = _node(graph, torch.ops.omni_accel.concat_gelu.default, a3, c.a_scale, h2, c.bias, c.inverse,
                       final_val.dtype, _pdl(final_val.device))
         out = _node(graph, aten.reshape.default, fused, list(final_val.shape))
     c.final.replace_all_uses_with(out)
+
+
+def _rewrite_int8(graph: fx.Graph, c: _Candidate, a3, h2) -> None:
+    """The int8 form of ``_rewrite`` (inside its insertion point): one operation gives the int8 rows and their
+    scales, which replace the quantization's int8 node and its scale node."""
+    fused = _node(graph, torch.ops.omni_accel.concat_gelu_int8.default, a3, c.a_scale, h2, c.bias,
+                  _val(c.cat).dtype, _pdl(_val(c.cat).device))
+    for index, old in enumerate((c.final, c.int8_scale)):
+        part = graph.call_function(operator.getitem, (fused, index))
+        part.meta["val"] = _val(fused)[index]
+        old.replace_all_uses_with(_node(graph, aten.reshape.default, part, list(_val(old).shape)))
 
 
 # --------------------------------------------------------------------- q / k: RMSNorm + rotary + static cast
@@ -721,7 +817,8 @@ def _match(node: fx.Node):
     """(REWRITES kind, rewrite function, candidate) of the first pattern ``node`` ends, or None."""
     found = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
     if found is not None:
-        kind = ("gelu" if found.a is None else "concat_gelu") + ("_fp8" if found.inverse is not None else "")
+        kind = (("gelu" if found.a is None else "concat_gelu") + ("_fp8" if found.inverse is not None else "")
+                + ("_int8" if found.int8_scale is not None else ""))
         return kind, _rewrite, found
     if QK_NORM_ROPE and _call(node, _CONVERT) and (found := _qk_candidate(node)) is not None:
         return "qk_norm_rope_fp8", _rewrite_qk, found
@@ -758,7 +855,7 @@ class EpilogueFusionPass(CustomGraphPass):
         here = os.path.dirname(os.path.abspath(__file__))
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
-                f"-pdl{int(PDL)}")
+                f"-pdl{int(PDL)}-int8{int(INT8)}")
 
 
 GRAPH_PASS = EpilogueFusionPass()

@@ -6,6 +6,11 @@ every element evaluating both inputs under masks, the column index needs no divi
 full-width vectors. That is what inductor's own kernel for the same expression lacks: on an H200, FLUX's single-block
 epilogue (4608 x 15360) took 104 us there and 54 us here (``benchmarks/bench_fp8_epilogues.py``).
 
+``concat_gelu_int8``: the same row rounded to the 16-bit dtype and quantized to int8 per row (the int8 linear's
+per-token activation scale) in the same kernel, for an int8 ``proj_out``: one program per row reads its inputs once
+for the row's largest value and again (from L2) for the cast, where the unfused path wrote the 16-bit row to memory
+and read it back in a second kernel.
+
 GELU: the tanh form written as ``h * sigmoid(2 k (h + 0.044715 h^3))``, the sigmoid as one ``exp2`` and one
 approximate reciprocal (rcp.approx, relative error ~2^-23, far below a bf16 or e4m3 output's rounding).
 
@@ -43,6 +48,35 @@ def _pdl_launch(pdl: bool) -> dict:
 
 
 @triton.jit
+def _first_input_block(a_ptr, a_scale_ptr, rows, row_ok, first, cols, stride_a_row, stride_a_head,
+                       A_HEAD: tl.constexpr, A_SCALED: tl.constexpr):
+    """Columns [first, first + block) of the first input, float32; the block lies in one head. The first input may
+    be (rows, heads, head dim) with any row / head strides (an attention output)."""
+    head = first // A_HEAD
+    a = a_ptr + rows * stride_a_row + head * stride_a_head + (first - head * A_HEAD) + cols
+    y = tl.load(a, mask=row_ok, other=0.0).to(tl.float32)
+    if A_SCALED:
+        y = y * tl.load(a_scale_ptr)
+    return y
+
+
+@triton.jit
+def _gelu_block(h_ptr, bias_ptr, rows, row_ok, c, stride_h_row, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr):
+    """gelu_tanh(h + bias) of columns ``c`` of h, float32."""
+    h = tl.load(h_ptr + rows * stride_h_row + c, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        h += tl.load(bias_ptr + c).to(tl.float32)
+    # exp(-2 sqrt(2 / pi) z) as 2^(-log2(e) 2 sqrt(2 / pi) z)
+    e = tl.exp2(-2.302208198144325 * (h + 0.044715 * h * h * h))
+    if APPROX:
+        y = h * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+    else:  # the interpreter runs no PTX
+        y = h / (1.0 + e)
+    return y
+
+
+@triton.jit
 def _concat_gelu_kernel(
     a_ptr, a_scale_ptr, h_ptr, bias_ptr, inverse_ptr, out_ptr, n_rows,
     stride_a_row, stride_a_head, stride_h_row,
@@ -58,24 +92,10 @@ def _concat_gelu_kernel(
     first = tl.program_id(1) * BLOCK
     cols = tl.arange(0, BLOCK)[None, :]
     if first < A_COLS:
-        # the first input may be (rows, heads, head dim) with any row / head strides (an attention output)
-        head = first // A_HEAD
-        a = a_ptr + rows * stride_a_row + head * stride_a_head + (first - head * A_HEAD) + cols
-        y = tl.load(a, mask=row_ok, other=0.0).to(tl.float32)
-        if A_SCALED:
-            y = y * tl.load(a_scale_ptr)
+        y = _first_input_block(a_ptr, a_scale_ptr, rows, row_ok, first, cols, stride_a_row, stride_a_head,
+                               A_HEAD, A_SCALED)
     else:
-        c = first - A_COLS + cols
-        h = tl.load(h_ptr + rows * stride_h_row + c, mask=row_ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            h += tl.load(bias_ptr + c).to(tl.float32)
-        # exp(-2 sqrt(2 / pi) z) as 2^(-log2(e) 2 sqrt(2 / pi) z)
-        e = tl.exp2(-2.302208198144325 * (h + 0.044715 * h * h * h))
-        if APPROX:
-            y = h * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e],
-                                              dtype=tl.float32, is_pure=True, pack=1)
-        else:  # the interpreter runs no PTX
-            y = h / (1.0 + e)
+        y = _gelu_block(h_ptr, bias_ptr, rows, row_ok, first - A_COLS + cols, stride_h_row, HAS_BIAS, APPROX)
     if PDL:  # every input is read: the next kernel may launch
         tl.extra.cuda.gdc_launch_dependents()
     if CAST:
@@ -121,6 +141,117 @@ def concat_gelu(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.T
             CAST=cast, APPROX=not INTERPRETED, ROWS=rows, BLOCK=block, num_warps=warps, **_pdl_launch(pdl),
         )
     return out.to(out_dtype) if store_dtype != out_dtype else out
+
+
+@triton.jit
+def _as_16_bit(y, BF16: tl.constexpr, BIT_ROUND: tl.constexpr):
+    """float32 ``y`` rounded to the 16-bit activation's dtype (to nearest even), as float32: the values the unfused
+    path writes and then quantizes."""
+    if BF16:
+        if BIT_ROUND:  # the interpreter's float32 -> bf16 cast truncates: round the bits instead
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            rounded = bits.to(tl.float32, bitcast=True)
+        else:
+            rounded = y.to(tl.bfloat16).to(tl.float32)
+    else:
+        rounded = y.to(tl.float16).to(tl.float32)
+    return rounded
+
+
+@triton.jit
+def _to_int8(y, scale):
+    """round(y / scale) clamped to +-127; the rounding (to nearest even) by adding and removing 1.5 * 2^23, which
+    the interpreter runs too (libdevice's rint is PTX only). Clamping first is the same as clamping after: the
+    bounds are integers."""
+    q = tl.minimum(tl.maximum(y / scale, -127.0), 127.0)
+    return ((q + 12582912.0) - 12582912.0).to(tl.int8)
+
+
+@triton.jit
+def _concat_gelu_int8_kernel(
+    a_ptr, a_scale_ptr, h_ptr, bias_ptr, out_ptr, scale_ptr, n_rows,
+    stride_a_row, stride_a_head, stride_h_row,
+    A_COLS: tl.constexpr, A_HEAD: tl.constexpr, H_COLS: tl.constexpr,
+    A_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr, BF16: tl.constexpr,
+    ROWS: tl.constexpr, A_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    row_ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = (row_ids < n_rows)[:, None]
+    rows = row_ids.to(tl.int64)[:, None]
+    a_cols = tl.arange(0, A_BLOCK)[None, :]
+    h_cols = tl.arange(0, H_BLOCK)[None, :]
+    # pass 1: each row's largest |value| (of the 16-bit values the unfused path would quantize)
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    for first in tl.range(0, A_COLS, A_BLOCK):
+        y = _first_input_block(a_ptr, a_scale_ptr, rows, row_ok, first, a_cols, stride_a_row, stride_a_head,
+                               A_HEAD, A_SCALED)
+        amax = tl.maximum(amax, tl.max(tl.abs(_as_16_bit(y, BF16, not APPROX)), axis=1))
+    for first in tl.range(0, H_COLS, H_BLOCK):
+        y = _gelu_block(h_ptr, bias_ptr, rows, row_ok, first + h_cols, stride_h_row, HAS_BIAS, APPROX)
+        amax = tl.maximum(amax, tl.max(tl.abs(_as_16_bit(y, BF16, not APPROX)), axis=1))
+    scale = tl.maximum(amax, 1e-12) / 127.0
+    tl.store(scale_ptr + row_ids, scale, mask=row_ids < n_rows)
+    scale = scale[:, None]
+    # pass 2: the same values again (their inputs are still in L2) and the int8 store
+    out = out_ptr + rows * (A_COLS + H_COLS)
+    for first in tl.range(0, A_COLS, A_BLOCK):
+        y = _first_input_block(a_ptr, a_scale_ptr, rows, row_ok, first, a_cols, stride_a_row, stride_a_head,
+                               A_HEAD, A_SCALED)
+        tl.store(out + first + a_cols, _to_int8(_as_16_bit(y, BF16, not APPROX), scale), mask=row_ok)
+    for first in tl.range(0, H_COLS, H_BLOCK):
+        y = _gelu_block(h_ptr, bias_ptr, rows, row_ok, first + h_cols, stride_h_row, HAS_BIAS, APPROX)
+        tl.store(out + A_COLS + first + h_cols, _to_int8(_as_16_bit(y, BF16, not APPROX), scale), mask=row_ok)
+    if PDL:  # at the end: launched earlier, the next kernel's waiting programs would share the SMs with pass 2
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _largest_block(widths: tuple[int, ...], most: int = 1024) -> int | None:
+    """The largest power-of-two column block (16 to ``most``) that divides every width, or None."""
+    return next((b for b in (1024, 512, 256, 128, 64, 32, 16) if b <= most and all(w % b == 0 for w in widths)),
+                None)
+
+
+def _int8_tile(a_cols: int, a_head: int, h_cols: int) -> tuple[int, int, int, int] | None:
+    """(rows per program, first input's column block, GELU column block, warps), or None. A block of the first input
+    stays inside one head where heads are strided apart."""
+    h_block = _largest_block((h_cols,))
+    a_block = _largest_block((a_cols,) if a_head in (0, a_cols) else (a_cols, a_head)) if a_cols else 16
+    if h_block is None or a_block is None:
+        return None
+    return 1, a_block, h_block, 4
+
+
+def int8_supported(a_cols: int, a_head: int, h_cols: int) -> bool:
+    return _int8_tile(a_cols, a_head, h_cols) is not None
+
+
+def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor, bias: torch.Tensor | None,
+                     dtype: torch.dtype, tile: tuple[int, int, int, int] | None = None,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``concat_gelu`` in ``dtype`` (bf16 / fp16), then each row to int8 with its own scale (kernels/int8.py's
+    ``quantize_rows_int8``) in the same kernel: (int8 (rows, A + H), scale (rows, 1) float32). The 16-bit row is
+    never written: the kernel reads its inputs twice, for the row's largest value and then for the cast.
+    ``tile``: (rows, first input's block, GELU block, warps) instead of ``_int8_tile``'s choice."""
+    n_rows, h_cols = h.shape
+    heads, a_head = a.shape[1:] if a is not None else (0, 0)
+    a_cols = heads * a_head
+    rows, a_block, h_block, warps = tile or _int8_tile(a_cols, a_head, h_cols)
+    out = torch.empty(n_rows, a_cols + h_cols, dtype=torch.int8, device=h.device)
+    scale = torch.empty(n_rows, 1, dtype=torch.float32, device=h.device)
+    if n_rows == 0:
+        return out, scale
+    with _on_device(h):
+        _launcher(_concat_gelu_int8_kernel, h.device)[(triton.cdiv(n_rows, rows),)](
+            a if a is not None else h, a_scale if a_scale is not None else h, h, bias if bias is not None else h,
+            out, scale, n_rows, a.stride(0) if a is not None else 0, a.stride(1) if a is not None else 0,
+            h.stride(0), A_COLS=a_cols, A_HEAD=max(a_head, 1), H_COLS=h_cols, A_SCALED=a_scale is not None,
+            HAS_BIAS=bias is not None, APPROX=not INTERPRETED, BF16=dtype == torch.bfloat16, ROWS=rows,
+            A_BLOCK=a_block, H_BLOCK=h_block, num_warps=warps, **_pdl_launch(pdl),
+        )
+    return out, scale
 
 
 @triton.jit

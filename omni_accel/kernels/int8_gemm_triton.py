@@ -16,11 +16,11 @@ Two kernels compute the same sums (integer arithmetic: bit for bit the same outp
 
 - ``_int8_gemm_rescale_kernel``: one program per output tile, operands loaded through pointers (Triton pipelines
   them with asynchronous copies).
-- ``_int8_gemm_rescale_tma_kernel`` (``PERSISTENT_TMA``, on Hopper and newer): one program per SM walking the
-  output tiles, operands and output moved by the Tensor Memory Accelerator from host-built descriptors. Why: the
-  copy engine computes the addresses and masks that the pointer kernel spends registers and issue slots on, and a
-  persistent program overlaps one tile's epilogue with the next tile's first loads. It needs 16-byte aligned rows
-  (K a multiple of 16, N of 8); other shapes take the first kernel.
+- ``_int8_gemm_rescale_tma_kernel`` (``PERSISTENT_TMA``, the default above 1,024 rows on Hopper and newer): one
+  program per SM walking the output tiles, operands and output moved by the Tensor Memory Accelerator from
+  host-built descriptors. Why: the copy engine computes the addresses and masks that the pointer kernel spends
+  registers and issue slots on, and a persistent program overlaps one tile's epilogue with the next tile's first
+  loads. It needs 16-byte aligned rows (K a multiple of 16, N of 8); other shapes take the first kernel.
 """
 
 from __future__ import annotations
@@ -55,15 +55,20 @@ TMA_CONFIGS = {
     "tma_128x256x64": (128, 256, 64, 8, 8, 4),
     "tma_256x128x128": (256, 128, 128, 8, 8, 3),
 }
-FEW_ROWS = 1024  # up to this many rows: the smaller tile (more tiles to fill the GPU)
-# Whether ``pick_config`` takes the persistent TMA kernel where the shape and GPU allow it (benchmarks' A/B rows
-# set it).
-PERSISTENT_TMA = False
+FEW_ROWS = 1024  # up to this many rows: the smaller tile of the pointer kernel (more tiles to fill the GPU)
+# Whether ``pick_config`` takes the persistent TMA kernel for more than FEW_ROWS rows where the shape and GPU allow it
+# (benchmarks' A/B rows set it). Measured on an H200 on FLUX.1-dev's block shapes, 20 calls back to back
+# (benchmarks/results/bench_fp8_gemm_h200_int8_tma_20261205.json): 4,096-4,608 rows ran at 967-1,242 TOPS with
+# tma_128x256x128 against 903-1,264 with the pointer kernel's 128x256x128 (ahead on four of five shapes, 2 % behind
+# on the fifth); at 512 rows the TMA tiles reached 552-572 TOPS and the pointer kernel's 128x128x128 803, so fewer
+# rows keep the pointer kernel.
+PERSISTENT_TMA = True
 
 
 def pick_config(rows: int, tma: bool = False) -> str:
-    tile = "128x128x128" if rows <= FEW_ROWS else "128x256x128"
-    return "tma_" + tile if tma else tile
+    if rows <= FEW_ROWS:
+        return "128x128x128"
+    return "tma_128x256x128" if tma else "128x256x128"
 
 
 def tma_fits(x_int8: torch.Tensor, w_int8: torch.Tensor, out_dtype: torch.dtype) -> bool:
