@@ -134,6 +134,7 @@ class Row:
     epilogue_pdl: bool = True  # kernels.epilogue_fusion.PDL (False: the pass's kernels launched without PDL)
     int8_tma: bool = True  # kernels.int8_gemm_triton.PERSISTENT_TMA (False: the pointer int8 GEMM at every size)
     int8_epilogue: bool = True  # kernels.epilogue_fusion.INT8 (False: bf16 concat + GELU, then inductor's quantization)
+    sage_keys_in_graph: bool = False  # kernels.sage_attention.SMOOTH_KEYS_IN_GRAPH (True: K's mean in the graph)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -145,7 +146,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"),
             ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"),
             ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"),
-            ("kernels.epilogue_fusion", "INT8", "int8_epilogue"))
+            ("kernels.epilogue_fusion", "INT8", "int8_epilogue"),
+            ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"))
 
 
 @contextlib.contextmanager
@@ -455,6 +457,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8_auto", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, cuda_only=True,
         note="quant='int8', attention='auto' (SageAttention where installed, under the graph), compile=True"),
+    Row("ours_int8_sage_keysmooth", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
+        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, sage_keys_in_graph=True,
+        note="ours_int8_sage with K's token mean subtracted in the compiled graph (SageAttention's own off)"),
     Row("ours_int8_sage_nographs", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
         False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, cuda_graphs=False,
         note="ours_int8_sage without the whole-forward CUDA graph"),

@@ -100,3 +100,26 @@ def test_sage_on_a_cpu_is_refused_before_anything_is_patched(monkeypatch):
     assert str(err.value) == ("attention='sageattention' needs a CUDA GPU but the pipeline runs on cpu; use "
                               "attention='auto' or 'sdpa'.")
     assert "omni_accel" not in vars(pipe)
+
+
+def test_keys_smoothed_in_the_graph_reach_the_hopper_entry_without_a_second_smoothing(sage_on_cpu, monkeypatch):
+    """SMOOTH_KEYS_IN_GRAPH: the route hands the op K minus its token mean (the output is the plain pipeline's:
+    softmax ignores the shift), and on Hopper the op calls the package's Hopper entry with smooth_k=False."""
+    hopper_calls = []
+
+    def hopper_entry(q, k, v, tensor_layout, is_causal, sm_scale, pv_accum_dtype, smooth_k):
+        hopper_calls.append((smooth_k, pv_accum_dtype, float(k.float().mean(dim=1).abs().max())))
+        return sys.modules["sageattention"].sageattn(q, k, v, tensor_layout=tensor_layout, sm_scale=sm_scale)
+
+    monkeypatch.setattr(sys.modules["sageattention"], sage._HOPPER_ENTRY, hopper_entry, raising=False)
+    monkeypatch.setattr(sage, "_hopper", lambda query: True)
+    monkeypatch.setattr(sage, "SMOOTH_KEYS_IN_GRAPH", True)
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, attention="sage")
+    try:
+        out = run(pipe, kwargs)
+    finally:
+        omni_accel.restore(pipe)
+    assert hopper_calls and all(s is False and acc == "fp32+fp32" and m < 1e-4 for s, acc, m in hopper_calls)
+    assert ((out - plain).norm() / plain.norm()).item() < 1e-4

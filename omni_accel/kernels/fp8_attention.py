@@ -252,6 +252,8 @@ def _served(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
 
 def _routed_attention(query, key, value, scale):
     if _Route.implementation == "sage":
+        if sage_attention.SMOOTH_KEYS_IN_GRAPH:  # traced: inductor fuses the mean and subtraction into K's kernels
+            return sage_attention.sage_attention(query, sage_attention.smoothed_keys(key), value, scale, True)
         return sage_attention.sage_attention(query, key, value, scale)
     if _Route.implementation == "fa4":
         return fa4_attention.fa4_attention(query, key, value, scale)

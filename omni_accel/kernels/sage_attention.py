@@ -14,6 +14,12 @@ package fails on is computed by SDPA inside the op, logged once per shape (``ref
 
 With sequence parallelism the pass keeps diffusers' ``sage`` backend: the ring / Ulysses paths need the
 dispatcher's own kernels.
+
+K's smoothing (``SMOOTH_KEYS_IN_GRAPH``, off until timed on a GPU): SageAttention subtracts K's mean over the
+tokens before quantizing K (softmax ignores a vector added to every key, so the result is unchanged) in two eager
+kernels of its own, 1.6 + 2.2 ms per FLUX step on an H100 (a mean and a bf16 subtraction over every key). With the
+switch on, the route subtracts the mean in the compiled block instead, in float32 where inductor fuses it with the
+kernels that produce K, and the op calls the package's Hopper kernel entry with its smoothing off.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ MAX_HEAD_DIM = 128  # the package pads smaller heads to 64 or 128 and refuses la
 DTYPES = (torch.bfloat16, torch.float16)
 
 _REFUSED: dict[tuple, str] = {}  # (q shape, k shape, v shape, dtype) -> why the package failed there
+# Whether the route subtracts K's token mean in the compiled graph and the op skips SageAttention's own (above).
+SMOOTH_KEYS_IN_GRAPH = False
+_HOPPER_ENTRY = "sageattn_qk_int8_pv_fp8_cuda_sm90"  # the function sageattn itself calls on Hopper
 
 
 def refused_shapes() -> dict[str, str]:
@@ -43,18 +52,39 @@ def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_m
             and query.shape[2] == key.shape[2] == value.shape[2])
 
 
-def _sage_call(query, key, value, scale):
-    from sageattention import sageattn
+def smoothed_keys(key: torch.Tensor) -> torch.Tensor:
+    """``key`` (batch, tokens, heads, head dim) minus its mean over the tokens, computed in float32: the attention
+    output is unchanged (every query's scores shift by one constant), and the int8 rounding of K gets the range."""
+    k = key.float()
+    return (k - k.mean(dim=1, keepdim=True)).to(key.dtype)
 
-    out = sageattn(query, key, value, tensor_layout="NHD", is_causal=False, sm_scale=scale)
+
+def _hopper(query: torch.Tensor) -> bool:
+    return query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9
+
+
+def _sage_call(query, key, value, scale, keys_smoothed):
+    import sageattention
+
+    hopper_entry = getattr(sageattention, _HOPPER_ENTRY, None)
+    if keys_smoothed and hopper_entry is not None and _hopper(query):
+        # sageattn's own Hopper call, without its second smoothing of keys the route has smoothed
+        out = hopper_entry(query, key, value, tensor_layout="NHD", is_causal=False, sm_scale=scale,
+                           pv_accum_dtype="fp32+fp32", smooth_k=False)
+    else:
+        out = sageattention.sageattn(query, key, value, tensor_layout="NHD", is_causal=False, sm_scale=scale)
     return out.contiguous()  # padded heads come back as a slice; the fake implementation is contiguous
 
 
-@torch.library.custom_op("omni_accel::sage_attention", mutates_args=())
-def sage_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """softmax(q k^T * scale) v by SageAttention; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
+@torch.library.custom_op("omni_accel::sage_attention", mutates_args=(), schema=(
+    "(Tensor query, Tensor key, Tensor value, float? scale, bool keys_smoothed=False) -> Tensor"))
+def sage_attention(query, key, value, scale, keys_smoothed=False):
+    """softmax(q k^T * scale) v by SageAttention; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU.
+    ``keys_smoothed``: K's token mean is subtracted already (``smoothed_keys``)."""
     return call_or_sdpa("SageAttention", _REFUSED, query, key, value, scale,
-                        lambda: _sage_call(query, key, value, scale))
+                        lambda: _sage_call(query, key, value, scale, keys_smoothed))
 
 
-sage_attention.register_fake(attention_output_like)
+@sage_attention.register_fake
+def _(query, key, value, scale, keys_smoothed=False):
+    return attention_output_like(query, key, value, scale)
