@@ -287,6 +287,13 @@ _MK_PDL_NOUPCAST = {**_MK_PDL, "triton.codegen_upcast_to_fp32": False}
 _MK_PDL_AGGRESSIVE = {**_MK_PDL, "aggressive_fusion": True}
 _FAST_STATIC = {**_STATIC_ATTENTION, "fast_accum": True}
 _FAST_LINEARS = {**_STATIC_LINEARS, "fast_accum": True}
+def _int8_sage(name: str, note: str, **switches) -> Row:
+    """The int8 + SageAttention stack with the library's defaults (quant='int8', attention='sage', fuse_qkv,
+    compile=True), and its A/B rows: ``switches`` are the Row fields that take one default back."""
+    return Row(name, _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
+               inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, note=note, **switches)
+
+
 ROWS: dict[str, Row] = {r.name: r for r in (
     Row("diffusers_eager", _plain, True, note="plain diffusers, PyTorch's own SDPA choice"),
     Row("diffusers_best", _diffusers_best, True, note="set_attention_backend('_native_cudnn') + "
@@ -451,24 +458,20 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, note="quant='int8', fuse_qkv, cuDNN attention (auto's choice before it took SageAttention "
                                "for the graphed int8 stack), compile=True: the library's defaults otherwise"),
-    Row("ours_int8_sage", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
-        inductor=_MK_PDL, needs=("sageattention",), cuda_only=True,
-        note="quant='int8' + attention='sage', fuse_qkv, compile=True: the 8-bit stack that holds the quality bound"),
+    _int8_sage("ours_int8_sage",
+               "quant='int8' + attention='sage', fuse_qkv, compile=True: the 8-bit stack that holds the quality bound"),
     Row("ours_int8_auto", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, cuda_only=True,
         note="quant='int8', attention='auto' (SageAttention where installed, under the graph), compile=True"),
-    Row("ours_int8_sage_keysmooth", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
-        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, sage_keys_in_graph=True,
-        note="ours_int8_sage with K's token mean subtracted in the compiled graph (SageAttention's own off)"),
-    Row("ours_int8_sage_nographs", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
-        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, cuda_graphs=False,
-        note="ours_int8_sage without the whole-forward CUDA graph"),
-    Row("ours_int8_sage_noint8epi", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
-        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_epilogue=False,
-        note="ours_int8_sage with the bf16 concat + GELU kernel and inductor's quantization after it"),
-    Row("ours_int8_sage_pointer", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True),
-        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=False,
-        note="ours_int8_sage with the pointer int8 GEMM kernel at every size"),
+    _int8_sage("ours_int8_sage_keysmooth",
+               "ours_int8_sage with K's token mean subtracted in the compiled graph (SageAttention's own off)",
+               sage_keys_in_graph=True),
+    _int8_sage("ours_int8_sage_nographs", "ours_int8_sage without the whole-forward CUDA graph", cuda_graphs=False),
+    _int8_sage("ours_int8_sage_noint8epi",
+               "ours_int8_sage with the bf16 concat + GELU kernel and inductor's quantization after it",
+               int8_epilogue=False),
+    _int8_sage("ours_int8_sage_pointer", "ours_int8_sage with the pointer int8 GEMM kernel at every size",
+               int8_tma=False),
     # the AdaLN modulation linears' weights in int8 (76 matrix-vector products per FLUX step read 6.4 GB in bf16)
     Row("ours_fp8_fp8attn_static_fa_pdl_mod", _fp8attn({**_FAST_STATIC, "modulation": "int8"}), False,
         calibrates=True, inductor=_MK_PDL, cuda_only=True,
