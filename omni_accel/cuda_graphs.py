@@ -11,12 +11,18 @@ weights' addresses). So the compile pass installs this only where the forward is
 parallel pass inside it -- and the signature of a call (tensor shapes/dtypes/strides, every non-tensor argument)
 selects the graph. Weights moved or replaced (``.to()``, ``load_state_dict`` into new tensors) change their
 addresses; the graphs are then dropped and captured again.
+
+Kernels a graph cannot hold (a package launching on the legacy default stream, which the capture never sees) go
+through ``run_outside_graph``: the capture is then a chain of graphs sharing one memory pool, and those calls run
+from Python between their replays -- one launch per stretch of the forward instead of one per kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import logging
+import threading
 from typing import Any, Callable, Hashable, Protocol
 
 import torch
@@ -63,11 +69,90 @@ class CudaGraphBackend:
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        return _SegmentedCapture(self.device).record(fn)
+
+
+class _SegmentedCapture:
+    """One capture of ``fn`` as a chain of CUDA graphs sharing one memory pool, split where ``fn`` calls
+    ``run_outside_graph``: those calls run from Python between the graphs' replays. Without such a call it is one
+    graph, as ``torch.cuda.graph`` would record (same pool, same synchronisation before the capture)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self.steps: list[Callable[[], Any]] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def record(self, fn: Callable[[], Any]) -> tuple[Any, Callable[[], None]]:
+        torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        with torch.cuda.stream(self.stream):
+            self._begin()
+            _ACTIVE.capture = self
+            try:
+                outputs = fn()
+            finally:
+                _ACTIVE.capture = None
+                self._end()
+        return outputs, self.replay
+
+    def replay(self) -> None:
+        for step in self.steps:
+            step()
+
+    def host_step(self, call: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], shape: tuple[int, ...],
+                  dtype: torch.dtype) -> torch.Tensor:
+        self._end()
+        # The step holds unowned aliases: the graphs' pool may hand the inputs' memory to later segments once the
+        # forward drops them (they are read here before those segments run), and the output's memory belongs to
+        # the forward that reads it. Owned references would keep every attention call's q, k, v alive: 40 GB for
+        # a Wan 81-frame forward.
+        inputs = tuple(_unowned(t) for t in args)
+        self._begin()
+        static_out = torch.empty(shape, dtype=dtype, device=self.device)  # a pool block, no kernel
+        target = _unowned(static_out)
+        self.steps.append(lambda: target.copy_(call(*inputs)))
+        return static_out
+
+    def _begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
         # thread_local: a server thread doing unrelated CUDA work must not invalidate this capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = fn()
-        return outputs, graph.replay
+        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def _end(self) -> None:
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.capture_end()
+            self.steps.append(graph.replay)
+
+
+_ACTIVE = threading.local()  # the segmented capture running on this thread, if any
+
+
+def run_outside_graph(call: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], shape: tuple[int, ...],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``call(*args)`` now; or, while a whole-forward CUDA graph is being captured on this thread, a break in it: the
+    graph so far ends here, ``call`` runs from Python between that graph's replay and the next one's, and the
+    returned tensor (``shape``, ``dtype``, contiguous: what ``call`` returns) is where its result is copied for the
+    next graph to read.
+
+    For kernels a graph cannot hold: a package that launches them on the legacy default stream instead of the
+    current one (SageAttention's CUDA kernels do) runs them at capture time and leaves them out of the graph, so a
+    replay would return the attention of the captured inputs instead of the current ones."""
+    capture = getattr(_ACTIVE, "capture", None)
+    if capture is None:
+        return call(*args)
+    return capture.host_step(call, args, shape, dtype)
+
+
+def _unowned(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``tensor``'s memory that does not keep it allocated (what inductor's CUDA graph trees use)."""
+    storage = tensor.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
+    return torch.empty((), device=tensor.device, dtype=tensor.dtype).set_(
+        alias, tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 class _Captured:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -416,3 +417,32 @@ def test_formats_study_rounds_rows_and_smoothing_leaves_the_product_unchanged():
         smoothed = linear(x)
     torch.testing.assert_close(smoothed, plain, rtol=1e-5, atol=1e-5)
     assert "forward" not in vars(linear)
+
+
+def test_peers_flag_a_row_whose_output_does_not_follow_new_inputs(monkeypatch):
+    """bench_peers.py checks every row once more on new inputs after timing: a forward that hands back what it
+    computed for the timed inputs (a CUDA graph replay missing a kernel) is flagged and kept out of the ratios; a
+    correct forward is not, and the inputs are put back for the profile that follows."""
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", bench)
+    spec.loader.exec_module(bench)
+    lin = torch.nn.Linear(8, 8)
+
+    def model(hidden_states, encoder_hidden_states):
+        return (lin(hidden_states) + encoder_hidden_states.mean(),)
+
+    inputs = {"hidden_states": torch.randn(2, 8), "encoder_hidden_states": torch.randn(3, 8)}
+    timed = dict(inputs)
+    reference = bench.eager_reference(model, inputs)
+    assert torch.equal(inputs["hidden_states"], timed["hidden_states"])
+    with torch.no_grad():
+        stale = model(**inputs)
+        good = bench.fresh_input_check(lambda: model(**inputs), inputs, reference, 0.0)
+        bad = bench.fresh_input_check(lambda: stale, inputs, reference, 0.0)
+    assert good == {"rel_err_fresh_inputs": 0.0}
+    assert bad["fresh_inputs_disagree"] and bad["rel_err_fresh_inputs"] > 0.5
+    assert torch.equal(inputs["hidden_states"], timed["hidden_states"])
+    rows = [{"model": "flux", "config": c, "ms": ms, "lossless": False, **extra} for c, ms, extra in (
+        ("diffusers_best", 130.0, {}), ("ours_int8", 100.0, {}), ("ours_int8_sage", 80.0, bad))]
+    assert bench.summarize(rows)["flux"]["ours_best_int8"] == "ours_int8"

@@ -272,3 +272,23 @@ def test_fp8_compile_true_installs_the_graphs_and_restore_removes_them(cpu_graph
     assert len(graphs) == 1 and graphs[0]["graph_stats"] == {"replays": 2, "captures": 1, "eager_calls": 1}
     assert torch.equal(out, without_graphs)
     assert torch.equal(run(pipe, kwargs), plain)
+
+
+def test_run_outside_graph_calls_through_when_nothing_is_captured():
+    from omni_accel.cuda_graphs import run_outside_graph
+
+    x = torch.randn(3)
+    assert torch.equal(run_outside_graph(lambda a, b: a * b, (x, x), (3,), x.dtype), x * x)
+
+
+def test_an_unowned_alias_reads_and_writes_the_same_memory():
+    """The host steps of a segmented capture keep q, k, v and the output buffer as unowned aliases (owned ones
+    would keep every attention call's inputs alive for the graph's lifetime): same memory, strides and offset."""
+    from omni_accel.cuda_graphs import _unowned
+
+    base = torch.arange(24.0).view(4, 6)
+    view = base[1:, 2:5]
+    alias = _unowned(view)
+    assert torch.equal(alias, view) and alias.stride() == view.stride() and alias.data_ptr() == view.data_ptr()
+    alias.fill_(-1.0)
+    assert (base[1:, 2:5] == -1).all() and base[0, 0] == 0

@@ -167,48 +167,20 @@ def test_auto_attention_keeps_the_lossless_rows_beside_int8(monkeypatch):
     assert asked == {"int8": False, "fp8": True}
 
 
-@pytest.mark.parametrize("knobs, env, graphed", [
-    (dict(quant="int8", compile=True), None, True),
-    (dict(quant="int8", compile="max"), None, True),
-    (dict(quant="int8", compile=False), None, False),
-    (dict(quant="fp8", compile=True), None, False),
-    (dict(quant="int8", compile=True, cache="tea_cache"), None, False),  # no CUDA graph with a cache
-    (dict(quant="int8", compile=True), "0", False),
-])
-def test_the_int8_stack_counts_as_graphed_only_where_the_graph_will_capture_it(monkeypatch, knobs, env, graphed):
-    """SageAttention wins beside int8 linears only inside the whole-forward CUDA graph (without it its Python
-    leaves the GPU idle): auto's SageAttention row asks for exactly that."""
-    from omni_accel.config import AccelConfig
-    from omni_accel.kernels import attention as attn
-    from omni_accel.pass_base import PassContext
-    from omni_accel.pipelines import adapter_for
-
-    if env is None:
-        monkeypatch.delenv("OMNI_ACCEL_CUDA_GRAPHS", raising=False)
-    else:
-        monkeypatch.setenv("OMNI_ACCEL_CUDA_GRAPHS", env)
-    pipe, _ = tiny_pipeline("flux")
-    ctx = PassContext(pipe, adapter_for(pipe), AccelConfig(**knobs), torch.device("cuda"))
-    assert attn.int8_graphed_stack(ctx) is graphed
-
-
-@pytest.mark.parametrize("installed, int8_graphed, compiled, capability, expected", [
-    (True, True, True, (9, 0), "sage"),
-    (True, True, True, (10, 0), "cudnn"),  # measured on Hopper only
-    (False, True, True, (9, 0), "cudnn"),  # the package is not installed: the lossless row
-    (True, False, True, (9, 0), "cudnn"),  # no CUDA graph: cuDNN (SageAttention measured slower there)
-    (True, True, True, (8, 9), "sdpa"),
-    (True, False, False, (9, 0), "sdpa"),
-])
-def test_auto_takes_sageattention_for_the_graphed_int8_stack(monkeypatch, installed, int8_graphed, compiled,
-                                                             capability, expected):
+@pytest.mark.parametrize("installed", [True, False])
+@pytest.mark.parametrize("compiled, expected", [(True, "cudnn"), (False, "sdpa")])
+def test_auto_keeps_cudnn_for_the_int8_stack_even_with_sageattention_installed(monkeypatch, installed, compiled,
+                                                                               expected):
+    """Measured in one run on an H100 (FLUX, compile=True, whole-forward CUDA graph): cuDNN 104.4 ms per step,
+    SageAttention between graph segments 110.6 -- its kernels cannot be inside the graph (they ignore the current
+    stream), so auto does not pick it for any stack."""
     from omni_accel.kernels import attention as attn
 
     real = attn._installed
     monkeypatch.setattr(attn, "_installed", lambda package: installed if package == "sageattention" else real(package))
-    rule = attn.choose_auto(torch.device("cuda"), torch.bfloat16, compiled, 128, False, capability,
-                            int8_graphed=int8_graphed)
+    rule = attn.choose_auto(torch.device("cuda"), torch.bfloat16, compiled, 128, False, (9, 0))
     assert rule.backend == expected and rule.why
+    assert all(r.backend != "sage" for r in attn.AUTO_TABLE)
 
 
 # ------------------------------------------------------------------ quant_config={"modulation": "int8"}

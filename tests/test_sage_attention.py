@@ -123,3 +123,33 @@ def test_keys_smoothed_in_the_graph_reach_the_hopper_entry_without_a_second_smoo
         omni_accel.restore(pipe)
     assert hopper_calls and all(s is False and acc == "fp32+fp32" and m < 1e-4 for s, acc, m in hopper_calls)
     assert ((out - plain).norm() / plain.norm()).item() < 1e-4
+
+
+class _RecordingCapture:
+    """Stands in for a whole-forward capture in progress: records the host steps the op asks for, and runs them
+    as a replay would (the CPU has no CUDA graphs)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def host_step(self, call, args, shape, dtype):
+        self.steps.append((call, args, shape, dtype))
+        return call(*args)
+
+
+def test_under_a_graph_capture_the_op_asks_to_run_between_graphs_with_its_inputs(sage_on_cpu, monkeypatch):
+    """SageAttention's CUDA kernels go to the legacy default stream, which a CUDA graph capture never sees: inside
+    a capture the op must hand its call to the capture as a host step (q, k, v and the output's shape), and with
+    the switch off it runs inline as before (the benchmark row that shows the fault)."""
+    from omni_accel import cuda_graphs
+
+    q, k, v = (torch.randn(1, 16, 2, 32) for _ in range(3))
+    v = v[..., :24]
+    capture = _RecordingCapture()
+    monkeypatch.setattr(cuda_graphs._ACTIVE, "capture", capture, raising=False)
+    out = sage.sage_attention(q, k, v, None)
+    [(_, args, shape, dtype)] = capture.steps
+    assert all(a is b for a, b in zip(args, (q, k, v)))
+    assert shape == (1, 16, 2, 24) and dtype == torch.float32 and out.shape == shape
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(out, want)

@@ -101,8 +101,6 @@ class AutoRule:
     # calls with at least long_min_tokens keys go to long_backend instead (kept only where it can run here)
     long_backend: str | None = None
     long_min_tokens: int = 0
-    # quant="int8" with the whole-forward CUDA graph capturing the forward (int8_graphed_stack); None = either
-    int8_graphed: bool | None = None
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -110,11 +108,6 @@ _HALF = (torch.bfloat16, torch.float16)
 AUTO_TABLE: tuple[AutoRule, ...] = (
     AutoRule("cuda", (9, 0), _HALF, True, 128, True, "fp8",
              "FP8 stack on Hopper with cuDNN's FP8 SDPA: e4m3 attention (lossy, like the FP8 linears it joins)"),
-    AutoRule("cuda", (9, 0), _HALF, True, 128, None, "sage",
-             "int8 stack (quant='int8') compiled on Hopper with its CUDA graph, sageattention installed: "
-             "SageAttention (int8 Q K^T like the linears beside it; the built-in model's worst held-out image "
-             "46.8 dB): 84.9 against 103.7 ms per FLUX step with cuDNN on an H100 (without the graph it loses)",
-             int8_graphed=True),
     AutoRule("cuda", (9, 0), _HALF, True, 128, None, "cudnn",
              "compiled, Hopper+, 16-bit, head dim <= 128: cuDNN SDPA is the fastest measured kernel up to 4.6k "
              "tokens; from 16k keys FlashAttention-4 where installed (1.18x cuDNN at 32.8k)",
@@ -128,8 +121,7 @@ AUTO_TABLE: tuple[AutoRule, ...] = (
 
 
 def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_dim: int | None = None,
-                fp8_stack: bool = False, capability: tuple[int, int] | None = None, *,
-                int8_graphed: bool = False) -> AutoRule:
+                fp8_stack: bool = False, capability: tuple[int, int] | None = None) -> AutoRule:
     """The rule ``attention="auto"`` follows here. ``capability`` defaults to the device's (tests fake it)."""
     if device.type == "cuda" and capability is None and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
@@ -146,12 +138,7 @@ def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_d
             continue
         if rule.fp8_stack is not None and rule.fp8_stack != fp8_stack:
             continue
-        if rule.int8_graphed is not None and rule.int8_graphed != int8_graphed:
-            continue
         if rule.backend == "fp8" and _fp8_stack_attention_refusal(device) is not None:
-            continue
-        # SageAttention: measured on Hopper only (its Blackwell kernels are another build of the package)
-        if rule.backend == "sage" and (not _installed(BACKENDS["sage"].package) or capability[0] != 9):
             continue
         if rule.long_backend == "fa4" and _fa4_refusal(device, capability) is not None:
             return replace(rule, long_backend=None, long_min_tokens=0)
@@ -171,10 +158,10 @@ def _fp8_stack_attention_refusal(device: torch.device) -> str | None:
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, compiled: bool = False,
-                    head_dim: int | None = None, fp8_stack: bool = False, int8_graphed: bool = False) -> Backend:
+                    head_dim: int | None = None, fp8_stack: bool = False) -> Backend:
     """Turn a user's name (or ``auto``) into a backend that runs here; raise AccelError with the choices."""
     if name == "auto":
-        return BACKENDS[choose_auto(device, dtype, compiled, head_dim, fp8_stack, int8_graphed=int8_graphed).backend]
+        return BACKENDS[choose_auto(device, dtype, compiled, head_dim, fp8_stack).backend]
     key = ALIASES.get(name, name)
     if key not in BACKENDS:
         raise AccelError(
@@ -245,17 +232,6 @@ def _fp8_stack(ctx: PassContext) -> bool:
             and ctx.config.sequence_degree == 1)
 
 
-def int8_graphed_stack(ctx: PassContext) -> bool:
-    """Whether auto may take SageAttention: ``quant="int8"`` on a family whose attention goes through diffusers'
-    dispatcher, without sequence parallelism, with the whole-forward CUDA graph capturing the forward. Without the
-    graph SageAttention's Python around every call leaves the GPU idle (FLUX 140.7 ms per step against 114.2 with
-    cuDNN, one H100), with it SageAttention wins (84.9 vs 103.7)."""
-    from ..compiler import cuda_graphs_blocker
-
-    return (ctx.config.quant == "int8" and ctx.adapter.attention_via_dispatcher and ctx.config.sequence_degree == 1
-            and _graph_captured(ctx) and cuda_graphs_blocker(ctx) is None)
-
-
 def _graph_captured(ctx: PassContext) -> bool:
     """Whether the compile pass will capture the transformer forward in a CUDA graph (compile="max", or the 8-bit
     stacks' default graph): auto keeps FlashAttention-4 out of those, where its launches are not verified."""
@@ -288,7 +264,7 @@ class AttentionPass(AccelPass):
         """The backend, and the key count from which calls go to FlashAttention-4 (None: no FA4 route)."""
         transformer = ctx.adapter.transformers_of(ctx.pipe)[0][1]  # Wan 2.2 may hold only transformer_2
         decision = dict(dtype=transformer.dtype, compiled=bool(ctx.config.compile), head_dim=_head_dim(transformer),
-                        fp8_stack=_fp8_stack(ctx), int8_graphed=int8_graphed_stack(ctx))
+                        fp8_stack=_fp8_stack(ctx))
         backend = resolve_backend(ctx.config.attention, ctx.device, **decision)
         if not ctx.adapter.attention_via_dispatcher and backend.sdpa is None and backend.name != "sdpa":
             # only SDPA kernels reach processors that call F.scaled_dot_product_attention themselves

@@ -12,6 +12,13 @@ SDPA, reached through the same route as FlashAttention-4 (``fp8_attention.route_
 serve (a mask, causal, dropout, fp32, head dims over 128, grouped heads) go to the original dispatcher; a call the
 package fails on is computed by SDPA inside the op, logged once per shape (``refused_shapes()``).
 
+CUDA graphs: the package launches its CUDA kernels (the attention itself, V's FP8 transposition) on the legacy
+default stream, not the current one. A CUDA graph captured on its own stream therefore runs them once at capture
+and leaves them out: every replay would hand back the attention of the captured inputs (and a benchmark replaying
+the same inputs would not see it). So the op runs outside the graph: under ``compile="max"`` the whole-forward
+capture is cut into one graph per stretch between attention calls (``cuda_graphs.run_outside_graph``), and the
+call runs on the default stream, ordered with the caller's (``on_default_stream``).
+
 With sequence parallelism the pass keeps diffusers' ``sage`` backend: the ring / Ulysses paths need the
 dispatcher's own kernels.
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cuda_graphs import run_outside_graph
 from .fa4_attention import attention_output_like, call_or_sdpa, listed_shapes
 
 PACKAGE = "sageattention"
@@ -81,8 +89,30 @@ def _sage_call(query, key, value, scale, keys_smoothed):
 def sage_attention(query, key, value, scale, keys_smoothed=False):
     """softmax(q k^T * scale) v by SageAttention; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU.
     ``keys_smoothed``: K's token mean is subtracted already (``smoothed_keys``)."""
-    return call_or_sdpa("SageAttention", _REFUSED, query, key, value, scale,
-                        lambda: _sage_call(query, key, value, scale, keys_smoothed))
+
+    def call(q, k, v):
+        return on_default_stream(q.device, lambda: call_or_sdpa(
+            "SageAttention", _REFUSED, q, k, v, scale, lambda: _sage_call(q, k, v, scale, keys_smoothed)))
+
+    return run_outside_graph(call, (query, key, value), (*query.shape[:-1], value.shape[-1]), query.dtype)
+
+
+def on_default_stream(device: torch.device, call):
+    """``call()`` with the device's default stream current, ordered after and before the caller's stream: the
+    package launches its CUDA kernels on the legacy default stream whatever stream is current, and its Triton
+    kernels on the current one, so on any other stream the two would race (and the caller's stream would not
+    wait for the attention)."""
+    if device.type != "cuda":
+        return call()
+    current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+    if current == default:
+        return call()
+    default.wait_stream(current)
+    with torch.cuda.stream(default):
+        out = call()
+    current.wait_stream(default)
+    out.record_stream(current)  # allocated on the default stream, read on the caller's
+    return out
 
 
 @sage_attention.register_fake

@@ -1,0 +1,127 @@
+"""Is SageAttention right under CUDA graphs and on a non-default stream? One GPU, FLUX's attention shape.
+
+SageAttention launches its CUDA kernels on the legacy default stream, so a CUDA graph captured on its own stream
+leaves them out. This script shows the three cases side by side, each checked on inputs *other* than the ones
+captured (a replay of the captured inputs hides the fault):
+
+- ``captured``: the package called inside a plain ``torch.cuda.graph`` capture (what the whole-forward graph did
+  before it broke the capture around the op);
+- ``host_step``: the op inside omni_accel's whole-forward graph (``GraphedForward``), which runs it between graph
+  segments (``cuda_graphs.run_outside_graph``);
+- ``side_stream``: the op called eagerly with a non-default stream current.
+
+Each gets the relative error against SDPA on the new inputs; SageAttention's own error at this shape is the
+``eager`` row. Usage::
+
+    python benchmarks/check_sage_graphs.py --out benchmarks/results/check_sage_graphs_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.timing import write_result  # noqa: E402
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def _plain_capture_error(block, captured_in, fresh, want) -> float:
+    """Warm up on a side stream, capture ``block`` as the whole-forward graph did before (thread-local mode), copy
+    new inputs in, replay, and return the error against ``want``."""
+    static = [t.clone() for t in captured_in]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        block(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        static_out = block(*static)
+    for s, f in zip(static, fresh):
+        s.copy_(f)
+    graph.replay()
+    return rel_err(static_out, want)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4608)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    from omni_accel.cuda_graphs import GraphedForward
+    from omni_accel.kernels.sage_attention import _sage_call as sage_package_call
+    from omni_accel.kernels.sage_attention import sage_attention
+
+    device = torch.device("cuda")
+    shape = (1, args.tokens, args.heads, 128)
+
+    def qkv(seed: int):
+        g = torch.Generator(device=device).manual_seed(seed)
+        return [torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+    def block(q, k, v):  # kernels before and after the op, as in a transformer block
+        return sage_attention(q * 1.0, k, v, None) * 2.0
+
+    captured_in, fresh = qkv(0), qkv(1)
+    want = sdpa(*fresh) * 2.0
+    rows = {"eager": rel_err(block(*fresh), want)}
+
+    # the package called inside a plain capture (what the op did before it ran between graph segments), replayed on
+    # new inputs
+    def block_captured(q, k, v):
+        return sage_package_call(q * 1.0, k, v, None, False) * 2.0
+
+    try:
+        rows["captured"] = _plain_capture_error(block_captured, captured_in, fresh, want)
+    except Exception as exc:  # noqa: BLE001 -- a failed capture is a result too
+        rows["captured"] = f"capture failed: {type(exc).__name__}: {exc}"[:300]
+    torch.cuda.synchronize()
+
+    # omni_accel's whole-forward graph: warm-up call, capture, then replays on new inputs
+    dummy = torch.nn.Linear(1, 1, device=device)
+    graphed = GraphedForward(block, dummy, device)
+    with torch.no_grad():
+        graphed(*captured_in)
+        graphed(*captured_in)
+        rows["host_step"] = rel_err(graphed(*fresh), want)
+        rows["host_step_again"] = rel_err(graphed(*qkv(2)), sdpa(*qkv(2)) * 2.0)
+    rows["graph_stats"] = dict(graphed.stats)
+
+    # eager on a side stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = block(*fresh)
+    torch.cuda.current_stream().wait_stream(side)
+    rows["side_stream"] = rel_err(out, want)
+    torch.cuda.synchronize()
+
+    import sageattention  # noqa: F401 -- its version goes into the result
+
+    from importlib import metadata
+
+    result = {"benchmark": "check_sage_graphs", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "sageattention": metadata.version("sageattention"), "shape_bthd": list(shape),
+              "rel_err_vs_sdpa_on_new_inputs": rows}
+    print(result)
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
