@@ -170,13 +170,22 @@ def test_auto_applies_cudnn_and_the_long_sequence_route_together_and_restores(fa
     assert not hasattr(pipe.transformer, "_diffusers_hook") or not pipe.transformer._diffusers_hook._hook_order
 
 
-def test_auto_keeps_fa4_out_of_forwards_a_cuda_graph_captures(fa4_on_cpu, monkeypatch):
+@pytest.mark.parametrize("knobs, long_route", [
+    (dict(compile="max"), False),  # the forward is captured: FA4's launches stay out of the graph
+    (dict(compile="max", cache="tea_cache"), True),  # a cache rules the graph out, so nothing keeps FA4 away
+    (dict(compile=True), True),  # bf16 compile=True captures no graph
+])
+def test_auto_keeps_fa4_out_of_exactly_the_forwards_a_cuda_graph_captures(fa4_on_cpu, monkeypatch, knobs, long_route):
+    from omni_accel import compiler
+
     pipe, _ = tiny_pipeline("flux")
     hopper_rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
     monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: dataclasses.replace(hopper_rule, long_min_tokens=1))
-    omni_accel.accelerate(pipe, attention="auto", compile="max")
+    # as on a GPU: only the cache (of the real blocker's reasons) rules the graph out here
+    monkeypatch.setattr(compiler, "cuda_graphs_blocker", lambda ctx: "a cache" if ctx.config.cache else None)
+    omni_accel.accelerate(pipe, attention="auto", **knobs)
     (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
-    assert applied["backend"] == "cudnn" and "long_sequences" not in applied
+    assert applied["backend"] == "cudnn" and ("long_sequences" in applied) is long_route
     omni_accel.restore(pipe)
 
 

@@ -234,10 +234,12 @@ def _fp8_stack(ctx: PassContext) -> bool:
 
 def _graph_captured(ctx: PassContext) -> bool:
     """Whether the compile pass will capture the transformer forward in a CUDA graph (compile="max", or the 8-bit
-    stacks' default graph): auto keeps FlashAttention-4 out of those, where its launches are not verified."""
-    from ..compiler import graphs_by_default
+    stacks' default graph, and nothing that rules graphs out: a cache, offload, a parallel degree, the variable):
+    auto keeps FlashAttention-4 out of those, where its launches are not verified."""
+    from ..compiler import cuda_graphs_blocker, graphs_by_default
 
-    return ctx.config.compile == "max" or graphs_by_default(ctx)
+    wanted = ctx.config.compile == "max" or graphs_by_default(ctx)
+    return wanted and cuda_graphs_blocker(ctx) is None
 
 
 def _head_dim(transformer) -> int | None:
