@@ -456,13 +456,13 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     # persistent TMA int8 GEMM above 1,024 rows; concat + GELU + int8 quantization in one kernel), and A/B rows that
     # take one of those back
     Row("ours_int8", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True), False,
-        inductor=_MK_PDL, note="quant='int8', fuse_qkv, cuDNN attention (auto's choice before it took SageAttention "
-                               "for the graphed int8 stack), compile=True: the library's defaults otherwise"),
+        inductor=_MK_PDL, note="quant='int8', fuse_qkv, cuDNN attention (auto's choice), compile=True: the library's "
+                               "defaults otherwise"),
     _int8_sage("ours_int8_sage",
                "quant='int8' + attention='sage', fuse_qkv, compile=True: the 8-bit stack that holds the quality bound"),
     Row("ours_int8_auto", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, cuda_only=True,
-        note="quant='int8', attention='auto' (SageAttention where installed, under the graph), compile=True"),
+        note="quant='int8', attention='auto' (cuDNN on Hopper), compile=True"),
     _int8_sage("ours_int8_sage_keysmooth",
                "ours_int8_sage with K's token mean subtracted in the compiled graph (SageAttention's own off)",
                sage_keys_in_graph=True),
