@@ -292,3 +292,62 @@ def test_an_unowned_alias_reads_and_writes_the_same_memory():
     assert torch.equal(alias, view) and alias.stride() == view.stride() and alias.data_ptr() == view.data_ptr()
     alias.fill_(-1.0)
     assert (base[1:, 2:5] == -1).all() and base[0, 0] == 0
+
+
+class _LoggedGraph:
+    """torch.cuda.CUDAGraph's capture / replay calls, logged (the CPU has no CUDA graphs)."""
+
+    log: list = []
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        assert pool == "pool" and capture_error_mode == "thread_local"
+        self.log.append("begin")
+
+    def capture_end(self):
+        self.log.append("end")
+
+    def replay(self):
+        self.log.append(("replay", id(self)))
+
+
+def test_a_segmented_capture_replays_its_graphs_in_order_with_the_host_call_between(monkeypatch):
+    """The chain ``run_outside_graph`` makes of a capture: the graph before the call ends there, the call runs
+    between that graph's replay and the next one's, reading the captured inputs' memory and writing the tensor the
+    forward went on with; the capture that follows starts in the same pool. The CUDA calls are stand-ins that log;
+    the data flow through the host step is real."""
+    import contextlib
+
+    from omni_accel import cuda_graphs
+
+    _LoggedGraph.log = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _LoggedGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    x = torch.randn(5)
+    kept = []  # the graphs' pool keeps captured tensors' memory; on the CPU a list stands in for it
+
+    def host_call(t):
+        _LoggedGraph.log.append("host")
+        return t + 1
+
+    def forward():
+        a = x * 2
+        kept.append(a)
+        out = cuda_graphs.run_outside_graph(host_call, (a,), (5,), a.dtype)
+        kept.append(out)
+        return out
+
+    outputs, replay = cuda_graphs._SegmentedCapture(torch.device("cpu")).record(forward)
+    assert _LoggedGraph.log == ["begin", "end", "begin", "end"]
+    assert getattr(cuda_graphs._ACTIVE, "capture", None) is None  # the capture is over: calls run inline again
+    replay()
+    first, host, second = _LoggedGraph.log[4:]
+    assert (first[0], host, second[0]) == ("replay", "host", "replay") and first != second  # two graphs
+    torch.testing.assert_close(outputs, x * 2 + 1)
+    x.mul_(-1)  # new values in the captured input's memory, as a replay of the first graph would write them
+    kept[0].copy_(x * 2)
+    replay()
+    torch.testing.assert_close(outputs, x * 2 + 1)
