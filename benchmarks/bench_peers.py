@@ -17,6 +17,8 @@ whole-model torch.compile, the torchao FP8 per-row path, and omni_accel's bf16 a
     python benchmarks/bench_peers.py --device cpu --tiny --configs diffusers_eager,ours_bf16 --out /tmp/peers.json
     # the README table from a result file
     python benchmarks/bench_peers.py --table-from benchmarks/results/bench_peers_h200_flux.json
+    # rewrite README.md's <!-- peers-table: FILES --> blocks from their files (--check: only say if one is stale)
+    python benchmarks/bench_peers.py --readme README.md
 
 Every model is a full-size random-weight bf16 transformer built from its config on the GPU (speed does not depend on
 the weights' values) inside a real diffusers pipeline object, so ``omni_accel.accelerate`` / ``restore`` run
@@ -47,8 +49,10 @@ import argparse
 import contextlib
 import gc
 import importlib
+import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -58,7 +62,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from benchmarks.bench_transformer import (  # noqa: E402
     ClockLog,
@@ -863,6 +868,44 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+TABLE_BLOCK = re.compile(r"(<!-- peers-table: (?P<files>[^ ]+) -->\n)(?P<body>.*?)(<!-- /peers-table -->)", re.S)
+
+
+def tables_from(paths: list[str]) -> str:
+    """The markdown table of each result file (paths relative to the repository root), headed by its GPU."""
+    parts = []
+    for path in paths:
+        with open(os.path.join(ROOT, path)) as f:
+            result = json.load(f)
+        parts.append(f"`{os.path.basename(path)}` ({result['env']['gpu']}, torch {result['env']['torch']}):\n\n"
+                     f"{markdown_table(result)}\n")
+    return "\n".join(parts)
+
+
+def update_tables(markdown_path: str, check: bool = False) -> int:
+    """Regenerate every peers-table block of ``markdown_path`` from the files its marker names; with ``check``,
+    report the stale blocks instead and return 1 if there are any."""
+    with open(markdown_path) as f:
+        text = f.read()
+    stale = []
+
+    def regenerate(match: re.Match) -> str:
+        body = tables_from(match["files"].split(","))
+        if body != match["body"]:
+            stale.append(match["files"])
+        return match.group(1) + body + match.group(4)
+
+    new_text = TABLE_BLOCK.sub(regenerate, text)
+    if check:
+        for files in stale:
+            print(f"{markdown_path}: the table from {files} is stale; run python benchmarks/bench_peers.py "
+                  f"--readme {markdown_path}", file=sys.stderr)
+        return 1 if stale else 0
+    with open(markdown_path, "w") as f:
+        f.write(new_text)
+    return 0
+
+
 def _fresh_cell(row: dict) -> str:
     if "rel_err_fresh_inputs" not in row:
         return ""
@@ -924,6 +967,11 @@ def parse_args(argv):
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--table-from", default=None,
                     help="print the markdown table of result files (comma list) and exit: the README's tables")
+    ap.add_argument("--readme", default=None,
+                    help="rewrite the blocks of this markdown file between '<!-- peers-table: FILES -->' and "
+                         "'<!-- /peers-table -->' from those result files (comma list), and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="with --readme: change nothing, exit 1 if a block differs from its result files")
     args = ap.parse_args(argv)
     if args.loop_forwards < 0:
         ap.error(f"--loop-forwards {args.loop_forwards}: give a number of forwards (>= 1), or 0 for none")
@@ -935,14 +983,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.table_from:
-        import json
-
-        for path in args.table_from.split(","):
-            with open(path) as f:
-                result = json.load(f)
-            print(f"`{os.path.basename(path)}` ({result['env']['gpu']}, torch {result['env']['torch']}):\n")
-            print(markdown_table(result) + "\n")
+        print(tables_from(args.table_from.split(",")))
         return 0
+    if args.readme:
+        return update_tables(args.readme, check=args.check)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no GPU; use --device cpu --tiny", file=sys.stderr)

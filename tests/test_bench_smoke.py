@@ -446,3 +446,23 @@ def test_peers_flag_a_row_whose_output_does_not_follow_new_inputs(monkeypatch):
     rows = [{"model": "flux", "config": c, "ms": ms, "lossless": False, **extra} for c, ms, extra in (
         ("diffusers_best", 130.0, {}), ("ours_int8", 100.0, {}), ("ours_int8_sage", 80.0, bad))]
     assert bench.summarize(rows)["flux"]["ours_best_int8"] == "ours_int8"
+
+
+def test_the_readme_peers_tables_are_what_their_result_files_say(tmp_path, monkeypatch, capsys):
+    """README.md's peers-table blocks are regenerated from the result files their markers name
+    (``bench_peers.py --readme``): the check passes on the README as committed, and a hand-edited figure fails it
+    and is put back by regenerating."""
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", bench)
+    spec.loader.exec_module(bench)
+    readme = os.path.join(ROOT, "README.md")
+    assert bench.TABLE_BLOCK.search(open(readme).read()), "README.md has no peers-table block"
+    assert bench.main(["--readme", readme, "--check"]) == 0
+    edited = tmp_path / "README.md"
+    text = open(readme).read()
+    block = bench.TABLE_BLOCK.search(text)
+    edited.write_text(text.replace(block["body"], block["body"].replace("| 104.4 |", "| 99.9 |")))
+    assert bench.main(["--readme", str(edited), "--check"]) == 1
+    assert "is stale" in capsys.readouterr().err
+    assert bench.main(["--readme", str(edited)]) == 0 and edited.read_text() == text
