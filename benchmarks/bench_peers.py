@@ -292,6 +292,8 @@ _MK_PDL_NOUPCAST = {**_MK_PDL, "triton.codegen_upcast_to_fp32": False}
 _MK_PDL_AGGRESSIVE = {**_MK_PDL, "aggressive_fusion": True}
 _FAST_STATIC = {**_STATIC_ATTENTION, "fast_accum": True}
 _FAST_LINEARS = {**_STATIC_LINEARS, "fast_accum": True}
+
+
 def _int8_sage(name: str, note: str, **switches) -> Row:
     """The int8 + SageAttention stack with the library's defaults (quant='int8', attention='sage', fuse_qkv,
     compile=True), and its A/B rows: ``switches`` are the Row fields that take one default back."""
@@ -895,7 +897,11 @@ def update_tables(markdown_path: str, check: bool = False) -> int:
             stale.append(match["files"])
         return match.group(1) + body + match.group(4)
 
-    new_text = TABLE_BLOCK.sub(regenerate, text)
+    new_text, blocks = TABLE_BLOCK.subn(regenerate, text)
+    if not blocks:
+        print(f"error: {markdown_path} has no '<!-- peers-table: FILES -->' ... '<!-- /peers-table -->' block; add "
+              "one naming the result files its table comes from", file=sys.stderr)
+        return 2
     if check:
         for files in stale:
             print(f"{markdown_path}: the table from {files} is stale; run python benchmarks/bench_peers.py "
@@ -977,6 +983,9 @@ def parse_args(argv):
         ap.error(f"--loop-forwards {args.loop_forwards}: give a number of forwards (>= 1), or 0 for none")
     if args.blocks < 0:
         ap.error(f"--blocks {args.blocks}: give the number of blocks to keep per stack (>= 1), or 0 for all")
+    if args.check and not args.readme:
+        ap.error("--check compares a markdown file's peers-table blocks with their result files: give it with "
+                 "--readme FILE")
     return args
 
 
