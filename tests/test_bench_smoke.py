@@ -21,6 +21,16 @@ def _bench():
     return module
 
 
+
+@pytest.fixture
+def bench_peers(monkeypatch):
+    """benchmarks/bench_peers.py as a module (registered under its name: its dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_peers", module)
+    spec.loader.exec_module(module)
+    return module
+
 def test_tiny_cpu_run_writes_rows_for_every_model(tmp_path):
     bench = _bench()
     out = tmp_path / "bench.json"
@@ -117,16 +127,12 @@ def test_graphs_check_runs_its_case_on_cpu_and_says_the_graphs_did_not_replay(ca
     assert "unknown cases ['nope']; choose from flux, flux_kontext," in capsys.readouterr().err
 
 
-def test_peers_bench_tiny_cpu_rows_summary_and_table(tmp_path, capsys, monkeypatch):
+def test_peers_bench_tiny_cpu_rows_summary_and_table(bench_peers, tmp_path, capsys, monkeypatch):
     """bench_peers.py's GPU-run code on tiny models: one peer and one of ours per model, the ratio summary and the
     README table from the result file (with the back-to-back loop column, asked for by --loop-forwards); a row that
     cannot run here is listed as skipped with the reason."""
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_peers", bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
     out = tmp_path / "peers.json"
-    assert bench.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
                        "diffusers_eager,ours_bf16,torchao_fp8_rowwise", "--loop-forwards", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {r["config"]: r for r in result["rows"]}
@@ -141,27 +147,23 @@ def test_peers_bench_tiny_cpu_rows_summary_and_table(tmp_path, capsys, monkeypat
     assert summary["lossless_vs_diffusers_eager_loop"] == round(
         rows["diffusers_eager"]["ms_loop"] / rows["ours_bf16"]["ms_loop"], 3)
     capsys.readouterr()
-    assert bench.main(["--table-from", str(out)]) == 0
+    assert bench_peers.main(["--table-from", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| flux | ours_bf16 |" in table and "| flux | diffusers_eager |" in table
     assert "| ms/step in a loop |" in table
     with pytest.raises(SystemExit):
-        bench.main(["--loop-forwards", "-1", "--out", str(tmp_path / "x.json")])
+        bench_peers.main(["--loop-forwards", "-1", "--out", str(tmp_path / "x.json")])
     assert "--loop-forwards -1: give a number of forwards (>= 1), or 0 for none" in capsys.readouterr().err
 
 
-def test_peers_bench_static_attention_scales_row_on_the_cpu(tmp_path, monkeypatch, cudnn_fp8_on_cpu):
+def test_peers_bench_static_attention_scales_row_on_the_cpu(bench_peers, tmp_path, monkeypatch, cudnn_fp8_on_cpu):
     """The three configs of the static-attention-scales GPU run, on a tiny FLUX with cuDNN's FP8 arithmetic emulated:
     the static row calibrates and freezes every attention module, the per-call row attaches none, both stay lossy
     within the FP8 stack's bound."""
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_peers", bench)
-    spec.loader.exec_module(bench)
     for name in ("ours_fp8_fp8attn_mk", "ours_fp8_fp8attn_static"):
-        monkeypatch.setattr(bench.ROWS[name], "cuda_only", False)  # the CPU op emulates cuDNN's FP8 SDPA
+        monkeypatch.setattr(bench_peers.ROWS[name], "cuda_only", False)  # the CPU op emulates cuDNN's FP8 SDPA
     out = tmp_path / "peers.json"
-    assert bench.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
                        "diffusers_best,ours_fp8_fp8attn_mk,ours_fp8_fp8attn_static", "--out", str(out)]) == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"diffusers_best", "ours_fp8_fp8attn_mk", "ours_fp8_fp8attn_static"}
@@ -172,17 +174,13 @@ def test_peers_bench_static_attention_scales_row_on_the_cpu(tmp_path, monkeypatc
     assert 0 < static["rel_err_vs_eager"] < 0.05 and 0 < per_call["rel_err_vs_eager"] < 0.05
 
 
-def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(tmp_path, monkeypatch, capsys):
+def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(bench_peers, tmp_path, monkeypatch, capsys):
     """--blocks keeps N blocks per stack at full width (FLUX: N dual + 2N single), --host-profile records where the
     host spends a forward, and a row with cuda_graphs=False sets OMNI_ACCEL_CUDA_GRAPHS=0 for itself only."""
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_peers", bench)
-    spec.loader.exec_module(bench)
     monkeypatch.delenv("OMNI_ACCEL_CUDA_GRAPHS", raising=False)
-    monkeypatch.setattr(bench.ROWS["ours_bf16"], "cuda_graphs", False)
+    monkeypatch.setattr(bench_peers.ROWS["ours_bf16"], "cuda_graphs", False)
     out = tmp_path / "peers.json"
-    assert bench.main(["--device", "cpu", "--tiny", "--models", "flux", "--blocks", "1", "--host-profile",
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--models", "flux", "--blocks", "1", "--host-profile",
                        "--configs", "ours_bf16", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["specs"]["flux"]["cfg"]["num_layers"] == 1 and result["specs"]["flux"]["cfg"]["num_single_layers"] == 2
@@ -190,9 +188,9 @@ def test_peers_bench_blocks_host_profile_and_a_row_without_graphs(tmp_path, monk
     (row,) = result["rows"]
     assert "error" not in row and row["cuda_graphs_env"] == "0" and "OMNI_ACCEL_CUDA_GRAPHS" not in os.environ
     assert row["host_profile"]["host_ms"] > 0 and row["host_profile"]["top_cpu"]
-    assert bench.with_blocks(bench.SPECS["wan81"](True), 0) == bench.SPECS["wan81"](True)
+    assert bench_peers.with_blocks(bench_peers.SPECS["wan81"](True), 0) == bench_peers.SPECS["wan81"](True)
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--device", "cpu", "--tiny", "--blocks", "-1", "--out", str(out)])
+        bench_peers.main(["--device", "cpu", "--tiny", "--blocks", "-1", "--out", str(out)])
     assert exit_info.value.code == 2
     assert "--blocks -1: give the number of blocks to keep per stack (>= 1), or 0 for all" in capsys.readouterr().err
 
@@ -230,20 +228,16 @@ def test_first_call_bench_splits_setup_calibration_and_forwards(tmp_path, capsys
     assert "--host-copy-gib -1.0: give the size to copy in GiB (> 0), or 0 for no copy test" in capsys.readouterr().err
 
 
-def test_kernel_gaps_sum_the_idle_between_kernels_and_name_both_sides(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_peers", bench)
-    spec.loader.exec_module(bench)
+def test_kernel_gaps_sum_the_idle_between_kernels_and_name_both_sides(bench_peers, monkeypatch):
     intervals = [("nvjet_gemm", 0.0, 10.0), ("triton_poi_fused_add", 12.0, 20.0),
                  ("triton_poi_fused_mul", 15.0, 18.0),  # inside the one before it: no gap, and not "before" later
                  ("cudnn_generated_fort_native_sdpa", 30.0, 40.0), ("nvjet_gemm", 40.0, 50.0)]
-    gaps = bench.kernel_gaps(list(reversed(intervals)))  # any order in
+    gaps = bench_peers.kernel_gaps(list(reversed(intervals)))  # any order in
     assert gaps["total_ms"] == 0.012 and gaps["count"] == 2 and gaps["over_5us"] == 1
     assert gaps["over_5us_ms"] == 0.01 and gaps["before_kind_ms"] == {"attention": 0.01, "other fused": 0.002}
     assert gaps["longest"][0] == {"us": 10.0, "after": "triton_poi_fused_add", "before":
                                   "cudnn_generated_fort_native_sdpa"}
-    assert bench.kernel_gaps([])["count"] == 0
+    assert bench_peers.kernel_gaps([])["count"] == 0
 
 
 def test_fp8_epilogues_bench_tiny_cpu_rows(tmp_path):
@@ -353,23 +347,19 @@ def test_flux_dev_linear_share_counts_the_flops_a_bf16_fallback_keeps():
     assert share(["transformer_blocks.0.*"]) == share(["single_transformer_blocks.3.*"]) == 0.0175
 
 
-def test_peers_summary_keeps_int8_rows_out_of_the_fp8_ratios_and_refuses_two_in_place_rows(tmp_path, capsys,
-                                                                                          monkeypatch):
+def test_peers_summary_keeps_int8_rows_out_of_the_fp8_ratios_and_refuses_two_in_place_rows(bench_peers, tmp_path,
+                                                                                          capsys):
     """bench_peers.py: an int8 row is compared with torchao's int8 and diffusers' best, never counted as ours' best
     FP8 (a format against the same format), and a lossy attention beside bf16 linears counts as neither; two rows
     that quantize the weights in place are refused in one run."""
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_peers", bench)
-    spec.loader.exec_module(bench)
     rows = [{"model": "flux", "config": c, "ms": ms, "lossless": lossless} for c, ms, lossless in (
         ("diffusers_best", 130.0, True), ("ours_fp8_dynamic_fa_pdl", 90.0, False), ("ours_int8_pdl", 80.0, False),
         ("torchao_fp8_rowwise", 110.0, False), ("torchao_int8", 100.0, False), ("ours_bf16_mk_pdl_sage", 70.0, False))]
-    summary = bench.summarize(rows)["flux"]
+    summary = bench_peers.summarize(rows)["flux"]
     assert summary["ours_best_fp8"] == "ours_fp8_dynamic_fa_pdl" and summary["ours_best_int8"] == "ours_int8_pdl"
     assert summary["fp8_vs_torchao"] == round(110 / 90, 3) and summary["int8_vs_torchao_int8"] == 1.25
     assert summary["int8_vs_diffusers_best"] == round(130 / 80, 3)
-    assert bench.main(["--device", "cpu", "--tiny", "--configs", "torchao_fp8_rowwise,torchao_int8",
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--configs", "torchao_fp8_rowwise,torchao_int8",
                        "--out", str(tmp_path / "x.json")]) == 2
     assert ("--configs has 2 rows that change the weights in place (['torchao_fp8_rowwise', 'torchao_int8']); the "
             "second would quantize the first one's weights. Run each in its own invocation.") in capsys.readouterr().err
@@ -419,14 +409,10 @@ def test_formats_study_rounds_rows_and_smoothing_leaves_the_product_unchanged():
     assert "forward" not in vars(linear)
 
 
-def test_peers_flag_a_row_whose_output_does_not_follow_new_inputs(monkeypatch):
+def test_peers_flag_a_row_whose_output_does_not_follow_new_inputs(bench_peers, monkeypatch):
     """bench_peers.py checks every row once more on new inputs after timing: a forward that hands back what it
     computed for the timed inputs (a CUDA graph replay missing a kernel) is flagged and kept out of the ratios; a
     correct forward is not, and the inputs are put back for the profile that follows."""
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_peers", bench)
-    spec.loader.exec_module(bench)
     lin = torch.nn.Linear(8, 8)
 
     def model(hidden_states, encoder_hidden_states):
@@ -434,35 +420,38 @@ def test_peers_flag_a_row_whose_output_does_not_follow_new_inputs(monkeypatch):
 
     inputs = {"hidden_states": torch.randn(2, 8), "encoder_hidden_states": torch.randn(3, 8)}
     timed = dict(inputs)
-    reference = bench.eager_reference(model, inputs)
+    reference = bench_peers.eager_reference(model, inputs)
     assert torch.equal(inputs["hidden_states"], timed["hidden_states"])
     with torch.no_grad():
         stale = model(**inputs)
-        good = bench.fresh_input_check(lambda: model(**inputs), inputs, reference, 0.0)
-        bad = bench.fresh_input_check(lambda: stale, inputs, reference, 0.0)
+        good = bench_peers.fresh_input_check(lambda: model(**inputs), inputs, reference, 0.0)
+        bad = bench_peers.fresh_input_check(lambda: stale, inputs, reference, 0.0)
     assert good == {"rel_err_fresh_inputs": 0.0}
     assert bad["fresh_inputs_disagree"] and bad["rel_err_fresh_inputs"] > 0.5
     assert torch.equal(inputs["hidden_states"], timed["hidden_states"])
     rows = [{"model": "flux", "config": c, "ms": ms, "lossless": False, **extra} for c, ms, extra in (
         ("diffusers_best", 130.0, {}), ("ours_int8", 100.0, {}), ("ours_int8_sage", 80.0, bad))]
-    assert bench.summarize(rows)["flux"]["ours_best_int8"] == "ours_int8"
+    assert bench_peers.summarize(rows)["flux"]["ours_best_int8"] == "ours_int8"
 
 
-def test_the_readme_peers_tables_are_what_their_result_files_say(tmp_path, monkeypatch, capsys):
+def test_the_readme_peers_tables_are_what_their_result_files_say(bench_peers, tmp_path, monkeypatch, capsys):
     """README.md's peers-table blocks are regenerated from the result files their markers name
     (``bench_peers.py --readme``): the check passes on the README as committed, and a hand-edited figure fails it
     and is put back by regenerating."""
-    spec = importlib.util.spec_from_file_location("bench_peers", os.path.join(ROOT, "benchmarks", "bench_peers.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_peers", bench)
-    spec.loader.exec_module(bench)
     readme = os.path.join(ROOT, "README.md")
-    assert bench.TABLE_BLOCK.search(open(readme).read()), "README.md has no peers-table block"
-    assert bench.main(["--readme", readme, "--check"]) == 0
+    assert bench_peers.TABLE_BLOCK.search(open(readme).read()), "README.md has no peers-table block"
+    assert bench_peers.main(["--readme", readme, "--check"]) == 0
     edited = tmp_path / "README.md"
     text = open(readme).read()
-    block = bench.TABLE_BLOCK.search(text)
+    block = bench_peers.TABLE_BLOCK.search(text)
     edited.write_text(text.replace(block["body"], block["body"].replace("| 104.4 |", "| 99.9 |")))
-    assert bench.main(["--readme", str(edited), "--check"]) == 1
+    assert bench_peers.main(["--readme", str(edited), "--check"]) == 1
     assert "is stale" in capsys.readouterr().err
-    assert bench.main(["--readme", str(edited)]) == 0 and edited.read_text() == text
+    assert bench_peers.main(["--readme", str(edited)]) == 0 and edited.read_text() == text
+    plain = tmp_path / "plain.md"
+    plain.write_text("no table here\n")
+    assert bench_peers.main(["--readme", str(plain)]) == 2
+    assert f"error: {plain} has no '<!-- peers-table: FILES -->'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_peers.main(["--check"])
+    assert "--check compares a markdown file's peers-table blocks" in capsys.readouterr().err

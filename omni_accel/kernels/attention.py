@@ -13,8 +13,7 @@ Two routes, by what the backend is:
 backend), whose rows come from measurements (docs/kernels.md): in eager mode it patches nothing, so the plain
 pipeline's own kernel runs; compiled on Hopper in 16-bit it pins cuDNN SDPA (637 vs 331 TFLOP/s for FA2 at FLUX
 shapes on an H200) and, where flash-attn-4 is installed, sends calls over ``fa4_attention.AUTO_MIN_TOKENS`` keys
-(video) to FlashAttention-4; with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention, with ``quant="int8"``
-under the whole-forward CUDA graph SageAttention where the package is installed.
+(video) to FlashAttention-4; with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention.
 """
 
 from __future__ import annotations

@@ -121,9 +121,14 @@ def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
                         lambda: _fa4_call(query, key, value, scale))
 
 
+def attention_output_shape(query: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
+    """What the routed attention ops return: (batch, tokens, heads, v's head dim), contiguous."""
+    return (*query.shape[:-1], value.shape[-1])
+
+
 def attention_output_like(query, key, value, scale):
-    """The routed attention ops' fake implementation: (batch, tokens, heads, v's head dim), contiguous."""
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+    """The routed attention ops' fake implementation (``attention_output_shape``)."""
+    return query.new_empty(attention_output_shape(query, value))
 
 
 fa4_attention.register_fake(attention_output_like)

@@ -15,8 +15,9 @@ package fails on is computed by SDPA inside the op, logged once per shape (``ref
 CUDA graphs: the package launches its CUDA kernels (the attention itself, V's FP8 transposition) on the legacy
 default stream, not the current one. A CUDA graph captured on its own stream therefore runs them once at capture
 and leaves them out: every replay would hand back the attention of the captured inputs (and a benchmark replaying
-the same inputs would not see it). So the op runs outside the graph: under ``compile="max"`` the whole-forward
-capture is cut into one graph per stretch between attention calls (``cuda_graphs.run_outside_graph``), and the
+the same inputs would not see it). So the op runs outside the graph: under the whole-forward CUDA graph
+(``compile="max"``, and ``compile=True`` with ``quant="fp8"`` or ``"int8"``) the capture is cut into one graph per
+stretch between attention calls (``cuda_graphs.run_outside_graph``), and the
 call runs on the default stream, ordered with the caller's (``on_default_stream``).
 
 With sequence parallelism the pass keeps diffusers' ``sage`` backend: the ring / Ulysses paths need the
@@ -34,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..cuda_graphs import run_outside_graph
-from .fa4_attention import attention_output_like, call_or_sdpa, listed_shapes
+from .fa4_attention import attention_output_like, attention_output_shape, call_or_sdpa, listed_shapes
 
 PACKAGE = "sageattention"
 MAX_HEAD_DIM = 128  # the package pads smaller heads to 64 or 128 and refuses larger ones
@@ -94,7 +95,7 @@ def sage_attention(query, key, value, scale, keys_smoothed=False):
         return on_default_stream(q.device, lambda: call_or_sdpa(
             "SageAttention", _REFUSED, q, k, v, scale, lambda: _sage_call(q, k, v, scale, keys_smoothed)))
 
-    return run_outside_graph(call, (query, key, value), (*query.shape[:-1], value.shape[-1]), query.dtype)
+    return run_outside_graph(call, (query, key, value), attention_output_shape(query, value), query.dtype)
 
 
 def on_default_stream(device: torch.device, call):
