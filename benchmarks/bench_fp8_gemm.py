@@ -46,6 +46,7 @@ TINY_SHAPES = (("tiny", 64, 128, 256),)
 # (name, M, K, N): FLUX.1-dev's AdaLN modulation linears, one token per sample: matrix-vector products
 MODULATION_SHAPES = (("dual.norm1.linear (AdaLN)", 1, 3072, 18432), ("single.norm.linear (AdaLN)", 1, 3072, 9216))
 TINY_MODULATION_SHAPES = (("tiny_gemv", 1, 128, 256),)
+INT8_CONFIGS: tuple[str, ...] = ()  # the int8 Triton tiles to time (--int8-configs); empty = every shipped tile
 
 
 def timed(fn, device, iters: int) -> float:
@@ -135,7 +136,8 @@ def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters) ->
     out["int8_gemm_rescale_b2b_ms"] = round(statistics.median(back_to_back_ms(cublas, device, 20, 5)), 4)
     from omni_accel.kernels import int8_gemm_triton
 
-    for config in (*int8_gemm_triton.CONFIGS, *int8_gemm_triton.TMA_CONFIGS):
+    for config in INT8_CONFIGS or (*int8_gemm_triton.CONFIGS, *int8_gemm_triton.TMA_CONFIGS,
+                                   *int8_gemm_triton.WS_CONFIGS):
         def fused(c=config):
             return int8_gemm_triton.int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, None, torch.bfloat16, c)
         try:
@@ -171,6 +173,17 @@ def gemv_row(name, m, k, n, device, iters) -> dict:
             "int8_weight_only_rel_err": ((got - exact).norm() / exact.norm()).item()}
 
 
+def _int8_configs(names: str) -> tuple[str, ...]:
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    known = (*g.CONFIGS, *g.TMA_CONFIGS, *g.WS_CONFIGS)
+    wanted = tuple(name for name in names.split(",") if name)
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise SystemExit(f"--int8-configs: unknown tile {unknown}; choose from {', '.join(known)}")
+    return wanted
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -181,8 +194,13 @@ def main(argv=None) -> int:
     ap.add_argument("--int8-autotune", action="store_true",
                     help="also time the int8 linear compiled with max-autotune (Inductor's Triton int8 GEMM, rescale "
                          "fused; tens of seconds of autotuning per shape)")
+    ap.add_argument("--int8-configs", default="",
+                    help="comma list of the int8 Triton tiles to time (int8_gemm_triton.CONFIGS, TMA_CONFIGS, "
+                         "WS_CONFIGS names; default: all)")
     ap.add_argument("--out", default="bench_fp8_gemm.json")
     args = ap.parse_args(argv)
+    global INT8_CONFIGS
+    INT8_CONFIGS = _int8_configs(args.int8_configs)
     device = torch.device(args.device)
     iters = args.iters or (3 if args.tiny else 50)
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -138,6 +138,7 @@ class Row:
     layernorm: bool = True  # kernels.epilogue_fusion.LAYERNORM (False: inductor's AdaLN norm + modulate + cast)
     epilogue_pdl: bool = True  # kernels.epilogue_fusion.PDL (False: the pass's kernels launched without PDL)
     int8_tma: bool = True  # kernels.int8_gemm_triton.PERSISTENT_TMA (False: the pointer int8 GEMM at every size)
+    int8_ws: bool = True  # kernels.int8_gemm_triton.WARP_SPECIALIZE (False: the TMA int8 GEMM, not warp specialized)
     int8_epilogue: bool = True  # kernels.epilogue_fusion.INT8 (False: bf16 concat + GELU, then inductor's quantization)
     sage_keys_in_graph: bool = False  # kernels.sage_attention.SMOOTH_KEYS_IN_GRAPH (True: K's mean in the graph)
 
@@ -151,6 +152,7 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"),
             ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"),
             ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"),
+            ("kernels.int8_gemm_triton", "WARP_SPECIALIZE", "int8_ws"),
             ("kernels.epilogue_fusion", "INT8", "int8_epilogue"),
             ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"))
 
@@ -416,23 +418,23 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         int8_tma=False, int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl with cuBLAS's _int_mm (int32 out, rescale in the next kernel)"),
     Row("ours_int8_pdl_tma", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True), False,
-        inductor=_MK_PDL, cuda_only=True, int8_tma=True,
+        inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_ws=False,
         int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl with the persistent TMA kernel for the Triton int8 GEMM"),
     Row("ours_int8_pdl_graphs_tma", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile="max"),
-        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_epilogue=False,
+        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=False,
         note="ours_int8_pdl_graphs with the persistent TMA kernel"),
     Row("ours_int8_pdl_int8epi", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, cuda_only=True, int8_epilogue=True,
         int8_tma=False, cuda_graphs=False,
         note="ours_int8_pdl with the single blocks' concat + GELU + int8 quantization in one kernel"),
     Row("ours_int8_pdl_tma_int8epi", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True),
-        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_epilogue=True,
+        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=True,
         cuda_graphs=False,
         note="ours_int8_pdl with both the persistent TMA int8 GEMM and the one-kernel int8 epilogue"),
     Row("ours_int8_pdl_sage_tma_int8epi", _ours(attention="sage", quant="int8", fuse_if_supported=True,
                                                 compile=True), False, inductor=_MK_PDL, needs=("sageattention",),
-        cuda_only=True, int8_tma=True, int8_epilogue=True,
+        cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=True,
         cuda_graphs=False, note="ours_int8_pdl_sage_tma with the one-kernel int8 epilogue"),
     # attention="cudnn", not auto: auto would give quant="fp8" cuDNN's FP8 attention, and this row is the bf16-attention
     # twin of the int8 rows
@@ -453,11 +455,11 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         needs=("sageattention",), cuda_only=True, int8_tma=False, int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl_sage with the Triton int8 GEMM"),
     Row("ours_int8_pdl_sage_tma", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile=True), False,
-        inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True,
+        inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True, int8_ws=False,
         int8_epilogue=False, cuda_graphs=False,
         note="ours_int8_pdl_sage with the persistent TMA kernel for the int8 GEMM"),
     Row("ours_int8_pdl_sage_graphs_tma", _ours(attention="sage", quant="int8", fuse_if_supported=True, compile="max"),
-        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True,
+        False, inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, int8_tma=True, int8_ws=False,
         int8_epilogue=False, note="ours_int8_pdl_sage_tma with a CUDA graph of the whole forward (compile='max')"),
     # the int8 stacks with the library's defaults since 2026-12-05 (compile=True: whole-forward CUDA graph; the
     # persistent TMA int8 GEMM above 1,024 rows; concat + GELU + int8 quantization in one kernel), and A/B rows that
@@ -469,7 +471,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
                "quant='int8' + attention='sage', fuse_qkv, compile=True: the 8-bit stack that holds the quality bound"),
     Row("ours_int8_auto", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, cuda_only=True,
-        note="quant='int8', attention='auto' (cuDNN on Hopper), compile=True"),
+        note="quant='int8', attention='auto' (cuDNN on Hopper; SageAttention from 16k keys where installed), "
+             "compile=True"),
     _int8_sage("ours_int8_sage_keysmooth",
                "ours_int8_sage with K's token mean subtracted in the compiled graph (SageAttention's own off)",
                sage_keys_in_graph=True),
@@ -513,6 +516,8 @@ ROWS.update((row.name, row) for row in (
               "(inductor's own kernels keep it)", epilogue_pdl=False),
     _switched(_BF16, "nokernelpdl", "the graph pass's kernels launched without PDL", epilogue_pdl=False),
     _switched(_FP8_DEFAULT, "noepilogue", "inductor's own concat + GELU + cast kernel", epilogue_fusion=False),
+    _switched("ours_int8", "tma", "the TMA int8 GEMM without warp specialization", int8_ws=False),
+    _switched("ours_int8_sage", "tma", "the TMA int8 GEMM without warp specialization", int8_ws=False),
 ))
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",

@@ -132,6 +132,8 @@ INT8_GEMM_CASES = tuple(f"int8_gemm-{m}x{k}x{n}-{'bias' if b else 'nobias'}-{d}"
 # so each program walks several; partial row / column tiles, a partial K block (48 = 32 + 16)
 INT8_TMA_SHAPES = ((70, 128, 64, False, "bfloat16"), (40, 48, 72, True, "bfloat16"), (17, 96, 40, True, "float16"))
 INT8_TMA_CASES = tuple(f"int8_tma-{m}x{k}x{n}-{'bias' if b else 'nobias'}-{d}" for m, k, n, b, d in INT8_TMA_SHAPES)
+# the warp-specialized kernel (device-built descriptors) on the same shapes
+INT8_WS_CASES = tuple(case.replace("int8_tma", "int8_ws") for case in INT8_TMA_CASES)
 
 
 def int8_gemm_cases() -> dict:
@@ -144,6 +146,7 @@ def int8_gemm_cases() -> dict:
     results = {}
     cases = [(shape, key, None) for shape, key in zip(INT8_GEMM_SHAPES, INT8_GEMM_CASES)]
     cases += [(shape, key, "tma_128x256x128") for shape, key in zip(INT8_TMA_SHAPES, INT8_TMA_CASES)]
+    cases += [(shape, key, "ws_128x256x128") for shape, key in zip(INT8_TMA_SHAPES, INT8_WS_CASES)]
     for (m, k, n, has_bias, dtype_name), key, config in cases:
         try:
             gen = torch.Generator().manual_seed(m * k + n)

@@ -69,7 +69,7 @@ def test_triton_kernel_matches_float64(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
-@pytest.mark.parametrize("case", WORKER.INT8_GEMM_CASES + WORKER.INT8_TMA_CASES)
+@pytest.mark.parametrize("case", WORKER.INT8_GEMM_CASES + WORKER.INT8_TMA_CASES + WORKER.INT8_WS_CASES)
 def test_int8_gemm_kernel_equals_int_mm_and_the_rescale(interpreted, case):
     """Exact int32 sums either way, then the same fp32 rescale and one rounding: the outputs are equal."""
     r = interpreted["int8_gemm"][case]
@@ -278,6 +278,26 @@ def test_persistent_tma_int8_gemm_compiles_to_tma_copies_and_int8_mmas():
         assert "0 bytes spill stores" in _ptxas_report(ptx), name
 
 
+def test_warp_specialized_int8_gemm_compiles_to_producer_and_consumer_partitions():
+    """Each warp-specialized tile lowers for sm_90 into Triton's partitions (a producer issuing TMA copies, consumers
+    whose registers are raised with setmaxnreg) feeding s8 warp-group MMAs, within 227 KiB of shared memory, no
+    spills. Triton silently falls back to the unspecialized loop where it cannot partition (8 consumer warps did),
+    which this catches."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    pointers = dict(x_ptr="*i8", w_ptr="*i8", out_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                    bias_ptr="*bf16")
+    for name, (block_m, block_n, block_k, group_m, warps, stages) in g.WS_CONFIGS.items():
+        consts = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=132)
+        compiled = _compile_for_hopper(g._int8_gemm_rescale_ws_kernel, pointers, consts,
+                                       {"num_warps": warps, "num_stages": stages}, floats=(), aligned=True)
+        ptx = compiled.asm["ptx"]
+        assert "ttg.warp_specialize" in compiled.asm["ttgir"] and "setmaxnreg" in ptx, name
+        assert "cp.async.bulk.tensor" in ptx and "wgmma" in ptx and ".s8" in ptx, name
+        assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+        assert "0 bytes spill stores" in _ptxas_report(ptx), name
+
+
 def test_tma_config_refuses_operands_it_cannot_take():
     from omni_accel.kernels import int8_gemm_triton as g
 
@@ -287,7 +307,7 @@ def test_tma_config_refuses_operands_it_cannot_take():
     scale = torch.ones(32, 1)
     with pytest.raises(ValueError, match=r"config='tma_128x256x128': these operands cannot use TMA \(needs a "
                                          r"Hopper-or-newer GPU and 16-byte aligned rows: K a multiple of 16, N of 8\); "
-                                         r"use a config without 'tma_'"):
+                                         r"use a config without 'tma_' or 'ws_'"):
         g.int8_mm_rescale(x, w, scale, torch.ones(1, 16), None, torch.bfloat16, "tma_128x256x128")
 
 

@@ -12,7 +12,7 @@ Operands: ``x`` (M, K) int8 row-major, ``w`` (N, K) int8 row-major (the weight a
 kernel reads it as the (K, N) column-major matrix), ``x_scale`` (M, 1) and ``w_scale`` (1, N) fp32. K is a multiple
 of 8 (the int8 layers' alignment); M and N take any size (masked tiles).
 
-Two kernels compute the same sums (integer arithmetic: bit for bit the same output):
+Three kernels compute the same sums (integer arithmetic: bit for bit the same output):
 
 - ``_int8_gemm_rescale_kernel``: one program per output tile, operands loaded through pointers (Triton pipelines
   them with asynchronous copies).
@@ -21,6 +21,11 @@ Two kernels compute the same sums (integer arithmetic: bit for bit the same outp
   host-built descriptors. Why: the copy engine computes the addresses and masks that the pointer kernel spends
   registers and issue slots on, and a persistent program overlaps one tile's epilogue with the next tile's first
   loads. It needs 16-byte aligned rows (K a multiple of 16, N of 8); other shapes take the first kernel.
+- ``_int8_gemm_rescale_ws_kernel`` (``WARP_SPECIALIZE``, the default in the TMA kernel's place on Hopper): the same
+  persistent TMA loop, warp specialized -- a producer warp only issues the loads, two consumer warp groups only
+  multiply and rescale -- as cuBLAS's Hopper kernels are built. 1.2x the TMA kernel on FLUX's large block shapes,
+  ahead of e4m3's ``_scaled_mm`` on four of five (``benchmarks/bench_fp8_gemm.py``). Its descriptors are built on the device, which
+  needs Triton's scratch allocator (``_ensure_scratch_allocator``: torch's, unless the caller set one).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from .fused_triton import INTERPRETED, _launcher, _on_device
 
@@ -55,6 +61,16 @@ TMA_CONFIGS = {
     "tma_128x256x64": (128, 256, 64, 8, 8, 4),
     "tma_256x128x128": (256, 128, 128, 8, 8, 3),
 }
+# The warp-specialized kernel's tiles, same fields; named "ws_" + tile. Warps are the consumers' (Triton splits the
+# tile's rows between two consumer warp groups and adds the producer warps); with 8 warps Triton does not specialize.
+# Measured on an H100 on FLUX.1-dev's block shapes (benchmarks/results/bench_fp8_gemm_h100_int8_ws_20261205.json),
+# 20 calls back to back: ws_128x256x128 1,157-1,584 TOPS from 4,096 rows up where the TMA kernel's 128x256x128
+# reached 957-1,296 and e4m3's _scaled_mm 1,200-1,346 (ahead of it on four of the five shapes). A 128x128x128 tile
+# with 5 stages returned sums that differ from the reference, so it is not shipped.
+WS_CONFIGS = {
+    "ws_128x256x128": (128, 256, 128, 8, 4, 3),
+    "ws_128x256x64": (128, 256, 64, 8, 4, 4),
+}
 FEW_ROWS = 1024  # up to this many rows: the smaller tile of the pointer kernel (more tiles to fill the GPU)
 # Whether ``pick_config`` takes the persistent TMA kernel for more than FEW_ROWS rows where the shape and GPU allow it
 # (benchmarks' A/B rows set it). Measured on an H200 on FLUX.1-dev's block shapes, 20 calls back to back
@@ -63,12 +79,29 @@ FEW_ROWS = 1024  # up to this many rows: the smaller tile of the pointer kernel 
 # on the fifth); at 512 rows the TMA tiles reached 552-572 TOPS and the pointer kernel's 128x128x128 803, so fewer
 # rows keep the pointer kernel.
 PERSISTENT_TMA = True
+# Whether the warp-specialized kernel (``WS_TILE``) replaces the TMA kernel on Hopper (sm_90: the only GPUs it was
+# measured on; benchmarks' A/B rows set it). The FLUX forward on an H100: 93.4 against 99.7 ms per step.
+WARP_SPECIALIZE = True
+WS_TILE = "ws_128x256x128"
 
 
-def pick_config(rows: int, tma: bool = False) -> str:
+def pick_config(rows: int, tma: bool = False, warp_specialize: bool = False) -> str:
     if rows <= FEW_ROWS:
         return "128x128x128"
-    return "tma_128x256x128" if tma else "128x256x128"
+    if not tma:
+        return "128x256x128"
+    return WS_TILE if warp_specialize else "tma_128x256x128"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _warp_specialized_here(x_int8: torch.Tensor) -> bool:
+    if not WARP_SPECIALIZE:
+        return False
+    return INTERPRETED or (x_int8.is_cuda and _capability(x_int8.device.index or 0)[0] == 9)
 
 
 def tma_fits(x_int8: torch.Tensor, w_int8: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -76,7 +109,7 @@ def tma_fits(x_int8: torch.Tensor, w_int8: torch.Tensor, out_dtype: torch.dtype)
     Triton, 16-byte aligned base addresses and row strides for x, w and the output."""
     if TensorDescriptor is None:
         return False
-    if not INTERPRETED and not (x_int8.is_cuda and torch.cuda.get_device_capability(x_int8.device)[0] >= 9):
+    if not INTERPRETED and not (x_int8.is_cuda and _capability(x_int8.device.index or 0)[0] >= 9):
         return False
     out_row_bytes = w_int8.shape[0] * out_dtype.itemsize  # no tensor made per call: this runs before every GEMM
     return (x_int8.data_ptr() % 16 == 0 and w_int8.data_ptr() % 16 == 0 and x_int8.stride(0) % 16 == 0
@@ -142,6 +175,33 @@ def _int8_gemm_rescale_kernel(
 
 
 @triton.jit
+def _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """One output tile's int32 sums, operands through TMA descriptors (which zero-fill reads past M, N and K)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(k_steps):
+        a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    return acc
+
+
+@triton.jit
+def _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's sums times the rows' and columns' scales (+ bias), stored through the output descriptor (clipped at
+    M and N)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y.to(out_desc.dtype))
+
+
+@triton.jit
 def _int8_gemm_rescale_tma_kernel(
     x_desc, w_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -155,29 +215,75 @@ def _int8_gemm_rescale_tma_kernel(
     epilogue_tile = tl.program_id(0) - PROGRAMS
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for k in range(k_steps):  # the descriptors zero-fill reads past M, N and K
-            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
         epilogue_tile += PROGRAMS
         pid_m, pid_n = _tile_coords(epilogue_tile, tiles_m, tiles_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
-        w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
-        y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y.to(out_desc.dtype))  # clipped at M and N
+        _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
+                       BLOCK_N)
+
+
+@triton.jit
+def _int8_gemm_rescale_ws_kernel(
+    x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_xm, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    # The persistent TMA kernel's arithmetic, warp specialized: a producer partition issues the TMA loads into a ring
+    # of shared-memory stages while two consumer warp groups (half the tile's rows each) multiply and run the
+    # epilogue, so loads for the next tile start while this one's epilogue runs without the software pipeline's
+    # register cost. The descriptors are built on the device, because Triton's Hopper partitioning rewrites them to
+    # the consumers' half tiles (host-built ones keep the whole tile and fail to lower).
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, warp_specialize=True):
+        pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
+        _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
+                       BLOCK_N)
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for kernels that build TMA descriptors on the device (128 bytes per descriptor and program),
+    from torch's caching allocator: inside a CUDA graph capture it comes from the graph's pool."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    # Triton keeps its allocator in a ContextVar, unset in every new thread (a server's workers too): set ours there
+    # unless the caller set one.
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
+def _persistent_programs(x_int8, m: int, n: int, block_m: int, block_n: int) -> int:
+    """One program per SM (4 in the interpreter, so that a test's programs walk several tiles), at most one a tile."""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return min(tiles, 4 if INTERPRETED else _sm_count(x_int8.device.index or 0))
+
+
+def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
+    block_m, block_n, block_k, group_m, warps, stages = tile
+    m, k = x_int8.shape
+    n = w_int8.shape[0]
+    programs = _persistent_programs(x_int8, m, n, block_m, block_n)
+    if not INTERPRETED:
+        _ensure_scratch_allocator()
+    _launcher(_int8_gemm_rescale_ws_kernel, x_int8.device)[(programs,)](
+        x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out, m, n, k,
+        x_int8.stride(0), w_int8.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        PROGRAMS=programs, num_warps=warps, num_stages=stages)
 
 
 def _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
     block_m, block_n, block_k, group_m, warps, stages = tile
     m, k = x_int8.shape
     n = w_int8.shape[0]
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    programs = min(tiles, 4 if INTERPRETED else _sm_count(x_int8.device.index or 0))
+    programs = _persistent_programs(x_int8, m, n, block_m, block_n)
     _launcher(_int8_gemm_rescale_tma_kernel, x_int8.device)[(programs,)](
         TensorDescriptor.from_tensor(x_int8, [block_m, block_k]),
         TensorDescriptor.from_tensor(w_int8, [block_n, block_k]),
@@ -197,17 +303,17 @@ def int8_mm_rescale(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.T
     if x_int8.stride(1) != 1 or w_int8.stride(1) != 1:
         raise ValueError("int8_mm_rescale needs row-major operands (x: (M, K), w: (N, K), stride 1 along K)")
     if config is None:
-        config = pick_config(m, PERSISTENT_TMA and tma_fits(x_int8, w_int8, out_dtype))
-    elif config in TMA_CONFIGS and not tma_fits(x_int8, w_int8, out_dtype):
+        config = pick_config(m, PERSISTENT_TMA and tma_fits(x_int8, w_int8, out_dtype), _warp_specialized_here(x_int8))
+    elif (config in TMA_CONFIGS or config in WS_CONFIGS) and not tma_fits(x_int8, w_int8, out_dtype):
         raise ValueError(f"config={config!r}: these operands cannot use TMA (needs a Hopper-or-newer GPU and 16-byte "
-                         "aligned rows: K a multiple of 16, N of 8); use a config without 'tma_'")
+                         "aligned rows: K a multiple of 16, N of 8); use a config without 'tma_' or 'ws_'")
     # the interpreter's float32 -> bf16 cast does not round to nearest even: it stores fp32 and torch casts
     out = torch.empty((m, n), dtype=torch.float32 if INTERPRETED else out_dtype, device=x_int8.device)
-    if config in TMA_CONFIGS:
-        with _on_device(x_int8):
-            _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias,
-                        _INTERPRETER_TILE if INTERPRETED else TMA_CONFIGS[config])
-        return out.to(out_dtype)
+    for tiles, launch in ((TMA_CONFIGS, _launch_tma), (WS_CONFIGS, _launch_ws)):
+        if config in tiles:
+            with _on_device(x_int8):
+                launch(x_int8, w_int8, out, x_scale, w_scale, bias, _INTERPRETER_TILE if INTERPRETED else tiles[config])
+            return out.to(out_dtype)
     block_m, block_n, block_k, group_m, warps, stages = _INTERPRETER_TILE if INTERPRETED else CONFIGS[config]
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     with _on_device(x_int8):
