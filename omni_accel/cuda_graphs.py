@@ -171,6 +171,13 @@ class _Captured:
         return tree_unflatten(fresh, self.out_spec)
 
 
+def on_device(tensor_device: torch.device, device: torch.device) -> bool:
+    """Whether a tensor on ``tensor_device`` is on ``device``; ``device`` without an index ("cuda", as a user may pass
+    it) stands for any of its type's devices: a tensor's device always has one, so comparing with ``==`` made every
+    call of a pipeline accelerated with device="cuda" run without its graph."""
+    return tensor_device.type == device.type and device.index in (None, tensor_device.index)
+
+
 def _leaf_key(leaf: Any) -> Hashable:
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad)
@@ -239,7 +246,7 @@ class GraphedForward:
             parts = tuple(_leaf_key(leaf) for leaf in leaves)
         except TypeError:
             return None
-        if any(isinstance(leaf, torch.Tensor) and leaf.device != self.device for leaf in leaves):
+        if any(isinstance(leaf, torch.Tensor) and not on_device(leaf.device, self.device) for leaf in leaves):
             return None
         return (str(spec), parts)
 

@@ -14,7 +14,7 @@ import torch
 
 import omni_accel
 import omni_accel.compiler as compiler
-from omni_accel.cuda_graphs import MAX_GRAPHS, GraphedForward
+from omni_accel.cuda_graphs import MAX_GRAPHS, GraphedForward, on_device
 from omni_accel.testing import run, tiny_pipeline
 
 
@@ -56,6 +56,15 @@ def test_replays_match_eager_and_hand_out_outputs_the_next_replay_cannot_touch()
         assert torch.equal(got[0], want[0])
     assert backend.captures == 1
     assert graphed.stats == {"replays": 3, "captures": 1, "eager_calls": 1}
+
+
+@pytest.mark.parametrize("tensor_device, device, expected", [
+    ("cuda:0", "cuda", True),  # accelerate(pipe, device="cuda"): every tensor is on an indexed device
+    ("cuda:1", "cuda", True), ("cuda:0", "cuda:0", True), ("cuda:1", "cuda:0", False), ("cpu", "cuda", False),
+    ("cpu", "cpu", True),
+])
+def test_a_device_without_an_index_takes_tensors_on_any_device_of_its_type(tensor_device, device, expected):
+    assert on_device(torch.device(tensor_device), torch.device(device)) is expected
 
 
 def test_each_input_signature_gets_its_own_graph():
