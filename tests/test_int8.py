@@ -168,19 +168,34 @@ def test_auto_attention_keeps_the_lossless_rows_beside_int8(monkeypatch):
 
 
 @pytest.mark.parametrize("installed", [True, False])
-@pytest.mark.parametrize("compiled, expected", [(True, "cudnn"), (False, "sdpa")])
-def test_auto_keeps_cudnn_for_the_int8_stack_even_with_sageattention_installed(monkeypatch, installed, compiled,
-                                                                               expected):
-    """Measured in one run on an H100 (FLUX, compile=True, whole-forward CUDA graph): cuDNN 104.4 ms per step,
-    SageAttention between graph segments 110.6 -- its kernels cannot be inside the graph (they ignore the current
-    stream), so auto does not pick it for any stack."""
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (8, 0)])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_auto_sends_only_the_compiled_int8_stacks_long_sequences_to_sageattention_on_hopper(
+        monkeypatch, installed, capability, compiled):
+    """Measured in one run on an H100 with int8 linears and compile=True: FLUX (4,608 keys) cuDNN 93.4 ms per step,
+    SageAttention 100.2; Wan 81 frames (32,760 keys) SageAttention 4.04 s, cuDNN 4.72. So auto keeps cuDNN and routes
+    calls from sage_attention.AUTO_MIN_TOKENS keys to SageAttention, only for quant="int8", compiled, on Hopper (the
+    only GPU measured), where the package is installed; elsewhere the rows it had before."""
     from omni_accel.kernels import attention as attn
+    from omni_accel.kernels import sage_attention
 
-    real = attn._installed
-    monkeypatch.setattr(attn, "_installed", lambda package: installed if package == "sageattention" else real(package))
-    rule = attn.choose_auto(torch.device("cuda"), torch.bfloat16, compiled, 128, False, (9, 0))
-    assert rule.backend == expected and rule.why
-    assert all(r.backend != "sage" for r in attn.AUTO_TABLE)
+    monkeypatch.setattr(sage_attention, "installed", lambda package: installed)
+    cuda = torch.device("cuda")
+    rule = attn.choose_auto(cuda, torch.bfloat16, compiled, 128, False, capability, int8_stack=True)
+    lossless = attn.choose_auto(cuda, torch.bfloat16, compiled, 128, False, capability, int8_stack=False)
+    routed = installed and capability == (9, 0) and compiled
+    assert rule.backend == lossless.backend == ("cudnn" if compiled and capability >= (9, 0) else "sdpa")
+    assert (rule.long_backend == "sage") == routed and rule.why
+    if routed:
+        assert rule.long_min_tokens == sage_attention.AUTO_MIN_TOKENS == 16384
+    else:
+        assert rule == lossless  # the rows it had before: cuDNN (+ FA4's long route) or PyTorch's own choice
+    assert lossless.long_backend != "sage"
+    if not installed and capability == (9, 0):
+        assert sage_attention.auto_refusal(capability) == "sageattention is not installed"
+    if installed and capability == (10, 0):
+        assert sage_attention.auto_refusal(capability) == ("SageAttention was measured on Hopper (sm_90) only; this "
+                                                           "GPU is sm_100")
 
 
 # ------------------------------------------------------------------ quant_config={"modulation": "int8"}

@@ -5,6 +5,7 @@ SDPA where the package fails, and with sequence parallelism the pass keeps diffu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import types
@@ -17,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import omni_accel
 from omni_accel import AccelError
 from omni_accel.kernels import attention as attn
+from omni_accel.kernels import fp8_attention as route
 from omni_accel.kernels import sage_attention as sage
 from omni_accel.testing import check_route_takes_every_call, check_sdpa_fallback, run, run_compiled_twice, tiny_pipeline
 
@@ -153,3 +155,32 @@ def test_under_a_graph_capture_the_op_asks_to_run_between_graphs_with_its_inputs
     assert shape == (1, 16, 2, 24) and dtype == torch.float32 and out.shape == shape
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("graph_captured", [False, True])
+def test_auto_routes_long_calls_to_sage_beside_cudnn_also_under_a_graph_and_restores(sage_on_cpu, monkeypatch,
+                                                                                     graph_captured):
+    """auto's int8 row on Hopper: cuDNN for every call, SageAttention for calls from ``long_min_tokens`` keys. Unlike
+    FlashAttention-4's route it stays when the forward is captured in a CUDA graph (the op runs between graph
+    segments). A threshold one above the tiny model's key count routes none."""
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    undo = route.route_transformer(pipe.transformer, "sage")
+    run(pipe, kwargs)
+    undo()
+    keys = {shape[1] for shape in sage_on_cpu}.pop()  # NHD: (batch, tokens, heads, head dim)
+    monkeypatch.setattr(sage, "installed", lambda package: True)
+    rule = attn.choose_auto(torch.device("cuda"), torch.bfloat16, True, 128, False, (9, 0), int8_stack=True)
+    assert (rule.backend, rule.long_backend) == ("cudnn", "sage")
+    monkeypatch.setattr(attn, "_graph_captured", lambda ctx: graph_captured)
+    for min_tokens, routed in ((keys, True), (keys + 1, False)):
+        sage_on_cpu.clear()
+        monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: dataclasses.replace(rule, long_min_tokens=min_tokens))
+        omni_accel.accelerate(pipe, attention="auto")
+        (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+        assert (applied["backend"], applied["long_sequences"]) == ("cudnn", f"sage from {min_tokens} keys")
+        assert torch.allclose(run(pipe, kwargs), plain, atol=1e-5)
+        assert bool(sage_on_cpu) is routed
+        omni_accel.restore(pipe)
+    sage_on_cpu.clear()
+    assert torch.equal(run(pipe, kwargs), plain) and not sage_on_cpu

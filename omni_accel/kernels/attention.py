@@ -13,7 +13,9 @@ Two routes, by what the backend is:
 backend), whose rows come from measurements (docs/kernels.md): in eager mode it patches nothing, so the plain
 pipeline's own kernel runs; compiled on Hopper in 16-bit it pins cuDNN SDPA (637 vs 331 TFLOP/s for FA2 at FLUX
 shapes on an H200) and, where flash-attn-4 is installed, sends calls over ``fa4_attention.AUTO_MIN_TOKENS`` keys
-(video) to FlashAttention-4; with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention.
+(video) to FlashAttention-4; with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention; with ``quant="int8"`` on
+Hopper, where sageattention is installed, calls over ``sage_attention.AUTO_MIN_TOKENS`` keys go to SageAttention
+(whose int8 Q K^T holds the int8 stack's quality bound).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..deps import installed, missing_message
 from ..errors import AccelError
 from ..hooks import add_hook
 from ..pass_base import AccelPass, PassContext
-from . import fa4_attention
+from . import fa4_attention, sage_attention
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class AutoRule:
     # calls with at least long_min_tokens keys go to long_backend instead (kept only where it can run here)
     long_backend: str | None = None
     long_min_tokens: int = 0
+    int8_stack: bool | None = None  # quant="int8"; None = either
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -107,6 +110,11 @@ _HALF = (torch.bfloat16, torch.float16)
 AUTO_TABLE: tuple[AutoRule, ...] = (
     AutoRule("cuda", (9, 0), _HALF, True, 128, True, "fp8",
              "FP8 stack on Hopper with cuDNN's FP8 SDPA: e4m3 attention (lossy, like the FP8 linears it joins)"),
+    AutoRule("cuda", (9, 0), _HALF, True, 128, False, "cudnn",
+             "int8 stack, compiled, Hopper, sageattention installed: cuDNN SDPA below 16k keys (FLUX's 4.6k: 93.4 "
+             "against 100.2 ms per step with SageAttention), SageAttention from 16k keys (Wan's 32.8k: 4.04 against "
+             "4.72 s per step); its int8 Q K^T holds the int8 stack's quality bound",
+             long_backend="sage", long_min_tokens=sage_attention.AUTO_MIN_TOKENS, int8_stack=True),
     AutoRule("cuda", (9, 0), _HALF, True, 128, None, "cudnn",
              "compiled, Hopper+, 16-bit, head dim <= 128: cuDNN SDPA is the fastest measured kernel up to 4.6k "
              "tokens; from 16k keys FlashAttention-4 where installed (1.18x cuDNN at 32.8k)",
@@ -120,7 +128,8 @@ AUTO_TABLE: tuple[AutoRule, ...] = (
 
 
 def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_dim: int | None = None,
-                fp8_stack: bool = False, capability: tuple[int, int] | None = None) -> AutoRule:
+                fp8_stack: bool = False, capability: tuple[int, int] | None = None,
+                int8_stack: bool = False) -> AutoRule:
     """The rule ``attention="auto"`` follows here. ``capability`` defaults to the device's (tests fake it)."""
     if device.type == "cuda" and capability is None and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
@@ -136,6 +145,10 @@ def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_d
         if rule.max_head_dim is not None and (head_dim is None or head_dim > rule.max_head_dim):
             continue
         if rule.fp8_stack is not None and rule.fp8_stack != fp8_stack:
+            continue
+        if rule.int8_stack is not None and rule.int8_stack != int8_stack:
+            continue
+        if rule.long_backend == "sage" and sage_attention.auto_refusal(capability) is not None:
             continue
         if rule.backend == "fp8" and _fp8_stack_attention_refusal(device) is not None:
             continue
@@ -157,10 +170,10 @@ def _fp8_stack_attention_refusal(device: torch.device) -> str | None:
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, compiled: bool = False,
-                    head_dim: int | None = None, fp8_stack: bool = False) -> Backend:
+                    head_dim: int | None = None, fp8_stack: bool = False, int8_stack: bool = False) -> Backend:
     """Turn a user's name (or ``auto``) into a backend that runs here; raise AccelError with the choices."""
     if name == "auto":
-        return BACKENDS[choose_auto(device, dtype, compiled, head_dim, fp8_stack).backend]
+        return BACKENDS[choose_auto(device, dtype, compiled, head_dim, fp8_stack, int8_stack=int8_stack).backend]
     key = ALIASES.get(name, name)
     if key not in BACKENDS:
         raise AccelError(
@@ -231,6 +244,10 @@ def _fp8_stack(ctx: PassContext) -> bool:
             and ctx.config.sequence_degree == 1)
 
 
+def _int8_stack(ctx: PassContext) -> bool:
+    return ctx.config.quant == "int8"
+
+
 def _graph_captured(ctx: PassContext) -> bool:
     """Whether the compile pass will capture the transformer forward in a CUDA graph (compile="max", or the 8-bit
     stacks' default graph, and nothing that rules graphs out: a cache, offload, a parallel degree, the variable):
@@ -261,11 +278,11 @@ class AttentionPass(AccelPass):
     def wanted(self, config) -> bool:
         return True
 
-    def _plan(self, ctx: PassContext) -> tuple[Backend, int | None]:
-        """The backend, and the key count from which calls go to FlashAttention-4 (None: no FA4 route)."""
+    def _plan(self, ctx: PassContext) -> tuple[Backend, tuple[str, int] | None]:
+        """The backend, and auto's long-sequence route: (kernel, the key count from which calls take it), or None."""
         transformer = ctx.adapter.transformers_of(ctx.pipe)[0][1]  # Wan 2.2 may hold only transformer_2
         decision = dict(dtype=transformer.dtype, compiled=bool(ctx.config.compile), head_dim=_head_dim(transformer),
-                        fp8_stack=_fp8_stack(ctx))
+                        fp8_stack=_fp8_stack(ctx), int8_stack=_int8_stack(ctx))
         backend = resolve_backend(ctx.config.attention, ctx.device, **decision)
         if not ctx.adapter.attention_via_dispatcher and backend.sdpa is None and backend.name != "sdpa":
             # only SDPA kernels reach processors that call F.scaled_dot_product_attention themselves
@@ -275,13 +292,14 @@ class AttentionPass(AccelPass):
                 f"SDPA directly, so only SDPA kernels apply. Use one of: auto, {', '.join(usable)}."
             )
         if backend.name == "fa4":
-            return backend, 0
+            return backend, None
         if (ctx.config.attention == "auto" and ctx.adapter.attention_via_dispatcher
-                and ctx.config.sequence_degree == 1  # sp: the ring / Ulysses paths need the dispatcher's kernels
-                and not _graph_captured(ctx)):
+                and ctx.config.sequence_degree == 1):  # sp: the ring / Ulysses paths need the dispatcher's kernels
             rule = choose_auto(ctx.device, **decision)
-            if rule.long_backend == "fa4":
-                return backend, rule.long_min_tokens
+            # SageAttention runs between graph segments (sage_attention.py); FA4's launches under a graph are not
+            # verified, so a captured forward keeps cuDNN for every call
+            if rule.long_backend == "sage" or (rule.long_backend == "fa4" and not _graph_captured(ctx)):
+                return backend, (rule.long_backend, rule.long_min_tokens)
         return backend, None
 
     def check(self, ctx: PassContext) -> None:
@@ -300,7 +318,7 @@ class AttentionPass(AccelPass):
     def apply(self, ctx: PassContext) -> None:
         from .fp8_attention import route_transformer
 
-        backend, fa4_min_tokens = self._plan(ctx)
+        backend, long_route = self._plan(ctx)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             details = {}
             if backend.name == "sdpa":
@@ -325,9 +343,10 @@ class AttentionPass(AccelPass):
                 details["route"] = "omni_accel::sage_attention"
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
-                if fa4_min_tokens:  # auto: long sequences to FlashAttention-4, the rest to the SDPA kernel
-                    undo = _both(route_transformer(transformer, "fa4", fa4_min_tokens), undo)
-                    details["long_sequences"] = f"fa4 from {fa4_min_tokens} keys"
+                if long_route:  # auto: long sequences to FlashAttention-4 / SageAttention, the rest to the SDPA kernel
+                    kernel, min_tokens = long_route
+                    undo = _both(route_transformer(transformer, kernel, min_tokens), undo)
+                    details["long_sequences"] = f"{kernel} from {min_tokens} keys"
             else:
                 undo = _set_dispatcher_backend(transformer, backend.dispatcher)
             ctx.state.record("attention", undo, component=name, backend=backend.name, requested=ctx.config.attention,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..cuda_graphs import run_outside_graph
+from ..deps import installed
 from .fa4_attention import attention_output_like, attention_output_shape, call_or_sdpa, listed_shapes
 
 PACKAGE = "sageattention"
@@ -45,6 +46,23 @@ _REFUSED: dict[tuple, str] = {}  # (q shape, k shape, v shape, dtype) -> why the
 # Whether the route subtracts K's token mean in the compiled graph and the op skips SageAttention's own (above).
 SMOOTH_KEYS_IN_GRAPH = False
 _HOPPER_ENTRY = "sageattn_qk_int8_pv_fp8_cuda_sm90"  # the function sageattn itself calls on Hopper
+
+
+# Keys per call from which attention="auto" sends the int8 stack's calls to SageAttention (cuDNN below). Measured on
+# an H100 with int8 linears, compile=True: FLUX (4,608 keys) 100.2 against cuDNN's 93.4 ms per step, Wan 81 frames
+# (32,760) 4.04 against 4.72 s. Its kernel's gain grows with the keys (quadratic) and its preparation with the tokens
+# (linear), which puts the break-even near 15k keys at these head counts (docs/kernels.md).
+AUTO_MIN_TOKENS = 16384
+
+
+def auto_refusal(capability: tuple[int, int] | None) -> str | None:
+    """Why auto cannot route long sequences to SageAttention here (None: it can): the package's Hopper kernel is the
+    one measured."""
+    if not installed(PACKAGE):
+        return f"{PACKAGE} is not installed"
+    if capability is None or capability[0] != 9:
+        return f"SageAttention was measured on Hopper (sm_90) only; this GPU is sm_{''.join(map(str, capability or ()))}"
+    return None
 
 
 def refused_shapes() -> dict[str, str]:
