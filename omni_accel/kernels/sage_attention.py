@@ -23,6 +23,10 @@ call runs on the default stream, ordered with the caller's (``on_default_stream`
 With sequence parallelism the pass keeps diffusers' ``sage`` backend: the ring / Ulysses paths need the
 dispatcher's own kernels.
 
+``attention="auto"`` sends the int8 stack's calls with at least ``AUTO_MIN_TOKENS`` keys here on Hopper (video
+self-attention), and keeps cuDNN for shorter ones, where the package's preparation kernels cost more than its
+attention kernel saves.
+
 K's smoothing (``SMOOTH_KEYS_IN_GRAPH``, off until timed on a GPU): SageAttention subtracts K's mean over the
 tokens before quantizing K (softmax ignores a vector added to every key, so the result is unchanged) in two eager
 kernels of its own, 1.6 + 2.2 ms per FLUX step on an H100 (a mean and a bf16 subtraction over every key). With the
