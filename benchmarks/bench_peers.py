@@ -140,6 +140,7 @@ class Row:
     int8_tma: bool = True  # kernels.int8_gemm_triton.PERSISTENT_TMA (False: the pointer int8 GEMM at every size)
     int8_ws: bool = True  # kernels.int8_gemm_triton.WARP_SPECIALIZE (False: the TMA int8 GEMM, not warp specialized)
     int8_epilogue: bool = True  # kernels.epilogue_fusion.INT8 (False: bf16 concat + GELU, then inductor's quantization)
+    gelu_int8: bool = True  # kernels.epilogue_fusion.GELU_INT8 (False: inductor's GELU + int8 quantization kernel)
     sage_keys_in_graph: bool = False  # kernels.sage_attention.SMOOTH_KEYS_IN_GRAPH (True: K's mean in the graph)
 
 
@@ -154,6 +155,7 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"),
             ("kernels.int8_gemm_triton", "WARP_SPECIALIZE", "int8_ws"),
             ("kernels.epilogue_fusion", "INT8", "int8_epilogue"),
+            ("kernels.epilogue_fusion", "GELU_INT8", "gelu_int8"),
             ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"))
 
 
@@ -425,16 +427,16 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=False,
         note="ours_int8_pdl_graphs with the persistent TMA kernel"),
     Row("ours_int8_pdl_int8epi", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True), False,
-        inductor=_MK_PDL, cuda_only=True, int8_epilogue=True,
+        inductor=_MK_PDL, cuda_only=True, int8_epilogue=True, gelu_int8=False,
         int8_tma=False, cuda_graphs=False,
         note="ours_int8_pdl with the single blocks' concat + GELU + int8 quantization in one kernel"),
     Row("ours_int8_pdl_tma_int8epi", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True),
-        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=True,
+        False, inductor=_MK_PDL, cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=True, gelu_int8=False,
         cuda_graphs=False,
         note="ours_int8_pdl with both the persistent TMA int8 GEMM and the one-kernel int8 epilogue"),
     Row("ours_int8_pdl_sage_tma_int8epi", _ours(attention="sage", quant="int8", fuse_if_supported=True,
                                                 compile=True), False, inductor=_MK_PDL, needs=("sageattention",),
-        cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=True,
+        cuda_only=True, int8_tma=True, int8_ws=False, int8_epilogue=True, gelu_int8=False,
         cuda_graphs=False, note="ours_int8_pdl_sage_tma with the one-kernel int8 epilogue"),
     # attention="cudnn", not auto: auto would give quant="fp8" cuDNN's FP8 attention, and this row is the bf16-attention
     # twin of the int8 rows
@@ -517,6 +519,8 @@ ROWS.update((row.name, row) for row in (
     _switched(_BF16, "nokernelpdl", "the graph pass's kernels launched without PDL", epilogue_pdl=False),
     _switched(_FP8_DEFAULT, "noepilogue", "inductor's own concat + GELU + cast kernel", epilogue_fusion=False),
     _switched("ours_int8", "tma", "the TMA int8 GEMM without warp specialization", int8_ws=False),
+    _switched("ours_int8", "nogeluint8", "inductor's GELU + int8 quantization kernel in the dual blocks' feed-forward",
+              gelu_int8=False),
     _switched("ours_int8_sage", "tma", "the TMA int8 GEMM without warp specialization", int8_ws=False),
 ))
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",

@@ -140,10 +140,16 @@ def test_flux_single_block_compiles_its_epilogue_into_the_operation(int8_proj_ou
     block = pipe.transformer.single_transformer_blocks[0].to(BF16)
     if int8_proj_out:
         block.proj_out = Int8Linear(block.proj_out, gemm="cublas")
+    delta = _block_unchanged_by_the_pass(block, gelus=1, dim=block.proj_out.out_features, seed=3)
+    assert delta == {"concat_gelu_int8" if int8_proj_out else "concat_gelu": 1}
+
+
+def _block_unchanged_by_the_pass(block, gelus: int, dim: int, seed: int) -> dict:
+    """Compile a FLUX block (with the sigmoid GELU, ``gelus`` of them) with and without the pass on random streams;
+    assert its outputs are equal and return the pass's rewrites."""
     count, undo = compiler.use_sigmoid_gelu(block)
-    assert count == 1
-    g = torch.Generator().manual_seed(3)
-    dim = block.proj_out.out_features
+    assert count == gelus
+    g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, 20, dim, generator=g).to(BF16)
     text = torch.randn(1, 6, dim, generator=g).to(BF16)
     temb = torch.randn(1, dim, generator=g).to(BF16)
@@ -151,9 +157,9 @@ def test_flux_single_block_compiles_its_epilogue_into_the_operation(int8_proj_ou
         ref, _ = _compiled(block, hidden, text, temb, with_pass=False)
         out, delta = _compiled_with_pass(block, hidden, text, temb)
     undo()
-    assert delta == {"concat_gelu_int8" if int8_proj_out else "concat_gelu": 1}
     for o, r in zip(out, ref):
         assert torch.equal(o, r)
+    return delta
 
 
 # ------------------------------------------------------------------------ concatenation + GELU -> int8 linear
@@ -207,6 +213,42 @@ def test_other_row_quantizations_keep_the_bf16_operation(int8_epilogue, quantize
     (q, scale), delta = _compiled_with_pass(_int8_single_block_epilogue, **inputs, quantize=quantize)
     assert delta == {"concat_gelu": 1}
     assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+
+
+def _int8_feed_forward_epilogue(x, w, bias):
+    """The dual-stream block's feed-forward as the int8 stack runs it: GELU of the first linear's output, then the
+    int8 second linear's per-token quantization."""
+    from omni_accel.kernels.int8 import quantize_rows_int8
+
+    h = _feed_forward_epilogue(x, w, bias, None, cast=False)
+    return quantize_rows_int8(h.reshape(-1, MLP))
+
+
+def test_a_gelu_feeding_an_int8_linear_becomes_the_operation_without_a_first_input(int8_epilogue):
+    """The int8 rows and scales of the GELU come out of one operation, equal to inductor's own kernels'; with the
+    switch off inductor keeps it (a bf16 GELU feeding a quantization is one of its kernels already)."""
+    inputs = {k: v for k, v in _inputs(8).items() if k in ("x", "w", "bias")}
+    (ref_q, ref_scale), _ = _compiled(_int8_feed_forward_epilogue, **inputs, with_pass=False)
+    (q, scale), delta = _compiled_with_pass(_int8_feed_forward_epilogue, **inputs)
+    assert delta == {"gelu_int8": 1}
+    assert q.dtype == torch.int8 and torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+    epilogue_fusion.INT8 = False  # the fixture's monkeypatch puts it back
+    _, delta = _compiled_with_pass(_int8_feed_forward_epilogue, **inputs)
+    assert delta == {}
+
+
+def test_flux_dual_block_compiles_both_feed_forwards_into_the_operation():
+    """diffusers' FLUX dual-stream block with its feed-forwards' second linears in int8 (as ``quant="int8"``
+    installs them): the image and the text stream's GELU + quantization are both replaced, and the block's outputs
+    are unchanged."""
+    from omni_accel.kernels.int8 import Int8Linear
+    from omni_accel.testing import tiny_pipeline
+
+    pipe, _ = tiny_pipeline("flux")
+    block = pipe.transformer.transformer_blocks[0].to(BF16)
+    for ff in (block.ff, block.ff_context):
+        ff.net[2] = Int8Linear(ff.net[2], gemm="cublas")
+    assert _block_unchanged_by_the_pass(block, gelus=2, dim=block.ff.net[2].out_features, seed=5) == {"gelu_int8": 2}
 
 
 def test_the_int8_form_has_a_switch(monkeypatch):

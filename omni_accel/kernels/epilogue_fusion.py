@@ -60,7 +60,7 @@ _CONVERT = prims.convert_element_type.default
 _FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
 _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else None
 
-# "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "layernorm_modulate_fp8" /
+# "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "gelu_int8" / "layernorm_modulate_fp8" /
 # "qk_norm_rope_fp8" -> how many this process replaced (graphs compiled here: one loaded from inductor's cache ran
 # its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
@@ -73,6 +73,9 @@ LAYERNORM = True
 # benchmarks' A/B rows set it). At FLUX's 4608 x 15360 on an H200: 130 us against 159 for the two kernels
 # (benchmarks/results/bench_fp8_epilogues_h200_int8_20261205.json).
 INT8 = True
+# Whether, with INT8, a lone GELU feeding an int8 linear (the dual-stream blocks' feed-forward) becomes that operation
+# too (else inductor's GELU + quantization kernel, a split reduction); benchmarks' A/B rows set it.
+GELU_INT8 = True
 # Whether the kernels it puts in take part in programmatic dependent launch where inductor's own kernels do
 # (``_pdl``); benchmarks' A/B rows set it.
 PDL = True
@@ -472,12 +475,13 @@ def _node(graph: fx.Graph, target, *args) -> fx.Node:
 
 
 def _lone_gelu_candidate(node: fx.Node):
-    """``node`` = a sigmoid-GELU's 16-bit output whose only use is a static FP8 cast: the same kernel, no first
-    input."""
+    """``node`` = a sigmoid-GELU's 16-bit output whose only use is a static FP8 cast, or an int8 linear's per-row
+    quantization (the dual-stream blocks' feed-forward between its two linears): the same kernels, no first input."""
     if not (_call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16)):
         return None
-    cast = _static_fp8_cast(node)
-    gelu = _sigmoid_gelu_source(node) if cast is not None else None
+    quantized = _int8_row_quantization(node) if INT8 and GELU_INT8 else None
+    cast = _static_fp8_cast(node) if quantized is None else None
+    gelu = _sigmoid_gelu_source(node) if quantized is not None or cast is not None else None
     if gelu is None:
         return None
     h, bias = gelu
@@ -485,6 +489,10 @@ def _lone_gelu_candidate(node: fx.Node):
     if not (isinstance(h_val, torch.Tensor) and h_val.is_contiguous() and h_val.shape[-1] == out.shape[-1]
             and h_val.numel() == out.numel()):
         return None
+    if quantized is not None:
+        if not _kernel_takes(out, lambda kernels: kernels.int8_supported(0, 0, out.shape[-1])):
+            return None
+        return _Candidate(node, None, None, None, h, bias, quantized[0], None, int8_scale=quantized[1])
     if not _kernel_takes(out, lambda kernels: kernels.supported(0, 0, out.shape[-1])):
         return None
     return _Candidate(node, None, None, None, h, bias, *cast)
@@ -855,7 +863,7 @@ class EpilogueFusionPass(CustomGraphPass):
         here = os.path.dirname(os.path.abspath(__file__))
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
-                f"-pdl{int(PDL)}-int8{int(INT8)}")
+                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}")
 
 
 GRAPH_PASS = EpilogueFusionPass()
