@@ -298,6 +298,31 @@ def test_warp_specialized_int8_gemm_compiles_to_producer_and_consumer_partitions
         assert "0 bytes spill stores" in _ptxas_report(ptx), name
 
 
+def test_the_scratch_allocator_is_set_where_none_is_and_a_callers_own_is_kept():
+    """Device-built descriptors need Triton's scratch allocator, which lives in a ContextVar: unset in every new
+    thread (a server's workers). The kernel sets torch's there, and leaves one the caller set alone."""
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    def ensured():
+        g._ensure_scratch_allocator()
+        return _allocation._allocator.get()
+
+    def callers_own():
+        triton.set_allocator(mine)
+        return ensured()
+
+    def mine(size, alignment, stream):
+        return None
+
+    assert contextvars.Context().run(ensured) is g._torch_scratch
+    assert contextvars.Context().run(callers_own) is mine
+
+
 def test_tma_config_refuses_operands_it_cannot_take():
     from omni_accel.kernels import int8_gemm_triton as g
 

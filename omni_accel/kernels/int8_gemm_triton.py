@@ -35,7 +35,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
+
+try:  # Triton's scratch allocator, which device-built TMA descriptors need (Triton 3.3+)
+    from triton.runtime import _allocation
+except ImportError:  # pragma: no cover - older Triton: no warp-specialized kernel
+    _allocation = None
 
 from .fused_triton import INTERPRETED, _launcher, _on_device
 
@@ -99,7 +103,7 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 def _warp_specialized_here(x_int8: torch.Tensor) -> bool:
-    if not WARP_SPECIALIZE:
+    if not WARP_SPECIALIZE or _allocation is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
     return INTERPRETED or (x_int8.is_cuda and _capability(x_int8.device.index or 0)[0] == 9)
 
@@ -255,7 +259,8 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def _ensure_scratch_allocator() -> None:
     # Triton keeps its allocator in a ContextVar, unset in every new thread (a server's workers too): set ours there
     # unless the caller set one.
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
 
 

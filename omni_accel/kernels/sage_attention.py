@@ -64,8 +64,10 @@ def auto_refusal(capability: tuple[int, int] | None) -> str | None:
     one measured."""
     if not installed(PACKAGE):
         return f"{PACKAGE} is not installed"
-    if capability is None or capability[0] != 9:
-        return f"SageAttention was measured on Hopper (sm_90) only; this GPU is sm_{''.join(map(str, capability or ()))}"
+    if capability is None:
+        return "no CUDA GPU to read the compute capability of"
+    if capability[0] != 9:
+        return f"SageAttention was measured on Hopper (sm_90) only; this GPU is sm_{capability[0]}{capability[1]}"
     return None
 
 
