@@ -519,6 +519,8 @@ ROWS.update((row.name, row) for row in (
     _switched(_BF16, "nokernelpdl", "the graph pass's kernels launched without PDL", epilogue_pdl=False),
     _switched(_FP8_DEFAULT, "noepilogue", "inductor's own concat + GELU + cast kernel", epilogue_fusion=False),
     _switched("ours_int8", "tma", "the TMA int8 GEMM without warp specialization", int8_ws=False),
+    _switched("ours_int8_auto", "keysmooth", "K's token mean subtracted in the compiled graph for the SageAttention "
+              "calls (the package's own smoothing off)", sage_keys_in_graph=True),
     _switched("ours_int8", "nogeluint8", "inductor's GELU + int8 quantization kernel in the dual blocks' feed-forward",
               gelu_int8=False),
     _switched("ours_int8_sage", "tma", "the TMA int8 GEMM without warp specialization", int8_ws=False),

@@ -27,11 +27,14 @@ dispatcher's own kernels.
 self-attention), and keeps cuDNN for shorter ones, where the package's preparation kernels cost more than its
 attention kernel saves.
 
-K's smoothing (``SMOOTH_KEYS_IN_GRAPH``, off until timed on a GPU): SageAttention subtracts K's mean over the
-tokens before quantizing K (softmax ignores a vector added to every key, so the result is unchanged) in two eager
-kernels of its own, 1.6 + 2.2 ms per FLUX step on an H100 (a mean and a bf16 subtraction over every key). With the
+K's smoothing (``SMOOTH_KEYS_IN_GRAPH``, off: timed on Wan 81 frames, no gain): SageAttention subtracts K's mean
+over the tokens before quantizing K (softmax ignores a vector added to every key, so the result is unchanged) in two
+eager kernels of its own, 1.6 + 2.2 ms per FLUX step on an H100 (a mean and a bf16 subtraction over every key). With the
 switch on, the route subtracts the mean in the compiled block instead, in float32 where inductor fuses it with the
-kernels that produce K, and the op calls the package's Hopper kernel entry with its smoothing off.
+kernels that produce K, and the op calls the package's Hopper kernel entry with its smoothing off. On Wan 81 frames
+(int8 stack, auto's route, one H100, one process) it took the package's two kernels away (23 ms less elementwise time
+per forward) but the compiled K kernels grew by 10 ms and the attention by 7: 4,041 ms per step in a loop with
+either (benchmarks/results/bench_peers_h100_wan81_int8_keysmooth_20261205.json), so it stays off.
 """
 
 from __future__ import annotations
