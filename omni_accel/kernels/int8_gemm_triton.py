@@ -301,8 +301,9 @@ def _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
 def int8_mm_rescale(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None, out_dtype: torch.dtype, config: str | None = None) -> torch.Tensor:
     """``(x_int8 @ w_int8.T) * x_scale * w_scale (+ bias)`` in ``out_dtype``, the int32 sums never leaving the chip;
-    ``config`` names a tile of CONFIGS or TMA_CONFIGS (default: ``pick_config`` for the row count, the TMA kernel
-    where ``PERSISTENT_TMA`` is set and ``tma_fits``)."""
+    ``config`` names a tile of CONFIGS, TMA_CONFIGS or WS_CONFIGS (default: ``pick_config`` for the row count, the
+    TMA kernel where ``PERSISTENT_TMA`` is set and ``tma_fits``, warp specialized on Hopper where ``WARP_SPECIALIZE``
+    is set)."""
     m, k = x_int8.shape
     n = w_int8.shape[0]
     if x_int8.stride(1) != 1 or w_int8.stride(1) != 1:
