@@ -46,7 +46,6 @@ TINY_SHAPES = (("tiny", 64, 128, 256),)
 # (name, M, K, N): FLUX.1-dev's AdaLN modulation linears, one token per sample: matrix-vector products
 MODULATION_SHAPES = (("dual.norm1.linear (AdaLN)", 1, 3072, 18432), ("single.norm.linear (AdaLN)", 1, 3072, 9216))
 TINY_MODULATION_SHAPES = (("tiny_gemv", 1, 128, 256),)
-INT8_CONFIGS: tuple[str, ...] = ()  # the int8 Triton tiles to time (--int8-configs); empty = every shipped tile
 
 
 def timed(fn, device, iters: int) -> float:
@@ -55,7 +54,7 @@ def timed(fn, device, iters: int) -> float:
     return statistics.median(sample_ms(fn, device, iters))
 
 
-def row(name, m, k, n, device, iters, autotune: bool = False) -> dict:
+def row(name, m, k, n, device, iters, autotune: bool = False, int8_configs: tuple[str, ...] = ()) -> dict:
     g = torch.Generator("cpu").manual_seed(m + k + n)
     x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device, torch.bfloat16)
@@ -87,11 +86,12 @@ def row(name, m, k, n, device, iters, autotune: bool = False) -> dict:
     exact = (x.float() @ w.float().t())
     got = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16).float()
     out["fp8_rel_err"] = ((got - exact).norm() / exact.norm()).item()
-    out.update(int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune))
+    out.update(int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune, int8_configs))
     return out
 
 
-def int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune: bool = False) -> dict:
+def int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune: bool = False,
+              int8_configs: tuple[str, ...] = ()) -> dict:
     """int8 beside the FP8 figures: the raw GEMM, and the FP8 and int8 linears compiled whole (activation
     quantization and rescale included), the comparison that decides between the two formats. ``autotune`` adds the
     int8 linear under max-autotune, where Inductor may take its Triton int8 GEMM template, which fuses the rescale
@@ -103,7 +103,8 @@ def int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune: bool = False
     linear.weight.data.copy_(w)
     out = {"int8_gemm_ms": round(int_mm_ms, 4), "int8_tops": round(flops / int_mm_ms / 1e9, 1),
            "int8_gemm_speedup": round(bf16_ms / int_mm_ms, 3)}
-    out.update(int8_rescale_rows(x_int8, x_scale, w_int8, w_scale.reshape(1, -1).contiguous(), flops, device, iters))
+    out.update(int8_rescale_rows(x_int8, x_scale, w_int8, w_scale.reshape(1, -1).contiguous(), flops, device, iters,
+                                 int8_configs))
     fp8_layer = fp8.Fp8Linear(linear, "w8a8", fast_accum=True)
     layers = [("fp8", fp8_layer, None), ("int8", int8.Int8Linear(linear), None)]
     if autotune:
@@ -118,10 +119,11 @@ def int8_rows(x, w, exact, flops, bf16_ms, device, iters, autotune: bool = False
     return out
 
 
-def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters) -> dict:
+def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters, configs: tuple[str, ...] = ()) -> dict:
     """The int8 GEMM with its rescale to bf16, the activation already quantized (what ``fp8_gemm_ms`` is for e4m3):
     cuBLAS's ``_int_mm`` (int32 out) plus a compiled rescale kernel, against the Triton kernel that rescales in its
-    epilogue (omni_accel/kernels/int8_gemm_triton.py), one row per tile configuration (GPU only)."""
+    epilogue (omni_accel/kernels/int8_gemm_triton.py), one row per tile configuration in ``configs`` (default: every
+    shipped one; GPU only)."""
     rescale = torch.compile(lambda acc: (acc.float() * x_scale * w_scale).to(torch.bfloat16), dynamic=False)
     reference = rescale(torch._int_mm(x_int8, w_int8.t()))
     def cublas():
@@ -136,8 +138,7 @@ def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters) ->
     out["int8_gemm_rescale_b2b_ms"] = round(statistics.median(back_to_back_ms(cublas, device, 20, 5)), 4)
     from omni_accel.kernels import int8_gemm_triton
 
-    for config in INT8_CONFIGS or (*int8_gemm_triton.CONFIGS, *int8_gemm_triton.TMA_CONFIGS,
-                                   *int8_gemm_triton.WS_CONFIGS):
+    for config in configs or (*int8_gemm_triton.CONFIGS, *int8_gemm_triton.TMA_CONFIGS, *int8_gemm_triton.WS_CONFIGS):
         def fused(c=config):
             return int8_gemm_triton.int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, None, torch.bfloat16, c)
         try:
@@ -199,8 +200,7 @@ def main(argv=None) -> int:
                          "WS_CONFIGS names; default: all)")
     ap.add_argument("--out", default="bench_fp8_gemm.json")
     args = ap.parse_args(argv)
-    global INT8_CONFIGS
-    INT8_CONFIGS = _int8_configs(args.int8_configs)
+    int8_configs = _int8_configs(args.int8_configs)
     device = torch.device(args.device)
     iters = args.iters or (3 if args.tiny else 50)
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     rows = []
     clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
     try:
-        shapes = [(functools.partial(row, autotune=args.int8_autotune), spec)
+        shapes = [(functools.partial(row, autotune=args.int8_autotune, int8_configs=int8_configs), spec)
                   for spec in (TINY_SHAPES if args.tiny else FLUX_SHAPES)]
         shapes += [(gemv_row, spec) for spec in (TINY_MODULATION_SHAPES if args.tiny else MODULATION_SHAPES)]
         for measure, spec in shapes:

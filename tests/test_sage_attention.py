@@ -70,6 +70,8 @@ def test_compiled_blocks_keep_the_sage_op_whole(sage_on_cpu):
     ({"head_dim": 160}, False),  # over the package's 128
     ({"head_dim": 32}, True),  # padded to 64 by the package
     ({"kv_heads": 2}, False),  # grouped heads: not served
+    ({"min_tokens": 40}, True),  # the keys, not the queries, count
+    ({"min_tokens": 41}, False),
 ])
 def test_eligible_calls(change, served):
     dtype, head_dim = change.get("dtype", torch.bfloat16), change.get("head_dim", 64)
@@ -77,7 +79,7 @@ def test_eligible_calls(change, served):
     q = torch.zeros(1, 24, 8, head_dim, dtype=dtype)
     kv = torch.zeros(1, 40, kv_heads, head_dim, dtype=dtype)
     assert sage.eligible(q, kv, kv, change.get("attn_mask"), change.get("dropout_p", 0.0),
-                         change.get("is_causal", False)) is served
+                         change.get("is_causal", False), change.get("min_tokens", 0)) is served
 
 
 def test_the_op_falls_back_to_sdpa_once_per_shape_and_says_why(monkeypatch, caplog):

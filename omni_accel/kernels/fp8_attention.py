@@ -244,8 +244,7 @@ def attach_attention_scales(transformer: torch.nn.Module, prefix: str) -> tuple[
 
 def _served(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
     if _Route.implementation == "sage":
-        return (sage_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal)
-                and key.shape[1] >= _Route.min_tokens)
+        return sage_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal, _Route.min_tokens)
     if _Route.implementation == "fa4":
         return fa4_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal, _Route.min_tokens)
     return fp8_eligible(query, key, value, attn_mask, dropout_p, is_causal)
@@ -284,9 +283,9 @@ _ROUTED: dict[str, list] = {}  # module name -> [original dispatch_attention_fn,
 def route_transformer(transformer: torch.nn.Module, implementation: str = "triton",
                       min_tokens: int = 0) -> Callable[[], None]:
     """Send ``transformer``'s eligible attention calls to ``implementation`` (an FP8 one, or "fa4" / "sage" for calls
-    with at least ``min_tokens`` keys); return the undo. The modules' ``dispatch_attention_fn`` globals are shared by every
-    pipeline of the family in the process, so they are swapped once and put back with the last routed transformer's
-    undo (``hooks.swap_module_global``)."""
+    with at least ``min_tokens`` keys); return the undo. The modules' ``dispatch_attention_fn`` globals are shared by
+    every pipeline of the family in the process, so they are swapped once and put back with the last routed
+    transformer's undo (``hooks.swap_module_global``)."""
     undo_hook = add_hook(transformer, f"attention_route.{implementation}", _RouteHook(implementation, min_tokens))
     # a module without dispatch_attention_fn does not dispatch attention
     _, undo_globals = swap_module_global(transformer, "dispatch_attention_fn", _ROUTED,

@@ -24,8 +24,9 @@ Three kernels compute the same sums (integer arithmetic: bit for bit the same ou
 - ``_int8_gemm_rescale_ws_kernel`` (``WARP_SPECIALIZE``, the default in the TMA kernel's place on Hopper): the same
   persistent TMA loop, warp specialized -- a producer warp only issues the loads, two consumer warp groups only
   multiply and rescale -- as cuBLAS's Hopper kernels are built. 1.2x the TMA kernel on FLUX's large block shapes,
-  ahead of e4m3's ``_scaled_mm`` on four of five (``benchmarks/bench_fp8_gemm.py``). Its descriptors are built on the device, which
-  needs Triton's scratch allocator (``_ensure_scratch_allocator``: torch's, unless the caller set one).
+  ahead of e4m3's ``_scaled_mm`` on four of five (``benchmarks/bench_fp8_gemm.py``). Its descriptors are built on
+  the device, which needs Triton's scratch allocator (``_ensure_scratch_allocator``: torch's, unless the caller set
+  one).
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+# device-built descriptors and the scratch allocator they need: what the warp-specialized kernel takes from Triton
+_WS_BUILDABLE = _allocation is not None and hasattr(tl, "make_tensor_descriptor")
+
+
 def _warp_specialized_here(x_int8: torch.Tensor) -> bool:
-    if not WARP_SPECIALIZE or _allocation is None or not hasattr(tl, "make_tensor_descriptor"):
+    if not (WARP_SPECIALIZE and _WS_BUILDABLE):
         return False
     return INTERPRETED or (x_int8.is_cuda and _capability(x_int8.device.index or 0)[0] == 9)
 

@@ -80,12 +80,13 @@ def refused_shapes() -> dict[str, str]:
 
 
 def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask, dropout_p: float,
-             is_causal: bool) -> bool:
-    """Whether the op serves this dispatcher call (diffusers' layout: batch, tokens, heads, head dim)."""
+             is_causal: bool, min_tokens: int = 0) -> bool:
+    """Whether the op serves this dispatcher call (diffusers' layout: batch, tokens, heads, head dim), with at least
+    ``min_tokens`` keys (auto's long-sequence route)."""
     return (attn_mask is None and not is_causal and not dropout_p and query.ndim == 4
             and query.dtype in DTYPES and key.dtype == value.dtype == query.dtype
             and query.shape[-1] == key.shape[-1] == value.shape[-1] <= MAX_HEAD_DIM
-            and query.shape[2] == key.shape[2] == value.shape[2])
+            and query.shape[2] == key.shape[2] == value.shape[2] and key.shape[1] >= min_tokens)
 
 
 def smoothed_keys(key: torch.Tensor) -> torch.Tensor:
