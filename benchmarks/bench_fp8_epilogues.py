@@ -18,7 +18,8 @@
    The same with a bf16 output (the bf16 stack) where the attention output is bf16 too.
 1c. The int8 stack's version of 1 (``--cases int8``): the bf16 concatenation quantized per row to int8 for the int8
    ``proj_out``: inductor alone, the library's bf16 kernel followed by inductor's quantization, and the library's one
-   kernel that writes the int8 rows and their scales (``epilogue_triton.concat_gelu_int8``), for a few tiles.
+   kernel that writes the int8 rows and their scales (``epilogue_triton.concat_gelu_int8``): its one-pass form (the
+   row in registers) for a few warp counts, its two-pass form for a few tiles.
 1b. FP8 attention's q and k with static scales: the fused projection's bias, RMSNorm per head, the interleaved rotary
    embedding, K's mean subtracted, the cast (4608 x 24 rows of 128 per call, 38 + 19 calls per step): ``inductor``
    (torch.compile of the expression) against the library's kernel (``epilogue_triton.qk_norm_rope``, one launch
@@ -171,7 +172,8 @@ def int8_epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps
     """The int8 stack's single-block epilogue: bf16 attention output and GELU concatenated, quantized per row for
     the int8 ``proj_out``. Ways: ``inductor`` (torch.compile of the whole expression, no graph pass),
     ``bf16_then_inductor`` (the library's bf16 kernel, then inductor's quantization: what ``compile=True`` ran
-    before), ``triton_int8`` (``epilogue_triton.concat_gelu_int8``, one kernel, for a few tiles). Errors are against
+    before), ``triton_int8_one_pass`` (``epilogue_triton.concat_gelu_int8``'s default kernel, the row in registers,
+    for a few warp counts), ``triton_int8`` (its two-pass kernel, for a few tiles). Errors are against
     quantize_rows_int8 of the float32 formula rounded to bf16 (int8 steps, scale relative)."""
     from omni_accel.kernels import epilogue_triton
     from omni_accel.kernels.int8 import quantize_rows_int8
@@ -204,6 +206,11 @@ def int8_epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps
     a3 = attn.reshape(tokens, 1, dim)
     record("bf16_then_inductor",
            lambda: quantize(epilogue_triton.concat_gelu(a3, None, h, bias, None, torch.bfloat16)))
+    for warps in (4, 8, 16):
+        record("triton_int8_one_pass", lambda w=warps: epilogue_triton.concat_gelu_int8(
+            a3, None, h, bias, torch.bfloat16, row_warps=w), warps=warps)
+        if interpreted:
+            break
     for tile in ((1, 1024, 1024, 4), (1, 512, 512, 4), (2, 1024, 1024, 8), (1, 1024, 2048, 8), (4, 256, 256, 4)):
         if max(tile[1], tile[2]) > dim:
             continue

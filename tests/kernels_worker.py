@@ -279,14 +279,17 @@ def concat_gelu_int8_cases() -> dict:
             else:
                 a = (torch.randn(rows, 1, 48, generator=gen) * 3).to(dtype)
             args = (a, a_scale, h, bias, dtype)
-            (q, scale), (q_ref, scale_ref) = epilogue_triton.concat_gelu_int8(*args), concat_gelu_int8_reference(*args)
-            diff = (q.int() - q_ref.int()).abs()
-            results[case] = {"dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
-                             "scale_shape": list(scale.shape), "int8_max_diff": diff.max().item(),
-                             "int8_frac_equal": (diff == 0).float().mean().item(),
-                             "scale_max_rel_err": ((scale - scale_ref).abs() / scale_ref).max().item()}
+            q_ref, scale_ref = concat_gelu_int8_reference(*args)
+            for one_pass in (True, False):  # the one-pass kernel (rows this narrow) and the two-pass one
+                q, scale = epilogue_triton.concat_gelu_int8(*args, one_pass=one_pass)
+                diff = (q.int() - q_ref.int()).abs()
+                results[f"{case}/{'one' if one_pass else 'two'}-pass"] = {
+                    "dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
+                    "scale_shape": list(scale.shape), "int8_max_diff": diff.max().item(),
+                    "int8_frac_equal": (diff == 0).float().mean().item(),
+                    "scale_max_rel_err": ((scale - scale_ref).abs() / scale_ref).max().item()}
         except Exception:
-            results[case] = {"error": traceback.format_exc()}
+            results[f"{case}/one-pass"] = results[f"{case}/two-pass"] = {"error": traceback.format_exc()}
     return results
 
 
@@ -345,6 +348,38 @@ def layernorm_cases() -> dict:
             args = (a, b, scale, shift, 1e-6, inverses)
             results[case] = agreement(epilogue_triton.layernorm_modulate_cast(*args),
                                       layernorm_modulate_reference(*args), 2.0 ** -6)
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+    return results
+
+
+LAYERNORM_INT8_CASES = ("two-streams-bf16", "one-stream-fp16")
+
+
+def layernorm_int8_cases() -> dict:
+    """The AdaLN kernel's int8 form (the modulated rows rounded to 16 bits, then int8 per row) against its torch
+    formula: int8 values and per-row scales."""
+    import torch
+
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.epilogue_fusion import layernorm_modulate_int8_reference
+
+    results = {}
+    for case in LAYERNORM_INT8_CASES:
+        try:
+            gen = torch.Generator().manual_seed(len(case) + 7)
+            dtype = torch.float16 if case.endswith("fp16") else torch.bfloat16
+            a = torch.randn(6, 48, generator=gen).to(dtype)
+            b = torch.randn(11, 48, generator=gen).to(dtype) if case.startswith("two") else None
+            scale, shift = ((torch.randn(48, generator=gen) * 0.2).to(dtype) for _ in range(2))
+            args = (a, b, scale, shift, 1e-6, dtype)
+            (q, row_scale), (q_ref, scale_ref) = (epilogue_triton.layernorm_modulate_int8(*args),
+                                                  layernorm_modulate_int8_reference(*args))
+            diff = (q.int() - q_ref.int()).abs()
+            results[case] = {"dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
+                             "scale_shape": list(row_scale.shape), "int8_max_diff": diff.max().item(),
+                             "int8_frac_equal": (diff == 0).float().mean().item(),
+                             "scale_max_rel_err": ((row_scale - scale_ref).abs() / scale_ref).max().item()}
         except Exception:
             results[case] = {"error": traceback.format_exc()}
     return results
@@ -489,6 +524,7 @@ def main(out_path: str) -> int:
     result["concat_gelu_int8"] = concat_gelu_int8_cases()
     result["qk_norm_rope"] = qk_norm_rope_cases()
     result["layernorm"] = layernorm_cases()
+    result["layernorm_int8"] = layernorm_int8_cases()
     result["pipelines"] = pipeline_cases()
     result["fp8_attention"] = fp8_attention_cases()
     result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()

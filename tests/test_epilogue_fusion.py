@@ -392,6 +392,87 @@ def test_a_norm_with_a_16_bit_use_is_left_to_inductor():
     assert delta == {}
 
 
+def _adaln_int8_input(text, image, emb, linears: int = 2, streams: bool = True):
+    """The same norm feeding ``linears`` int8 linears (FLUX's single block: the fused q / k / v and the MLP), each
+    quantizing its input per row itself, as kernels/int8.py's Int8Linear does."""
+    from omni_accel.kernels.int8 import quantize_rows_int8
+
+    x = torch.cat([text, image], dim=1) if streams else image
+    shift, scale, _ = emb.chunk(3, dim=1)
+    y = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+    return [quantize_rows_int8(y.reshape(-1, y.shape[-1])) for _ in range(linears)]
+
+
+def _assert_int8_rows_close(out, ref, equal_frac: float = 0.97):
+    """Each linear's int8 rows and scales within one int8 step and a bf16 rounding of the scale of ``ref``'s: the
+    kernel keeps the normalized row in float32 until its one rounding to bf16, where inductor may round in between
+    and eager rounds after every operation."""
+    for (q, scale), (q_ref, scale_ref) in zip(out, ref):
+        assert q.dtype == torch.int8 and q.shape == q_ref.shape and scale.shape == scale_ref.shape
+        assert (q.int() - q_ref.int()).abs().max() <= 1 and (q == q_ref).float().mean() > equal_frac
+        assert torch.allclose(scale, scale_ref, rtol=2.0 ** -7, atol=0)
+
+
+@pytest.fixture
+def layernorm_int8(monkeypatch):
+    monkeypatch.setattr(epilogue_fusion, "LAYERNORM_INT8", True)
+
+
+@pytest.mark.parametrize("linears, streams", [(2, True), (1, True), (1, False), (3, False)])
+def test_adaln_norm_feeding_int8_linears_becomes_one_operation(layernorm_int8, linears, streams):
+    """LayerNorm + modulate whose every use is an int8 linear's row quantization: one operation writes the int8 rows
+    and scales once, for every linear reading them."""
+    inputs = {k: v for k, v in _adaln_inputs(10).items() if k in ("text", "image", "emb")}
+    ref, _ = _compiled(_adaln_int8_input, **inputs, linears=linears, streams=streams, with_pass=False)
+    out, delta = _compiled_with_pass(_adaln_int8_input, **inputs, linears=linears, streams=streams)
+    assert delta == {"layernorm_modulate_int8": 1}
+    _assert_int8_rows_close(out, ref)
+    _assert_int8_rows_close(out, _adaln_int8_input(**inputs, linears=linears, streams=streams), equal_frac=0.8)
+
+
+def test_the_int8_norm_has_a_switch_off_by_default():
+    """Off (the library's default until timed on a GPU) inductor keeps its own norm + quantization kernels."""
+    assert epilogue_fusion.LAYERNORM_INT8 is False
+    inputs = {k: v for k, v in _adaln_inputs(11).items() if k in ("text", "image", "emb")}
+    out, delta = _compiled_with_pass(_adaln_int8_input, **inputs)
+    assert delta == {}
+    ref, _ = _compiled(_adaln_int8_input, **inputs, with_pass=False)
+    assert all(torch.equal(o, r) for pair, ref_pair in zip(out, ref) for o, r in zip(pair, ref_pair))
+
+
+def test_flux_blocks_with_int8_linears_have_their_norms_replaced(layernorm_int8):
+    """diffusers' FLUX blocks with every block linear in int8 (as ``quant="int8"`` installs them): each AdaLN norm
+    feeding them becomes the operation (one in a single-stream block, the two streams' two in a dual-stream block),
+    beside the GELU epilogues, and the blocks' outputs stay as close to inductor's own as its own are to eager's
+    (an int8 step moved by a rounding reaches the output through the next GEMM)."""
+    from omni_accel.kernels.int8 import Int8Linear
+    from omni_accel.testing import tiny_pipeline
+
+    pipe, _ = tiny_pipeline("flux")
+    blocks = [(pipe.transformer.single_transformer_blocks[0], 1, {"layernorm_modulate_int8": 1, "concat_gelu_int8": 1}),
+              (pipe.transformer.transformer_blocks[0], 2, {"layernorm_modulate_int8": 4, "gelu_int8": 2})]
+    for block, gelus, expected in blocks:
+        block = block.to(BF16)
+        for module in list(block.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear) and not name.startswith("linear"):  # AdaLN's own stays bf16
+                    setattr(module, name, Int8Linear(child, gemm="cublas"))
+        count, undo = compiler.use_sigmoid_gelu(block)
+        assert count == gelus
+        dim = block.attn.to_q.in_features
+        g = torch.Generator().manual_seed(12)
+        streams = [torch.randn(1, n, dim, generator=g).to(BF16) for n in (20, 6)] + [torch.randn(1, dim, generator=g)
+                                                                                    .to(BF16)]
+        with torch.no_grad():
+            ref, _ = _compiled(block, *streams, with_pass=False)
+            out, delta = _compiled_with_pass(block, *streams)
+            eager = block(*streams)
+        undo()
+        assert delta == expected
+        for o, r, e in zip(out, ref, eager):
+            assert torch.linalg.norm((o - r).float()) <= 2 * torch.linalg.norm((e - r).float()) + 1e-6
+
+
 # -------------------------------------------------------------------------------- programmatic dependent launch
 def test_the_kernels_use_pdl_where_inductor_does(monkeypatch):
     """Inductor launches its own kernels with programmatic dependent launch when it compiles with
@@ -416,7 +497,7 @@ def test_the_kernels_use_pdl_where_inductor_does(monkeypatch):
 
 @pytest.mark.parametrize("pdl", [True, False])
 def test_the_pdl_decision_reaches_every_operation_the_pass_puts_in(monkeypatch, pdl):
-    """Each of the three operations carries the decision taken while the pass ran, for its kernel's launch."""
+    """Each operation carries the decision taken while the pass ran, for its kernel's launch."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class Recording(CustomGraphPass):
@@ -433,10 +514,35 @@ def test_the_pdl_decision_reaches_every_operation_the_pass_puts_in(monkeypatch, 
             return None
 
     monkeypatch.setattr(epilogue_fusion, "_pdl", lambda device: pdl)
+    monkeypatch.setattr(epilogue_fusion, "LAYERNORM_INT8", True)
     recording = Recording()
+    adaln = _adaln_inputs()
     for fn, inputs in ((_single_block_epilogue, dict(**_inputs(), fp8_attention=True, cast=True)),
-                       (_attention_operands, _attention_inputs()), (_adaln_input, dict(**_adaln_inputs(), two=True))):
+                       (_attention_operands, _attention_inputs()), (_adaln_input, dict(**adaln, two=True)),
+                       (_adaln_int8_input, {k: v for k, v in adaln.items() if k in ("text", "image", "emb")})):
         torch._dynamo.reset()
         torch.compile(fn, options={"fx_graph_cache": False, compiler.POST_GRAD_PASS: recording})(**inputs)
     assert recording.flags == {f"omni_accel::{op}": {pdl} for op in ("concat_gelu", "qk_norm_rope_fp8",
-                                                                      "layernorm_modulate_fp8")}
+                                                                      "layernorm_modulate_fp8",
+                                                                      "layernorm_modulate_int8")}
+
+
+def test_the_one_pass_int8_kernel_has_a_switch_off_by_default(monkeypatch):
+    """The operation hands the switch to the kernel launcher: the two-pass kernel by default (until timed on a GPU),
+    the one-pass kernel with ``INT8_ONE_PASS``."""
+    from omni_accel.kernels import epilogue_triton
+
+    assert epilogue_fusion.INT8_ONE_PASS is False
+    seen = []
+
+    def launcher(a, a_scale, h, bias, dtype, pdl=False, one_pass=True):
+        seen.append(one_pass)
+        return epilogue_fusion.concat_gelu_int8_reference(a, a_scale, h, bias, dtype)
+
+    monkeypatch.setattr(epilogue_fusion, "_use_triton", lambda device: True)
+    monkeypatch.setattr(epilogue_triton, "concat_gelu_int8", launcher)
+    a, h = torch.randn(3, 2, 16).to(BF16), torch.randn(3, 64).to(BF16)
+    torch.ops.omni_accel.concat_gelu_int8(a, None, h, None, BF16)
+    monkeypatch.setattr(epilogue_fusion, "INT8_ONE_PASS", True)
+    torch.ops.omni_accel.concat_gelu_int8(a, None, h, None, BF16)
+    assert seen == [False, True]

@@ -99,11 +99,24 @@ def test_concat_gelu_kernel_matches_its_formula(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
+@pytest.mark.parametrize("way", ["one-pass", "two-pass"])
 @pytest.mark.parametrize("case", WORKER.CONCAT_GELU_INT8_CASES)
-def test_concat_gelu_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpreted, case):
-    """The int8 epilogue kernel: the int8 values and per-row scales of ``quantize_rows_int8`` applied to the 16-bit
-    concatenation, a GELU value at a bf16 rounding tie aside (one int8 step)."""
-    r = interpreted["concat_gelu_int8"][case]
+def test_concat_gelu_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpreted, case, way):
+    """The int8 epilogue kernels (one pass with the row in registers, two passes over blocks): the int8 values and
+    per-row scales of ``quantize_rows_int8`` applied to the 16-bit concatenation, a GELU value at a bf16 rounding
+    tie aside (one int8 step)."""
+    r = interpreted["concat_gelu_int8"][f"{case}/{way}"]
+    assert "error" not in r, r.get("error")
+    assert r["dtype"] == "torch.int8" and r["shape"] == r["ref_shape"] and r["scale_shape"] == [r["shape"][0], 1]
+    assert r["int8_max_diff"] <= 1 and r["int8_frac_equal"] > 0.99, r
+    assert r["scale_max_rel_err"] <= 2.0 ** -8, r
+
+
+@pytest.mark.parametrize("case", WORKER.LAYERNORM_INT8_CASES)
+def test_layernorm_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpreted, case):
+    """The AdaLN kernel's int8 form: the int8 values and per-row scales of ``quantize_rows_int8`` applied to the
+    modulated rows rounded to 16 bits, a value at a rounding tie aside (one int8 step)."""
+    r = interpreted["layernorm_int8"][case]
     assert "error" not in r, r.get("error")
     assert r["dtype"] == "torch.int8" and r["shape"] == r["ref_shape"] and r["scale_shape"] == [r["shape"][0], 1]
     assert r["int8_max_diff"] <= 1 and r["int8_frac_equal"] > 0.99, r
@@ -374,6 +387,13 @@ def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
                                            out_ptr="*i8", scale_ptr="*fp32"),
          dict(A_COLS=3072, A_HEAD=3072, H_COLS=12288, A_SCALED=False, HAS_BIAS=True, APPROX=True, BF16=True, ROWS=1,
               A_BLOCK=1024, H_BLOCK=1024), 4),
+        (et._layernorm_modulate_int8_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16",
+                                                  out_ptr="*i8", row_scale_ptr="*fp32"),
+         dict(C=3072, BLOCK=4096, ROWS=2, SPLIT=True, BF16=True, APPROX=True), 8),
+        (et._concat_gelu_int8_row_kernel, dict(a_ptr="*bf16", a_scale_ptr="*fp32", h_ptr="*bf16", bias_ptr="*bf16",
+                                               out_ptr="*i8", scale_ptr="*fp32"),
+         dict(A_COLS=3072, A_HEAD=128, H_COLS=12288, A_SCALED=False, HAS_BIAS=True, APPROX=True, BF16=True,
+              WIDTH=16384), 8),
     ]
     for kernel, pointers, consts, warps in cases:
         ptx = _compile_for_hopper(kernel, pointers, {**consts, "PDL": pdl}, {"num_warps": warps}).asm["ptx"]

@@ -8,6 +8,7 @@ whatever model code produced it), and what each becomes:
     cat([a, gelu(h [+ bias])], dim=-1) -> int8 rows + scales   omni_accel::concat_gelu_int8     (an int8 linear)
     gelu(h [+ bias]) -> static_fp8_cast                         omni_accel::concat_gelu, no a    (an FP8 down projection)
     layer_norm(x) * (1 + scale) + shift -> 1-3 static casts     omni_accel::layernorm_modulate_fp8   (AdaLN's norm)
+    layer_norm(x) * (1 + scale) + shift -> int8 rows + scales   omni_accel::layernorm_modulate_int8  (int8 linears)
     rotary(rms_norm(q or k of a fused projection)) [- mean] -> static cast   omni_accel::qk_norm_rope_fp8 (FP8 attention)
 
 ``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16); ``gelu`` is the
@@ -61,8 +62,8 @@ _FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
 _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else None
 
 # "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "gelu_int8" / "layernorm_modulate_fp8" /
-# "qk_norm_rope_fp8" -> how many this process replaced (graphs compiled here: one loaded from inductor's cache ran
-# its passes when it was first compiled)
+# "layernorm_modulate_int8" / "qk_norm_rope_fp8" -> how many this process replaced (graphs compiled here: one loaded
+# from inductor's cache ran its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
 # Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
 QK_NORM_ROPE = True
@@ -76,6 +77,14 @@ INT8 = True
 # Whether, with INT8, a lone GELU feeding an int8 linear (the dual-stream blocks' feed-forward) becomes that operation
 # too (else inductor's GELU + quantization kernel, a split reduction); benchmarks' A/B rows set it.
 GELU_INT8 = True
+# Whether the int8 concatenation + GELU kernel holds a row of up to 16,384 values in registers and reads its inputs
+# once (else it reads them twice: epilogue_triton.concat_gelu_int8). Off until timed on a GPU; benchmarks' A/B rows
+# set it.
+INT8_ONE_PASS = False
+# Whether, with INT8, AdaLN's LayerNorm + modulate feeding int8 linears becomes one operation that writes the int8
+# rows and their scales (else inductor's norm + quantization kernels). Off until timed on a GPU; benchmarks' A/B rows
+# set it.
+LAYERNORM_INT8 = False
 # Whether the kernels it puts in take part in programmatic dependent launch where inductor's own kernels do
 # (``_pdl``); benchmarks' A/B rows set it.
 PDL = True
@@ -150,7 +159,7 @@ def concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=False):
 
         a_cols, a_head = (a.shape[1] * a.shape[2], a.shape[2]) if a is not None else (0, 0)
         if epilogue_triton.int8_supported(a_cols, a_head, h.shape[1]):
-            return epilogue_triton.concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=pdl)
+            return epilogue_triton.concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=pdl, one_pass=INT8_ONE_PASS)
     return concat_gelu_int8_reference(a, a_scale, h, bias, dtype)
 
 
@@ -225,6 +234,36 @@ def _(a, b, scale, shift, eps, inverse, second_inverse, third_inverse, pdl=False
     rows = a.shape[0] + (b.shape[0] if b is not None else 0)
     count = 1 + (second_inverse is not None) + (third_inverse is not None)
     return a.new_empty((count, rows, a.shape[-1]), dtype=FP8_DTYPE)
+
+
+def layernorm_modulate_int8_reference(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor,
+                                      shift: torch.Tensor, eps: float,
+                                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a then b: LayerNorm(x) * (1 + scale) + shift in float32, rounded to ``dtype``, then each row to int8
+    (kernels/int8.py's ``quantize_rows_int8``): (int8 (rows, C), scale (rows, 1) float32)."""
+    from .int8 import quantize_rows_int8
+
+    x = torch.cat([a, b]) if b is not None else a
+    y = torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    return quantize_rows_int8((y * (1 + scale.float().reshape(-1)) + shift.float().reshape(-1)).to(dtype))
+
+
+@torch.library.custom_op("omni_accel::layernorm_modulate_int8", mutates_args=(), schema=(
+    "(Tensor a, Tensor? b, Tensor scale, Tensor shift, float eps, ScalarType dtype, bool pdl=False) "
+    "-> (Tensor, Tensor)"))
+def layernorm_modulate_int8(a, b, scale, shift, eps, dtype, pdl=False):
+    if _use_triton(a.device):
+        from . import epilogue_triton
+
+        if b is None or epilogue_triton.layernorm_modulate_rows(a.shape[0]) is not None:
+            return epilogue_triton.layernorm_modulate_int8(a, b, scale, shift, eps, dtype, pdl=pdl)
+    return layernorm_modulate_int8_reference(a, b, scale, shift, eps, dtype)
+
+
+@layernorm_modulate_int8.register_fake
+def _(a, b, scale, shift, eps, dtype, pdl=False):
+    rows = a.shape[0] + (b.shape[0] if b is not None else 0)
+    return a.new_empty((rows, a.shape[-1]), dtype=torch.int8), a.new_empty((rows, 1), dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------- graph matching
@@ -332,6 +371,23 @@ def _int8_row_quantization(node: fx.Node):
     if not (_call(cast, _CONVERT) and cast.args[1] == torch.int8 and cast.users):
         return None
     return cast, scale
+
+
+def _int8_row_quantizations(node: fx.Node):
+    """Every use of ``node`` is the int8 linears' row quantization (``_int8_row_quantization``), each through its own
+    view of the same rows (one per int8 linear reading them: the graph does not merge them): [(int8 node, scale
+    node)], or None."""
+    if (found := _int8_row_quantization(node)) is not None:
+        return [found]
+    cols = _val(node).shape[-1]
+    chains = []
+    for user in node.users:
+        if not (_call(user, *_VIEWS) and _val(user).shape[-1] == cols):
+            return None
+        if (found := _int8_row_quantization(user)) is None:
+            return None
+        chains.append(found)
+    return chains or None
 
 
 def _mul_factors(node, depth: int = 3) -> list:
@@ -772,17 +828,20 @@ def _modulation(node):
 
 
 class _NormCandidate:
-    def __init__(self, y16, casts, a, b, scale, shift, eps):
+    def __init__(self, y16, casts, a, b, scale, shift, eps, int8=None):
         self.y16, self.casts, self.a, self.b, self.scale, self.shift, self.eps = y16, casts, a, b, scale, shift, eps
+        self.int8 = int8  # [(int8 node, scale node)] of the int8 linears' row quantizations, instead of casts
 
 
 def _norm_candidate(node: fx.Node):
-    """``node`` = the modulated 16-bit norm output whose every use is a static e4m3 cast."""
+    """``node`` = the modulated 16-bit norm output whose every use is a static e4m3 cast, or an int8 linear's row
+    quantization (the same values for each: one operation computes them once)."""
     if not (_call(node, aten.add.Tensor) and isinstance(_val(node), torch.Tensor)
             and _val(node).dtype in (torch.bfloat16, torch.float16)):
         return None
-    casts = _static_fp8_casts(node)
-    mod = _modulation(node) if casts else None
+    int8 = _int8_row_quantizations(node) if INT8 and LAYERNORM_INT8 else None
+    casts = _static_fp8_casts(node) if int8 is None else []
+    mod = _modulation(node) if casts is not None else None
     norm = _layernorm_source(mod[0]) if mod is not None else None
     if norm is None:
         return None
@@ -798,11 +857,14 @@ def _norm_candidate(node: fx.Node):
     rows_a = _val(a).numel() // out.shape[-1]
     if b is not None and not _kernel_takes(out, lambda kernels: kernels.layernorm_modulate_rows(rows_a) is not None):
         return None
-    return _NormCandidate(node, casts, a, b, mod[1], mod[2], eps)
+    return _NormCandidate(node, casts, a, b, mod[1], mod[2], eps, int8)
 
 
 def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
     cols = _val(c.y16).shape[-1]
+    if c.int8 is not None:
+        _rewrite_norm_int8(graph, c, cols)
+        return
     # after every input (each cast's own inverse scale is defined before that cast); the uses of an earlier cast
     # that now come before the operation are put back in order by the topological sort after the pass
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -821,6 +883,24 @@ def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
         cast.replace_all_uses_with(result)
 
 
+def _rewrite_norm_int8(graph: fx.Graph, c: _NormCandidate, cols: int) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_before(min((int8 for int8, _ in c.int8), key=order.__getitem__)):
+        a = _node(graph, aten.reshape.default, c.a, [-1, cols])
+        b = _node(graph, aten.reshape.default, c.b, [-1, cols]) if c.b is not None else None
+        scale = _node(graph, aten.reshape.default, c.scale, [cols])
+        shift = _node(graph, aten.reshape.default, c.shift, [cols])
+        fused = _node(graph, torch.ops.omni_accel.layernorm_modulate_int8.default, a, b, scale, shift, c.eps,
+                      _val(c.y16).dtype, _pdl(_val(c.a).device))
+        parts = []
+        for index in (0, 1):
+            parts.append(graph.call_function(operator.getitem, (fused, index)))
+            parts[-1].meta["val"] = _val(fused)[index]
+        for chain in c.int8:  # every linear's (int8, scale) pair: the same values, in its own view's shape
+            for part, old in zip(parts, chain):
+                old.replace_all_uses_with(_node(graph, aten.reshape.default, part, list(_val(old).shape)))
+
+
 def _match(node: fx.Node):
     """(REWRITES kind, rewrite function, candidate) of the first pattern ``node`` ends, or None."""
     found = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
@@ -831,7 +911,7 @@ def _match(node: fx.Node):
     if QK_NORM_ROPE and _call(node, _CONVERT) and (found := _qk_candidate(node)) is not None:
         return "qk_norm_rope_fp8", _rewrite_qk, found
     if LAYERNORM and (found := _norm_candidate(node)) is not None:
-        return "layernorm_modulate_fp8", _rewrite_norm, found
+        return f"layernorm_modulate_{'int8' if found.int8 is not None else 'fp8'}", _rewrite_norm, found
     return None
 
 
@@ -863,7 +943,7 @@ class EpilogueFusionPass(CustomGraphPass):
         here = os.path.dirname(os.path.abspath(__file__))
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
-                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}")
+                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}")
 
 
 GRAPH_PASS = EpilogueFusionPass()

@@ -7,9 +7,9 @@ full-width vectors. That is what inductor's own kernel for the same expression l
 epilogue (4608 x 15360) took 104 us there and 54 us here (``benchmarks/bench_fp8_epilogues.py``).
 
 ``concat_gelu_int8``: the same row rounded to the 16-bit dtype and quantized to int8 per row (the int8 linear's
-per-token activation scale) in the same kernel, for an int8 ``proj_out``: one program per row reads its inputs once
-for the row's largest value and again (from L2) for the cast, where the unfused path wrote the 16-bit row to memory
-and read it back in a second kernel.
+per-token activation scale) in the same kernel, for an int8 ``proj_out``, where the unfused path wrote the 16-bit row
+to memory and read it back in a second kernel. Rows up to 16,384 values wide are held whole in one program's registers
+(each input read once); wider ones are read twice, for the row's largest value and again (from L2) for the cast.
 
 GELU: the tanh form written as ``h * sigmoid(2 k (h + 0.044715 h^3))``, the sigmoid as one ``exp2`` and one
 approximate reciprocal (rcp.approx, relative error ~2^-23, far below a bf16 or e4m3 output's rounding).
@@ -21,7 +21,8 @@ kernel took 78 us for both.
 
 ``layernorm_modulate_cast``: AdaLN's ``LayerNorm(x) * (1 + scale) + shift`` for the rows of one or two streams (read in
 place, not concatenated first), cast once per FP8 linear that reads it (up to three). 16 us per call at FLUX's shapes,
-where inductor's kernels took 25-39 us.
+where inductor's kernels took 25-39 us. ``layernorm_modulate_int8``: the same rows quantized to int8 per row for the
+int8 linears that read them (the row is whole in registers, so its largest value costs no second read).
 
 Programmatic dependent launch (``pdl``, what inductor's ``triton.enable_pdl`` does for its own kernels): each kernel
 waits for the kernels before it first thing and releases the next one after its loads, so on Hopper and newer the
@@ -208,6 +209,58 @@ def _concat_gelu_int8_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def _concat_gelu_int8_row_kernel(
+    a_ptr, a_scale_ptr, h_ptr, bias_ptr, out_ptr, scale_ptr,
+    stride_a_row, stride_a_head, stride_h_row,
+    A_COLS: tl.constexpr, A_HEAD: tl.constexpr, H_COLS: tl.constexpr,
+    A_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr, BF16: tl.constexpr,
+    WIDTH: tl.constexpr, PDL: tl.constexpr,
+):
+    """``_concat_gelu_int8_kernel`` in one pass: a program holds its whole row (``WIDTH``, the power of two at or
+    above A + H) in registers, so each input is read once from memory and the GELU computed once."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, WIDTH)
+    in_a = col < A_COLS
+    in_h = (col >= A_COLS) & (col < A_COLS + H_COLS)
+    head = col // A_HEAD
+    a = tl.load(a_ptr + row * stride_a_row + head * stride_a_head + (col - head * A_HEAD), mask=in_a,
+                other=0.0).to(tl.float32)
+    if A_SCALED:
+        a = a * tl.load(a_scale_ptr)
+    h_col = col - A_COLS  # negative in the first input's columns, which the mask leaves out
+    h = tl.load(h_ptr + row * stride_h_row + h_col, mask=in_h, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        h += tl.load(bias_ptr + h_col, mask=in_h, other=0.0).to(tl.float32)
+    if PDL:  # every input is read: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()
+    e = tl.exp2(-2.302208198144325 * (h + 0.044715 * h * h * h))  # as _gelu_block
+    if APPROX:
+        g = h * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        g = h / (1.0 + e)
+    y = _as_16_bit(tl.where(in_a, a, g), BF16, not APPROX)
+    scale = tl.maximum(tl.max(tl.abs(tl.where(in_a | in_h, y, 0.0)), axis=0), 1e-12) / 127.0
+    tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * (A_COLS + H_COLS) + col, _to_int8(y, scale), mask=in_a | in_h)
+
+
+# The widest row the one-pass kernel holds in registers (64 float32 values per thread at 8 warps). At FLUX's
+# single-block width (3,072 + 12,288) it reads each input once where the two-pass kernel read it twice.
+ROW_KERNEL_MAX_WIDTH = 16384
+
+
+def _row_kernel_launch(a_cols: int, h_cols: int) -> tuple[int, int] | None:
+    """(the row's power-of-two register width, warps) of the one-pass kernel, or None when the row is wider."""
+    width = triton.next_power_of_2(a_cols + h_cols)
+    if width > ROW_KERNEL_MAX_WIDTH:
+        return None
+    return width, max(1, min(8, width // 2048))
+
+
 def _largest_block(widths: tuple[int, ...], most: int = 1024) -> int | None:
     """The largest power-of-two column block (16 to ``most``) that divides every width, or None."""
     return next((b for b in (1024, 512, 256, 128, 64, 32, 16) if b <= most and all(w % b == 0 for w in widths)),
@@ -225,24 +278,39 @@ def _int8_tile(a_cols: int, a_head: int, h_cols: int) -> tuple[int, int, int, in
 
 
 def int8_supported(a_cols: int, a_head: int, h_cols: int) -> bool:
-    return _int8_tile(a_cols, a_head, h_cols) is not None
+    return _row_kernel_launch(a_cols, h_cols) is not None or _int8_tile(a_cols, a_head, h_cols) is not None
 
 
 def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor, bias: torch.Tensor | None,
                      dtype: torch.dtype, tile: tuple[int, int, int, int] | None = None,
-                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     pdl: bool = False, one_pass: bool = True,
+                     row_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``concat_gelu`` in ``dtype`` (bf16 / fp16), then each row to int8 with its own scale (kernels/int8.py's
     ``quantize_rows_int8``) in the same kernel: (int8 (rows, A + H), scale (rows, 1) float32). The 16-bit row is
-    never written: the kernel reads its inputs twice, for the row's largest value and then for the cast.
-    ``tile``: (rows, first input's block, GELU block, warps) instead of ``_int8_tile``'s choice."""
+    never written. Rows up to ``ROW_KERNEL_MAX_WIDTH`` wide (and ``one_pass``) go to the one-pass kernel, which
+    reads each input once; wider ones (or a ``tile``: (rows, first input's block, GELU block, warps)) to the
+    two-pass kernel, which reads them twice, for the row's largest value and then for the cast. ``row_warps``: the
+    one-pass kernel's warps instead of ``_row_kernel_launch``'s choice (the benchmark's sweep)."""
     n_rows, h_cols = h.shape
     heads, a_head = a.shape[1:] if a is not None else (0, 0)
     a_cols = heads * a_head
-    rows, a_block, h_block, warps = tile or _int8_tile(a_cols, a_head, h_cols)
     out = torch.empty(n_rows, a_cols + h_cols, dtype=torch.int8, device=h.device)
     scale = torch.empty(n_rows, 1, dtype=torch.float32, device=h.device)
     if n_rows == 0:
         return out, scale
+    row_launch = _row_kernel_launch(a_cols, h_cols) if tile is None and one_pass else None
+    if row_launch is not None:
+        width, warps = row_launch[0], row_warps or row_launch[1]
+        with _on_device(h):
+            _launcher(_concat_gelu_int8_row_kernel, h.device)[(n_rows,)](
+                a if a is not None else h, a_scale if a_scale is not None else h, h, bias if bias is not None else h,
+                out, scale, a.stride(0) if a is not None else 0, a.stride(1) if a is not None else 0, h.stride(0),
+                A_COLS=a_cols, A_HEAD=max(a_head, 1), H_COLS=h_cols, A_SCALED=a_scale is not None,
+                HAS_BIAS=bias is not None, APPROX=not INTERPRETED, BF16=dtype == torch.bfloat16, WIDTH=width,
+                num_warps=warps, **_pdl_launch(pdl),
+            )
+        return out, scale
+    rows, a_block, h_block, warps = tile or _int8_tile(a_cols, a_head, h_cols)
     with _on_device(h):
         _launcher(_concat_gelu_int8_kernel, h.device)[(triton.cdiv(n_rows, rows),)](
             a if a is not None else h, a_scale if a_scale is not None else h, h, bias if bias is not None else h,
@@ -318,16 +386,14 @@ def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, h
 
 
 @triton.jit
-def _layernorm_modulate_cast_kernel(
-    a_ptr, b_ptr, scale_ptr, shift_ptr, inverse0_ptr, inverse1_ptr, inverse2_ptr, out_ptr,
-    n_rows, rows_a, eps,
-    C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, COUNT: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _modulated_norm_rows(a_ptr, b_ptr, scale_ptr, shift_ptr, n_rows, rows_a, eps,
+                         C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                         PDL: tl.constexpr):
+    """LayerNorm(x) * (1 + scale) + shift of this program's ``ROWS`` rows in float32: (y, mask, rows as int64 (ROWS,
+    1), cols (BLOCK,)). Rows [0, rows_a) come from a, the rest from b (the text and image streams a block
+    concatenates); ROWS divides rows_a, so a program reads one of them."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-    # rows [0, rows_a) come from a, the rest from b (the text and image streams a block concatenates); ROWS divides
-    # rows_a, so a program reads one of them
     first = tl.program_id(0) * ROWS
     rows = first + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -344,7 +410,18 @@ def _layernorm_modulate_cast_kernel(
     shift = tl.load(shift_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    y = centered * rstd * (1.0 + scale) + shift
+    return centered * rstd * (1.0 + scale) + shift, mask, rows64, cols
+
+
+@triton.jit
+def _layernorm_modulate_cast_kernel(
+    a_ptr, b_ptr, scale_ptr, shift_ptr, inverse0_ptr, inverse1_ptr, inverse2_ptr, out_ptr,
+    n_rows, rows_a, eps,
+    C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, COUNT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    y, mask, rows64, cols = _modulated_norm_rows(a_ptr, b_ptr, scale_ptr, shift_ptr, n_rows, rows_a, eps,
+                                                 C, BLOCK, ROWS, SPLIT, PDL)
     out = out_ptr + rows64 * C + cols[None, :]
     q = tl.minimum(tl.maximum(y * tl.load(inverse0_ptr), -448.0), 448.0)
     tl.store(out, q.to(out_ptr.dtype.element_ty), mask=mask)
@@ -354,6 +431,23 @@ def _layernorm_modulate_cast_kernel(
     if COUNT > 2:
         q = tl.minimum(tl.maximum(y * tl.load(inverse2_ptr), -448.0), 448.0)
         tl.store(out + 2 * n_rows * C, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layernorm_modulate_int8_kernel(
+    a_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, row_scale_ptr,
+    n_rows, rows_a, eps,
+    C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, BF16: tl.constexpr,
+    APPROX: tl.constexpr, PDL: tl.constexpr,
+):
+    """The int8 form: each row rounded to the 16-bit dtype, then to int8 with its own scale (the int8 linears'
+    per-token activation quantization), the row's largest value taken in registers."""
+    y, mask, rows64, cols = _modulated_norm_rows(a_ptr, b_ptr, scale_ptr, shift_ptr, n_rows, rows_a, eps,
+                                                 C, BLOCK, ROWS, SPLIT, PDL)
+    y = _as_16_bit(y, BF16, not APPROX)
+    row_scale = tl.maximum(tl.max(tl.abs(tl.where(mask, y, 0.0)), axis=1), 1e-12) / 127.0
+    tl.store(row_scale_ptr + rows64, row_scale[:, None], mask=rows64 < n_rows)
+    tl.store(out_ptr + rows64 * C + cols[None, :], _to_int8(y, row_scale[:, None]), mask=mask)
 
 
 def layernorm_modulate_rows(rows_a: int) -> int | None:
@@ -378,3 +472,22 @@ def layernorm_modulate_cast(a: torch.Tensor, b: torch.Tensor | None, scale: torc
                 SPLIT=b is not None, COUNT=len(inverses), num_warps=8, **_pdl_launch(pdl),
             )
     return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
+
+
+def layernorm_modulate_int8(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
+                            eps: float, dtype: torch.dtype, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layernorm_modulate_cast``'s rows rounded to ``dtype`` and quantized to int8 per row (kernels/int8.py's
+    ``quantize_rows_int8``): (int8 (rows, C), scale (rows, 1) float32)."""
+    c = a.shape[-1]
+    n_rows = a.shape[0] + (b.shape[0] if b is not None else 0)
+    out = torch.empty(n_rows, c, dtype=torch.int8, device=a.device)
+    row_scale = torch.empty(n_rows, 1, dtype=torch.float32, device=a.device)
+    rows = layernorm_modulate_rows(a.shape[0]) if b is not None else 2
+    if n_rows:
+        with _on_device(a):
+            _launcher(_layernorm_modulate_int8_kernel, a.device)[(triton.cdiv(n_rows, rows),)](
+                a, b if b is not None else a, scale, shift, out, row_scale, n_rows, a.shape[0], float(eps), C=c,
+                BLOCK=triton.next_power_of_2(c), ROWS=rows, SPLIT=b is not None, BF16=dtype == torch.bfloat16,
+                APPROX=not INTERPRETED, num_warps=8, **_pdl_launch(pdl),
+            )
+    return out, row_scale
