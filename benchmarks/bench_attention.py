@@ -15,7 +15,10 @@ diffusers' dispatcher -- and every kernel is called the way it is called in a pi
   ``sdpa_kernel(<backend>)``, as omni_accel's attention pass and diffusers' native backend call it,
 - ``sage``: ``sageattn(tensor_layout="HND")`` on contiguous (B, H, S, D) copies made before timing;
   ``sage_nhd``: ``sageattn(tensor_layout="NHD")`` on the (B, S, H, D) tensors, as diffusers' ``sage`` backend calls
-  it; ``sage_no_smooth_k``: HND with ``smooth_k=False``, to show what subtracting K's token mean buys,
+  it; ``sage_no_smooth_k``: HND with ``smooth_k=False``, to show what subtracting K's token mean buys;
+  ``omni_sage_prepared``: omni_accel's quantization of Q, K and V (compiled by inductor) and the package's Hopper
+  kernel through ``omni_accel::sage_attention_quantized`` (``sage_attention.PREP_IN_GRAPH``), ``omni_sage_kernel``
+  the kernel alone,
 - ``flash_attn`` / ``fa3`` / ``fa4``: ``flash_attn_func`` of the flash-attn / FlashAttention-3 / flash-attn-4
   (``flash_attn.cute``, compiled at its first call by the CuTe DSL) packages on (B, S, H, D).
 
@@ -133,6 +136,27 @@ def _omni(mode: str, core_only: bool) -> Callable:
     return call
 
 
+def _omni_sage_prepared(kernel_only: bool) -> Callable:
+    """omni_accel's SageAttention path with ``sage_attention.PREP_IN_GRAPH``: Q, K and V quantized by torch ops that
+    inductor compiles (here the quantization alone, in a compiled model fused into the kernels that produce Q, K,
+    V), then the package's Hopper kernel through ``omni_accel::sage_attention_quantized``. ``kernel_only`` times the
+    op alone on operands quantized once."""
+    from omni_accel.kernels import sage_attention as sage
+
+    if not kernel_only:
+        return torch.compile(sage.prepared_attention, dynamic=False)
+    cache: dict = {}
+
+    def call(q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in cache:
+            cache.clear()
+            cache[key] = (*sage.quantize_queries(q), *sage.quantize_keys(k), *sage.quantize_values(v))
+        return sage.sage_attention_quantized(*cache[key], q.shape[-1] ** -0.5, q.dtype)
+
+    return call
+
+
 def _cudnn_fp8(core_only: bool) -> Callable:
     """cuDNN's FP8 SDPA (attention="fp8" on Hopper with nvidia-cudnn-frontend). ``core_only`` times the cuDNN call
     alone on operands quantized once; the full call adds K smoothing, per-tensor e4m3 quantization (eager here,
@@ -196,6 +220,10 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         ("sage", "BHSD", lambda: _sage("HND", True), "sageattn HND, smooth_k", "sageattention"),
         ("sage_nhd", "BSHD", lambda: _sage("NHD", True), "sageattn NHD (diffusers' call)", "sageattention"),
         ("sage_no_smooth_k", "BHSD", lambda: _sage("HND", False), "sageattn HND, smooth_k=False", "sageattention"),
+        ("omni_sage_prepared", "BSHD", lambda: _omni_sage_prepared(False), "omni_accel: Q / K / V quantized by "
+         "inductor-compiled torch ops, then SageAttention's Hopper kernel", "sageattention"),
+        ("omni_sage_kernel", "BSHD", lambda: _omni_sage_prepared(True), "same, the kernel alone on operands "
+         "quantized once", "sageattention"),
         ("omni_int8_fp8", "BSHD", lambda: _omni("int8_fp8", False), "omni_accel fp8 attention: int8 QK (per token), "
          "e4m3 PV; incl. eager quantization", "triton"),
         ("omni_int8_fp8_core", "BSHD", lambda: _omni("int8_fp8", True), "same, kernel only", "triton"),

@@ -11,7 +11,11 @@ captured (a replay of the captured inputs hides the fault):
 - ``side_stream``: the op called eagerly with a non-default stream current.
 
 Each gets the relative error against SDPA on the new inputs; SageAttention's own error at this shape is the
-``eager`` row. Usage::
+``eager`` row. The same for the path that quantizes Q, K and V in the compiled graph
+(``sage_attention.PREP_IN_GRAPH``: ``prepared_*`` rows, the quantization compiled by inductor and the package's Hopper
+kernel called through ``omni_accel::sage_attention_quantized``), plus ``prepared_vs_package``: its output against
+``sageattn``'s on the same inputs (both quantize the same way, so this is the kernel reading our operands as its
+own), and ``prepared_vs_operands``: against the float32 attention of the operands it was given. Usage::
 
     python benchmarks/check_sage_graphs.py --out benchmarks/results/check_sage_graphs_h200.json
 """
@@ -56,6 +60,40 @@ def _plain_capture_error(block, captured_in, fresh, want) -> float:
     return rel_err(static_out, want)
 
 
+def _graphed_error(block, captured_in, fresh, want, device) -> tuple[float, object, dict]:
+    """``block`` in omni_accel's whole-forward graph: a warm-up call and the capture on ``captured_in``, then a replay
+    on ``fresh``: (its error against ``want``, the graphed forward, its stats)."""
+    from omni_accel.cuda_graphs import GraphedForward
+
+    graphed = GraphedForward(block, torch.nn.Linear(1, 1, device=device), device)
+    with torch.no_grad():
+        graphed(*captured_in)
+        graphed(*captured_in)
+        err = rel_err(graphed(*fresh), want)
+    return err, graphed, dict(graphed.stats)
+
+
+def _prepared_rows(fresh, want, other, device) -> dict:
+    """The PREP_IN_GRAPH path: eager, against the package and against its own operands, and under the whole-forward
+    graph on new inputs."""
+    from omni_accel.kernels import sage_attention as sage
+
+    prepared = torch.compile(sage.prepared_attention, dynamic=False)
+
+    def block(q, k, v):
+        return prepared(q * 1.0, k, v, None) * 2.0
+
+    q, k, v = fresh
+    operands = (*sage.quantize_queries(q), *sage.quantize_keys(k), *sage.quantize_values(v))
+    kernel_out = sage.sage_attention_quantized(*operands, q.shape[-1] ** -0.5, q.dtype)
+    q32, k32, v32 = sage.dequantized(*operands)
+    rows = {"prepared_eager": rel_err(block(*fresh), want),
+            "prepared_vs_package": rel_err(kernel_out, sage._sage_call(q, k, v, None, False)),
+            "prepared_vs_operands": rel_err(kernel_out, sdpa(q32, k32, v32))}
+    rows["prepared_host_step"], _, rows["prepared_graph_stats"] = _graphed_error(block, other, fresh, want, device)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4608)
@@ -63,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
-    from omni_accel.cuda_graphs import GraphedForward
     from omni_accel.kernels.sage_attention import _sage_call as sage_package_call
     from omni_accel.kernels.sage_attention import sage_attention
 
@@ -93,12 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
 
     # omni_accel's whole-forward graph: warm-up call, capture, then replays on new inputs
-    dummy = torch.nn.Linear(1, 1, device=device)
-    graphed = GraphedForward(block, dummy, device)
+    rows["host_step"], graphed, _ = _graphed_error(block, captured_in, fresh, want, device)
     with torch.no_grad():
-        graphed(*captured_in)
-        graphed(*captured_in)
-        rows["host_step"] = rel_err(graphed(*fresh), want)
         rows["host_step_again"] = rel_err(graphed(*qkv(2)), sdpa(*qkv(2)) * 2.0)
     rows["graph_stats"] = dict(graphed.stats)
 
@@ -110,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.current_stream().wait_stream(side)
     rows["side_stream"] = rel_err(out, want)
     torch.cuda.synchronize()
+    rows.update(_prepared_rows(fresh, want, qkv(2), device))
 
     import sageattention  # noqa: F401 -- its version goes into the result
 

@@ -186,3 +186,134 @@ def test_auto_routes_long_calls_to_sage_beside_cudnn_also_under_a_graph_and_rest
         omni_accel.restore(pipe)
     sage_on_cpu.clear()
     assert torch.equal(run(pipe, kwargs), plain) and not sage_on_cpu
+
+
+# ------------------------------------------------------------------- Q, K and V quantized in the compiled graph
+_V_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)  # key stored at each of 16 positions
+
+
+def _half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, torch.floor(x + 0.5), torch.ceil(x - 0.5)).to(torch.int8)
+
+
+def _per_thread_reference(x: torch.Tensor, programs: int, rows_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """The package's per-thread Triton quantization as loops over its programs: program p of a (batch, head) takes
+    the tokens ``rows_of(p)`` (those below the length), scale = amax / 127 + 1e-7, int8 = round half away."""
+    b, n, h, _ = x.shape
+    q8, scales = torch.zeros(x.shape, dtype=torch.int8), torch.empty(b, h, programs)
+    for bi in range(b):
+        for hi in range(h):
+            for p in range(programs):
+                rows = [r for r in rows_of(p) if r < n]
+                block = x[bi, rows, hi].float()
+                scales[bi, hi, p] = (block.abs().max() if rows else torch.tensor(0.0)) / 127.0 + 1e-7
+                if rows:
+                    q8[bi, rows, hi] = _half_away(block / scales[bi, hi, p])
+    return q8, scales
+
+
+@pytest.mark.parametrize("tokens", [64, 150])
+def test_queries_and_keys_are_quantized_as_the_hopper_kernel_reads_them(tokens):
+    """Scales and int8 values equal the package's per-thread kernels' (quant_query / quant_key_per_thread_int8),
+    written out as loops: a query scale per program (16-query block w, lane t: queries 16 w + t and 16 w + 8 + t),
+    a key scale per program (128-key block, thread t: keys 8 i + 2 t and 8 i + 2 t + 1, i < 16), K smoothed first."""
+    g = torch.Generator().manual_seed(tokens)
+    q, k = (torch.randn(1, tokens, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    q8, q_scale = sage.quantize_queries(q)
+    want_q8, want_q_scale = _per_thread_reference(
+        q, -(-tokens // 64) * 32, lambda p: [p // 8 * 16 + j * 8 + p % 8 for j in range(2)])
+    assert q_scale.shape == want_q_scale.shape and torch.equal(q_scale, want_q_scale)
+    assert q8.shape == q.shape and torch.equal(q8, want_q8)
+    k8, k_scale = sage.quantize_keys(k)
+    want_k8, want_k_scale = _per_thread_reference(
+        k - k.mean(dim=1, keepdim=True), -(-tokens // 128) * 4,
+        lambda p: [p // 4 * 128 + 8 * i + 2 * (p % 4) + e for i in range(16) for e in range(2)])
+    assert k_scale.shape == want_k_scale.shape and torch.equal(k_scale, want_k_scale)
+    assert torch.equal(k8, want_k8)
+
+
+def test_values_are_transposed_reordered_and_scaled_per_channel_as_the_kernel_reads_them():
+    """V as the package's transpose-pad-permute and per-channel FP8 kernels leave it: (batch, D, heads, keys padded
+    to 128), position 16 g + p holding key 16 g + _V_ORDER[p] (zeros past the keys), scaled by 448 / channel amax."""
+    g = torch.Generator().manual_seed(3)
+    v = (torch.randn(1, 150, 2, 64, generator=g) * 3).to(torch.bfloat16)
+    v8, v_scale = sage.quantize_values(v)
+    assert v8.shape == (1, 64, 2, 256) and v8.dtype == torch.float8_e4m3fn and v8.is_contiguous()
+    amax = v.float().abs().amax(dim=1)
+    assert torch.equal(v_scale, amax / 448.0)
+    padded = torch.cat([v.float(), torch.zeros(1, 106, 2, 64)], dim=1)
+    order = torch.tensor([16 * (p // 16) + _V_ORDER[p % 16] for p in range(256)])
+    want = (padded[:, order] * (448.0 / amax)[:, None]).to(torch.float8_e4m3fn).permute(0, 3, 2, 1)
+    assert torch.equal(v8.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def test_dequantized_operands_are_the_inputs_within_half_a_step():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 150, 3, 64, generator=g) for _ in range(3))
+    q8, qs = sage.quantize_queries(q)
+    k8, ks = sage.quantize_keys(k)
+    v8, vs = sage.quantize_values(v)
+    dq, dk, dv = sage.dequantized(q8, qs, k8, ks, v8, vs)
+    assert dq.shape == dk.shape == dv.shape == q.shape
+    k_smooth = k - k.mean(dim=1, keepdim=True)
+    for x, back, step in ((q, dq, qs.max()), (k_smooth, dk, ks.max())):
+        assert (x - back).abs().max() <= step / 2 + 1e-6
+    assert ((v - dv).abs() <= 2.0 ** -4 * v.abs() + vs.max() * 2.0 ** -9).all()  # e4m3: 3 mantissa bits
+
+
+def test_the_quantized_op_off_hopper_computes_its_operands_attention(monkeypatch):
+    """Without the package's Hopper kernel the op computes the attention of the operands it was given (dequantized,
+    float32): close to exact attention, and not equal to it (the rounding is really in the path)."""
+    monkeypatch.setitem(sys.modules, "sageattention", None)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 200, 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    out = sage.prepared_attention(q, k, v, None)
+    want = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    err = ((out.float() - want).norm() / want.norm()).item()
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and 0 < err < 0.03, err
+
+
+def test_the_quantized_ops_fake_implementation_gives_the_output_shape():
+    with FakeTensorMode():
+        q8 = torch.empty(1, 4608, 24, 128, dtype=torch.int8)
+        scales = torch.empty(1, 24, 8)
+        v8 = torch.empty(1, 128, 24, 4608, dtype=torch.float8_e4m3fn)
+        out = torch.ops.omni_accel.sage_attention_quantized(q8, scales, q8, scales, v8, scales, 0.1, torch.bfloat16)
+    assert out.shape == (1, 4608, 24, 128) and out.dtype == torch.bfloat16
+
+
+def test_with_prep_in_the_graph_compiled_blocks_quantize_and_call_only_the_kernel(sage_on_cpu, monkeypatch):
+    """PREP_IN_GRAPH: the route quantizes Q, K and V inside the compiled blocks (no graph break, no recompile) and
+    hands the operands to the quantized op (the package's sageattn is not called); the tiny model's output stays
+    within the 8-bit attention's error of the plain pipeline's (head dim 16, padded to 64 as the package does)."""
+    quantized_calls = []
+    original = sage._quantized_call
+
+    def recording(q8, *rest):
+        quantized_calls.append((q8.dtype, tuple(q8.shape)))
+        return original(q8, *rest)
+
+    monkeypatch.setattr(sage, "_quantized_call", recording)
+    monkeypatch.setattr(sage, "PREP_IN_GRAPH", True)
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    compiled, counts = run_compiled_twice(pipe, kwargs, attention="sage", compile=True)
+    assert counts["graph_breaks"] == 0
+    assert counts["graphs_second_call"] == counts["graphs_first_call"] > 0
+    assert not sage_on_cpu and quantized_calls and all(dtype == torch.int8 for dtype, _ in quantized_calls)
+    err = ((compiled - plain).norm() / plain.norm()).item()
+    assert 0 < err < 0.05, err
+
+
+def test_under_a_graph_capture_the_quantized_op_runs_between_graphs_with_its_operands(monkeypatch):
+    from omni_accel import cuda_graphs
+
+    monkeypatch.setitem(sys.modules, "sageattention", None)
+    q, k, v = (torch.randn(1, 16, 2, 64) for _ in range(3))
+    operands = (*sage.quantize_queries(q), *sage.quantize_keys(k), *sage.quantize_values(v))
+    capture = _RecordingCapture()
+    monkeypatch.setattr(cuda_graphs._ACTIVE, "capture", capture, raising=False)
+    out = sage.sage_attention_quantized(*operands, 0.125, torch.float32)
+    [(_, args, shape, dtype)] = capture.steps
+    assert all(a is b for a, b in zip(args, operands)) and len(args) == 6
+    assert shape == (1, 16, 2, 64) and dtype == torch.float32 and out.shape == shape

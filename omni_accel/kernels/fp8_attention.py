@@ -252,6 +252,8 @@ def _served(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
 
 def _routed_attention(query, key, value, scale):
     if _Route.implementation == "sage":
+        if sage_attention.PREP_IN_GRAPH:  # traced: inductor fuses Q, K and V's quantization into their kernels
+            return sage_attention.prepared_attention(query, key, value, scale)
         if sage_attention.SMOOTH_KEYS_IN_GRAPH:  # traced: inductor fuses the mean and subtraction into K's kernels
             return sage_attention.sage_attention(query, sage_attention.smoothed_keys(key), value, scale, True)
         return sage_attention.sage_attention(query, key, value, scale)

@@ -27,6 +27,12 @@ dispatcher's own kernels.
 self-attention), and keeps cuDNN for shorter ones, where the package's preparation kernels cost more than its
 attention kernel saves.
 
+Q, K and V quantized in the compiled graph (``PREP_IN_GRAPH``, off: not yet timed on a GPU): the route computes the
+package's operands with torch operations (``quantize_queries`` / ``quantize_keys`` / ``quantize_values``, the same
+layouts and roundings: Q and K equal its per-thread Triton kernels' bit for bit), so inductor fuses them into the
+kernels that produce q, k and v, and ``omni_accel::sage_attention_quantized`` runs only the package's Hopper kernel
+(off the GPU: the float32 attention of its operands).
+
 K's smoothing (``SMOOTH_KEYS_IN_GRAPH``, off: timed on Wan 81 frames, no gain): SageAttention subtracts K's mean
 over the tokens before quantizing K (softmax ignores a vector added to every key, so the result is unchanged) in two
 eager kernels of its own, 1.6 + 2.2 ms per FLUX step on an H100 (a mean and a bf16 subtraction over every key). With the
@@ -147,3 +153,137 @@ def on_default_stream(device: torch.device, call):
 @sage_attention.register_fake
 def _(query, key, value, scale, keys_smoothed=False):
     return attention_output_like(query, key, value, scale)
+
+
+# ------------------------------------------------------------------- Q, K and V quantized in the compiled graph
+# Whether the route quantizes Q, K and V for the package's Hopper kernel in the compiled graph, where inductor fuses
+# the quantization into the kernels that produce them, and the op runs only the attention kernel (else the op calls
+# ``sageattn``, whose eight preparation kernels cost more than its attention kernel saves at FLUX's 4,608 keys).
+# Off: not yet timed on a GPU (docs/kernels.md).
+PREP_IN_GRAPH = False
+QUERY_TILE, KEY_TILE = 64, 128  # the Hopper kernel's query and key tiles (its CTA_Q and CTA_K)
+_WARP_QUERIES, _THREAD_KEYS = 16, 32  # queries per warp; keys per thread group of a key tile
+INT8_MAX = 127.0
+V_FP8_MAX = 448.0  # V is scaled per channel to e4m3's largest value
+_KERNEL_OP = "qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf"  # in the package's sageattention_sm90 namespace
+_PER_THREAD = 3  # the kernel's code for per-thread Q / K scales (sageattn's default on Hopper)
+
+
+def _padded_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """(batch, tokens, heads, head dim) with zero tokens appended up to a multiple of ``multiple``."""
+    pad = -x.shape[1] % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
+
+
+def _to_int8(x: torch.Tensor) -> torch.Tensor:
+    """The package's rounding: half away from zero (add +-0.5, then the cast truncates)."""
+    return (x + torch.where(x >= 0, 0.5, -0.5)).to(torch.int8)
+
+
+def quantize_queries(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q (batch, tokens, heads, D) -> (int8 of Q's shape, float32 scales (batch, heads, tokens padded to the query
+    tile / 2)): the package's per-thread granularity, one scale per pair of queries 8 apart in each warp's 16 (the
+    rows one thread of the kernel's MMA holds), amax / 127 + 1e-7."""
+    tokens = query.shape[1]
+    x = _padded_tokens(query, QUERY_TILE).float()
+    b, n, h, d = x.shape
+    groups = x.view(b, n // _WARP_QUERIES, 2, 8, h, d)  # query 16 w + 8 j + t: (w, j, t)
+    scale = groups.abs().amax(dim=(2, 5)) / INT8_MAX + 1e-7  # (b, n / 16, 8, h)
+    q8 = _to_int8(groups / scale[:, :, None, :, :, None]).view(b, n, h, d)[:, :tokens]
+    return q8, scale.permute(0, 3, 1, 2).reshape(b, h, n // _WARP_QUERIES * 8)
+
+
+def quantize_keys(key: torch.Tensor, smooth: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """K (batch, tokens, heads, D) -> (int8 of K's shape, float32 scales (batch, heads, tokens padded to the key
+    tile / 32)): K minus its token mean (``smooth``; softmax ignores the shift, the int8 range gains), then one scale
+    per thread group of each 128-key tile: keys 8 i + 2 t + e (i < 16, e < 2) share thread t's scale."""
+    tokens = key.shape[1]
+    if smooth:
+        key = key - key.mean(dim=1, keepdim=True)
+    x = _padded_tokens(key, KEY_TILE).float()
+    b, n, h, d = x.shape
+    groups = x.view(b, n // KEY_TILE, KEY_TILE // 8, 4, 2, h, d)  # key 128 blk + 8 i + 2 t + e: (blk, i, t, e)
+    scale = groups.abs().amax(dim=(2, 4, 6)) / INT8_MAX + 1e-7  # (b, n / 128, 4, h)
+    k8 = _to_int8(groups / scale[:, :, None, :, None, :, None]).view(b, n, h, d)[:, :tokens]
+    return k8, scale.permute(0, 3, 1, 2).reshape(b, h, n // KEY_TILE * 4)
+
+
+def quantize_values(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V (batch, tokens, heads, D) -> (e4m3 (batch, D, heads, tokens padded to the key tile), float32 scales (batch,
+    heads, D)): the package's per-channel FP8 V, transposed for the P . V MMA, each 16 keys reordered so that key
+    8 b + 2 a + c sits at 4 a + 2 b + c (the FP8 MMA's operand order), scale = channel amax / 448."""
+    x = _padded_tokens(value, KEY_TILE).float()
+    b, n, h, d = x.shape
+    amax = x.abs().amax(dim=1)  # (b, h, d)
+    inverse = torch.where(amax > 0, V_FP8_MAX / amax, 0.0)  # an all-zero channel stays zero (the package: NaN)
+    ordered = x.view(b, n // 16, 2, 4, 2, h, d).transpose(2, 3).reshape(b, n, h, d)
+    v8 = (ordered * inverse[:, None]).to(torch.float8_e4m3fn).permute(0, 3, 2, 1).contiguous()
+    return v8, amax / V_FP8_MAX
+
+
+def dequantized(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, v8: torch.Tensor,
+                v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 q, k (smoothed) and v (batch, tokens, heads, D) the quantized operands stand for."""
+    b, tokens, h, d = q8.shape
+    keys = k8.shape[1]
+    qs = q_scale.view(b, h, -1, 1, 8).permute(0, 2, 3, 4, 1).expand(-1, -1, 2, -1, -1).reshape(b, -1, h)
+    ks = k_scale.view(b, h, -1, 1, 4, 1).permute(0, 2, 3, 4, 5, 1).expand(-1, -1, KEY_TILE // 8, -1, 2, -1)
+    ks = ks.reshape(b, -1, h)
+    v = (v8.float() * v_scale.permute(0, 2, 1)[:, :, :, None]).permute(0, 3, 2, 1)  # (b, padded keys, h, d)
+    v = v.reshape(b, -1, 4, 2, 2, h, d).transpose(2, 3).reshape(b, -1, h, d)  # the key order undone
+    return (q8.float() * qs[:, :tokens, :, None], k8.float() * ks[:, :keys, :, None], v[:, :keys])
+
+
+def _sm90_kernel():
+    """The package's Hopper attention kernel (a torch op the package registers on import), or None."""
+    try:
+        import sageattention  # noqa: F401 -- registers the sageattention_sm90 ops where they were built
+    except ImportError:
+        return None
+    return getattr(getattr(torch.ops, "sageattention_sm90", None), _KERNEL_OP, None)
+
+
+def _quantized_call(q8, q_scale, k8, k_scale, v8, v_scale, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    kernel = _sm90_kernel() if q8.is_cuda and _hopper(q8) else None
+    if kernel is None:  # the operands' own attention in float32 (CPU tests; a GPU the kernel was not built for)
+        q, k, v = dequantized(q8, q_scale, k8, k_scale, v8, v_scale)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), scale=scale)
+        return out.transpose(1, 2).to(dtype).contiguous()
+    out = torch.empty(q8.shape, dtype=dtype, device=q8.device)
+    kernel(q8, k8, v8, out, q_scale, k_scale, v_scale, 0, 0, _PER_THREAD, scale, 0)  # NHD, not causal, no lse
+    return out
+
+
+@torch.library.custom_op("omni_accel::sage_attention_quantized", mutates_args=(), schema=(
+    "(Tensor q8, Tensor q_scale, Tensor k8, Tensor k_scale, Tensor v8, Tensor v_scale, float scale, "
+    "ScalarType dtype) -> Tensor"))
+def sage_attention_quantized(q8, q_scale, k8, k_scale, v8, v_scale, scale, dtype):
+    """softmax(q k^T * scale) v from ``quantize_queries`` / ``quantize_keys`` / ``quantize_values``' operands by the
+    package's Hopper kernel, outside any CUDA graph and on the default stream (as ``sage_attention``)."""
+
+    def call(*operands):
+        return on_default_stream(q8.device, lambda: _quantized_call(*operands, scale, dtype))
+
+    return run_outside_graph(call, (q8, q_scale, k8, k_scale, v8, v_scale), tuple(q8.shape), dtype)
+
+
+@sage_attention_quantized.register_fake
+def _(q8, q_scale, k8, k_scale, v8, v_scale, scale, dtype):
+    return q8.new_empty(q8.shape, dtype=dtype)
+
+
+def prepared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scale: float | None) -> torch.Tensor:
+    """The route's call with ``PREP_IN_GRAPH``: the quantization traced into the compiled graph, then the kernel.
+    Head dims up to 64 or 128 are zero-padded to it, as the package does."""
+    d = query.shape[-1]
+    padded = 64 if d <= 64 else 128
+    if padded != d:
+        query, key, value = (torch.nn.functional.pad(t, (0, padded - d)) for t in (query, key, value))
+    q8, q_scale = quantize_queries(query)
+    k8, k_scale = quantize_keys(key)
+    v8, v_scale = quantize_values(value)
+    out = sage_attention_quantized(q8, q_scale, k8, k_scale, v8, v_scale, scale if scale is not None else d ** -0.5,
+                                   query.dtype)
+    return out[..., :d] if padded != d else out
