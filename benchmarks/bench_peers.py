@@ -141,7 +141,10 @@ class Row:
     int8_ws: bool = True  # kernels.int8_gemm_triton.WARP_SPECIALIZE (False: the TMA int8 GEMM, not warp specialized)
     int8_epilogue: bool = True  # kernels.epilogue_fusion.INT8 (False: bf16 concat + GELU, then inductor's quantization)
     gelu_int8: bool = True  # kernels.epilogue_fusion.GELU_INT8 (False: inductor's GELU + int8 quantization kernel)
+    int8_one_pass: bool = False  # kernels.epilogue_fusion.INT8_ONE_PASS (True: the one-pass concat + GELU + int8)
+    layernorm_int8: bool = False  # kernels.epilogue_fusion.LAYERNORM_INT8 (True: the AdaLN norm + int8 kernel)
     sage_keys_in_graph: bool = False  # kernels.sage_attention.SMOOTH_KEYS_IN_GRAPH (True: K's mean in the graph)
+    sage_prep_in_graph: bool = False  # kernels.sage_attention.PREP_IN_GRAPH (True: Q / K / V quantized in the graph)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -156,7 +159,10 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.int8_gemm_triton", "WARP_SPECIALIZE", "int8_ws"),
             ("kernels.epilogue_fusion", "INT8", "int8_epilogue"),
             ("kernels.epilogue_fusion", "GELU_INT8", "gelu_int8"),
-            ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"))
+            ("kernels.epilogue_fusion", "INT8_ONE_PASS", "int8_one_pass"),
+            ("kernels.epilogue_fusion", "LAYERNORM_INT8", "layernorm_int8"),
+            ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"),
+            ("kernels.sage_attention", "PREP_IN_GRAPH", "sage_prep_in_graph"))
 
 
 @contextlib.contextmanager
@@ -524,7 +530,20 @@ ROWS.update((row.name, row) for row in (
     _switched("ours_int8", "nogeluint8", "inductor's GELU + int8 quantization kernel in the dual blocks' feed-forward",
               gelu_int8=False),
     _switched("ours_int8_sage", "tma", "the TMA int8 GEMM without warp specialization", int8_ws=False),
+    _switched("ours_int8", "onepass", "the one-pass concat + GELU + int8 kernel (the row in registers)",
+              int8_one_pass=True),
+    _switched("ours_int8", "lnint8", "AdaLN's norm + modulate + int8 quantization in one kernel (graph pass)",
+              layernorm_int8=True),
+    _switched("ours_int8", "newepi", "both: the one-pass concat + GELU + int8 kernel and the AdaLN int8 kernel",
+              int8_one_pass=True, layernorm_int8=True),
+    _switched("ours_int8_sage", "prep", "Q / K / V quantized in the compiled graph, the op runs SageAttention's "
+              "Hopper kernel alone", sage_prep_in_graph=True),
+    _switched("ours_int8_auto", "prep", "the SageAttention calls' Q / K / V quantized in the compiled graph",
+              sage_prep_in_graph=True),
 ))
+ROWS["ours_int8_sage_prep_newepi"] = _switched(
+    "ours_int8_sage_prep", "newepi", "the one-pass concat + GELU + int8 and the AdaLN int8 kernels",
+    int8_one_pass=True, layernorm_int8=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
