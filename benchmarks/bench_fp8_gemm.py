@@ -3,7 +3,7 @@
 Triton kernel), and whole quantized linears compiled (``Fp8Linear`` / ``Int8Linear``: quantize the activation,
 multiply, rescale; Inductor picks among cuBLAS and its Triton GEMM templates and fuses the rescale where it can);
 then the AdaLN modulation linears' matrix-vector products, bf16 against int8 weights only (``quant_config=
-{"modulation": "int8"}``), with the bandwidth each reaches.
+{"modulation": "int8"}``; Inductor's reduction and omni_accel's Triton GEMV), with the bandwidth each reaches.
 
     python benchmarks/bench_fp8_gemm.py --log-clocks --out benchmarks/results/bench_fp8_gemm_h200.json   # one GPU
     python benchmarks/bench_fp8_gemm.py --device cpu --tiny --out /tmp/fp8.json              # CPU smoke test
@@ -156,7 +156,8 @@ def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters, co
 
 def gemv_row(name, m, k, n, device, iters) -> dict:
     """A modulation linear: bf16 (cuBLAS's GEMV) against the int8 weight-only layer compiled (one reduction kernel
-    that reads the int8 weight), with the bandwidth each reaches on its weight bytes."""
+    that reads the int8 weight) and, on a GPU, with the Triton GEMV (``int8.TRITON_GEMV``), with the bandwidth each
+    reaches on its weight bytes."""
     g = torch.Generator("cpu").manual_seed(m + k + n)
     linear = torch.nn.Linear(k, n, bias=True).to(device, torch.bfloat16)
     with torch.no_grad():
@@ -167,11 +168,23 @@ def gemv_row(name, m, k, n, device, iters) -> dict:
     compiled = torch.compile(int8.Int8WeightOnlyLinear(linear), dynamic=False)
     int8_ms = timed(lambda: compiled(x), device, iters)
     got = compiled(x).float()
-    return {"shape": name, "M": m, "K": k, "N": n, "bf16_gemv_ms": round(bf16_ms, 4),
-            "bf16_gemv_gbs": round(2 * n * k / bf16_ms / 1e6, 1), "int8_weight_only_compiled_ms": round(int8_ms, 4),
-            "int8_weight_only_gbs": round(n * k / int8_ms / 1e6, 1),
-            "int8_weight_only_speedup": round(bf16_ms / int8_ms, 3),
-            "int8_weight_only_rel_err": ((got - exact).norm() / exact.norm()).item()}
+    row = {"shape": name, "M": m, "K": k, "N": n, "bf16_gemv_ms": round(bf16_ms, 4),
+           "bf16_gemv_gbs": round(2 * n * k / bf16_ms / 1e6, 1), "int8_weight_only_compiled_ms": round(int8_ms, 4),
+           "int8_weight_only_gbs": round(n * k / int8_ms / 1e6, 1),
+           "int8_weight_only_speedup": round(bf16_ms / int8_ms, 3),
+           "int8_weight_only_rel_err": ((got - exact).norm() / exact.norm()).item()}
+    if device.type == "cuda":  # the Triton GEMV (int8.TRITON_GEMV), the layer called eagerly
+        layer = int8.Int8WeightOnlyLinear(linear)
+        saved, int8.TRITON_GEMV = int8.TRITON_GEMV, True
+        try:
+            gemv_ms = timed(lambda: layer(x), device, iters)
+            got = layer(x).float()
+        finally:
+            int8.TRITON_GEMV = saved
+        row.update({"int8_triton_gemv_ms": round(gemv_ms, 4), "int8_triton_gemv_gbs": round(n * k / gemv_ms / 1e6, 1),
+                    "int8_triton_gemv_speedup": round(bf16_ms / gemv_ms, 3),
+                    "int8_triton_gemv_rel_err": ((got - exact).norm() / exact.norm()).item()})
+    return row
 
 
 def _int8_configs(names: str) -> tuple[str, ...]:

@@ -145,6 +145,7 @@ class Row:
     layernorm_int8: bool = False  # kernels.epilogue_fusion.LAYERNORM_INT8 (True: the AdaLN norm + int8 kernel)
     sage_keys_in_graph: bool = False  # kernels.sage_attention.SMOOTH_KEYS_IN_GRAPH (True: K's mean in the graph)
     sage_prep_in_graph: bool = False  # kernels.sage_attention.PREP_IN_GRAPH (True: Q / K / V quantized in the graph)
+    triton_gemv: bool = False  # kernels.int8.TRITON_GEMV (True: the int8 weight-only layers' GEMV in Triton)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -162,7 +163,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "INT8_ONE_PASS", "int8_one_pass"),
             ("kernels.epilogue_fusion", "LAYERNORM_INT8", "layernorm_int8"),
             ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"),
-            ("kernels.sage_attention", "PREP_IN_GRAPH", "sage_prep_in_graph"))
+            ("kernels.sage_attention", "PREP_IN_GRAPH", "sage_prep_in_graph"),
+            ("kernels.int8", "TRITON_GEMV", "triton_gemv"))
 
 
 @contextlib.contextmanager
@@ -541,6 +543,11 @@ ROWS.update((row.name, row) for row in (
     _switched("ours_int8_auto", "prep", "the SageAttention calls' Q / K / V quantized in the compiled graph",
               sage_prep_in_graph=True),
 ))
+ROWS["ours_int8_mod"] = replace(ROWS["ours_int8"], name="ours_int8_mod", setup=_ours(
+    attention="cudnn", quant="int8", quant_config={"modulation": "int8"}, fuse_if_supported=True, compile=True),
+    note="ours_int8 with quant_config['modulation']='int8' (Inductor's reduction for the modulation GEMVs)")
+ROWS["ours_int8_mod_gemv"] = _switched("ours_int8_mod", "gemv", "the modulation GEMVs in omni_accel's Triton kernel",
+                                       triton_gemv=True)
 ROWS["ours_int8_sage_prep_newepi"] = _switched(
     "ours_int8_sage_prep", "newepi", "the one-pass concat + GELU + int8 and the AdaLN int8 kernels",
     int8_one_pass=True, layernorm_int8=True)

@@ -163,6 +163,39 @@ def int8_gemm_cases() -> dict:
     return results
 
 
+# int8-weight GEMV (rows, K, N): one row, a few rows, 16 rows; K with a partial block, N with a partial program
+INT8_GEMV_SHAPES = ((1, 300, 40), (3, 64, 37), (16, 96, 24))
+INT8_GEMV_CASES = tuple(f"int8_gemv-{m}x{k}x{n}" for m, k, n in INT8_GEMV_SHAPES)
+
+
+def int8_gemv_cases() -> dict:
+    """The Triton GEMV and the float32 multiply-and-sum it replaces, each against the exact product (their float32
+    sums are ordered differently, so their bf16 roundings may differ by one step)."""
+    import torch
+
+    from omni_accel.kernels import int8
+    from omni_accel.kernels.int8_gemm_triton import int8_gemv
+
+    results = {}
+    for (m, k, n), key in zip(INT8_GEMV_SHAPES, INT8_GEMV_CASES):
+        try:
+            gen = torch.Generator().manual_seed(m + k + n)
+            w_int8, w_scale = int8.quantize_rows_int8(torch.randn(n, k, generator=gen))
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            got = int8_gemv(x, w_int8, w_scale.reshape(1, -1))
+            ref = int8.int8_gemv_reference(x, w_int8, w_scale.reshape(1, -1))
+            exact = x.double() @ (w_int8.double() * w_scale.double()).t()
+
+            def ulps(y):  # |y - exact| in bf16 steps at exact's magnitude (2^-7 relative), float32 sum noise aside
+                return ((y.double() - exact).abs() / (exact.abs() * 2.0 ** -7 + 1e-5)).max().item()
+
+            results[key] = {"shape": list(got.shape), "dtype": str(got.dtype), "max_ulps_vs_exact": ulps(got),
+                            "reference_max_ulps_vs_exact": ulps(ref)}
+        except Exception:  # noqa: BLE001 -- recorded per case
+            results[key] = {"error": traceback.format_exc()[-2000:]}
+    return results
+
+
 def fp8_quant_cases() -> dict:
     """The per-row e4m3 quantization kernel against the PyTorch expression it replaces in eager GPU runs.
 
@@ -520,6 +553,7 @@ def main(out_path: str) -> int:
     result["kernels"] = kernel_cases()
     result["fp8_quant"] = fp8_quant_cases()
     result["int8_gemm"] = int8_gemm_cases()
+    result["int8_gemv"] = int8_gemv_cases()
     result["concat_gelu"] = concat_gelu_cases()
     result["concat_gelu_int8"] = concat_gelu_int8_cases()
     result["qk_norm_rope"] = qk_norm_rope_cases()

@@ -213,6 +213,31 @@ def test_weight_only_layer_is_the_rescaled_product_eager_and_as_a_traced_reducti
     assert _rel(eager, lin(x)) < 0.02 and 0 < layer.weight_rel_err < 0.01
 
 
+def test_weight_only_layer_takes_the_triton_gemv_on_gpus_when_switched_on(monkeypatch):
+    """With TRITON_GEMV a GPU call of up to 16 rows goes to omni_accel::int8_gemv (eager and compiled); off (the
+    default until timed) and on the CPU it does not."""
+    lin = _linear(64, 48).to(torch.bfloat16)
+    layer = int8_mod.Int8WeightOnlyLinear(lin)
+    calls = []
+
+    def gemv(x, w_int8, w_scale):
+        calls.append(tuple(x.shape))
+        return int8_mod.int8_gemv_reference(x, w_int8, w_scale)
+
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the dispatch only reads is_cuda
+    monkeypatch.setattr(torch.ops.omni_accel, "int8_gemv", gemv, raising=False)
+    assert int8_mod.TRITON_GEMV is False
+    layer(x)
+    assert calls == []
+    monkeypatch.setattr(int8_mod, "TRITON_GEMV", True)
+    out = layer(x)
+    layer(torch.randn(17, 64, dtype=torch.bfloat16))  # more rows: the GEMM
+    assert calls == [(3, 64)]
+    assert torch.equal(out, int8_mod.int8_gemv_reference(x, layer.weight_int8, layer.weight_scale)
+                       + lin.bias.detach().to(torch.bfloat16))
+
+
 def test_modulation_int8_quantizes_the_family_skip_list_weights_only_and_restores(monkeypatch):
     pipe, kwargs = tiny_pipeline("flux")
     plain = run(pipe, kwargs)

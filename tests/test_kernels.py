@@ -255,6 +255,28 @@ def test_fp8_attention_kernel_compiles_for_hopper_in_every_mode(mode):
         assert mode not in fa.K_BLOCKS or "0 bytes spill stores" in report, report
 
 
+@pytest.mark.parametrize("case", WORKER.INT8_GEMV_CASES)
+def test_int8_gemv_kernel_is_the_rescaled_product(interpreted, case):
+    """The int8-weight GEMV of the modulation linears: within one bf16 step of the exact product, as the float32
+    multiply-and-sum it replaces is."""
+    r = interpreted["int8_gemv"][case]
+    assert "error" not in r, r.get("error")
+    m, n = (int(v) for v in case.split("-")[1].split("x")[::2])
+    assert r["shape"] == [m, n] and r["dtype"] == "torch.bfloat16"
+    assert r["max_ulps_vs_exact"] <= 1.0 and r["reference_max_ulps_vs_exact"] <= 1.0, r
+
+
+def test_int8_gemv_kernel_compiles_for_hopper_without_spills():
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    for rows in (1, 2, 16):
+        block_m, block_k = g.gemv_tiles(rows)
+        compiled = _compile_for_hopper(
+            g._int8_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*i8", w_scale_ptr="*fp32", out_ptr="*bf16"),
+            dict(BLOCK_M=block_m, BLOCK_N=g.GEMV_BLOCK_N, BLOCK_K=block_k), {"num_warps": 4}, aligned=True)
+        assert "ld.global" in compiled.asm["ptx"] and ".local" not in compiled.asm["ptx"], rows
+
+
 def test_int8_gemm_kernel_compiles_to_hopper_int8_mmas_in_every_tile_config():
     """Each shipped tile configuration lowers to an sm_90 cubin whose PTX multiplies with warp-group int8 MMAs
     (wgmma ... s8), without spilling registers; the interpreter checks the arithmetic, not this."""

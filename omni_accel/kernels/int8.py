@@ -37,8 +37,13 @@ INT8_ALIGN = 8
 MIN_GPU_ROWS = 17
 _PADDED_ROWS = 32
 _MIN_AMAX = 1e-12
-# Up to this many rows a weight-only layer is traced as a reduction (a matrix-vector product), above it as a GEMM.
+# Up to this many rows a weight-only layer is a matrix-vector product (traced as a reduction, or the Triton GEMV),
+# above it a GEMM.
 GEMV_MAX_ROWS = 16
+# Whether a weight-only layer's matrix-vector product on a GPU is omni_accel's Triton kernel (kernels/
+# int8_gemm_triton.py's int8_gemv, op omni_accel::int8_gemv) instead of Inductor's reduction, which read the int8
+# weight at 117 GB/s on an H200. Off until timed on a GPU; benchmarks' A/B rows set it.
+TRITON_GEMV = False
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +128,28 @@ def _(x_int8, w_int8, x_scale, w_scale, bias, out_dtype):
     return x_int8.new_empty((x_int8.shape[0], w_int8.shape[0]), dtype=out_dtype)
 
 
+def int8_gemv_reference(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x (rows, K) @ (w_int8 * w_scale)^T as a float32 multiply-and-sum, one rounding to x's dtype: what the Triton
+    GEMV computes (up to the order of its float32 sums), and what Inductor makes one reduction kernel of."""
+    sums = (x.float().unsqueeze(1) * w_int8.unsqueeze(0)).sum(dim=-1)  # (rows, out), fp32
+    return (sums * w_scale).to(x.dtype)
+
+
+@torch.library.custom_op("omni_accel::int8_gemv", mutates_args=(), schema=(
+    "(Tensor x, Tensor w_int8, Tensor w_scale) -> Tensor"))
+def int8_gemv(x, w_int8, w_scale):
+    if x.is_cuda:
+        from . import int8_gemm_triton
+
+        return int8_gemm_triton.int8_gemv(x, w_int8, w_scale)
+    return int8_gemv_reference(x, w_int8, w_scale)
+
+
+@int8_gemv.register_fake
+def _(x, w_int8, w_scale):
+    return x.new_empty((x.shape[0], w_int8.shape[0]))
+
+
 class _Int8Weight(QuantizedLinear):
     """An int8 weight with one fp32 scale per output channel, what both int8 layers hold."""
 
@@ -163,14 +190,17 @@ class Int8WeightOnlyLinear(_Int8Weight):
     so each call is a matrix-vector product that reads the whole weight -- FLUX.1-dev's 76 of them read 6.4 GB of
     bf16 per step. Under torch.compile a call with few rows is written as multiply-and-sum, which Inductor turns into
     one reduction kernel that reads the int8 weight itself (half the bytes) and rescales in its epilogue; cuBLAS has
-    no int8-weight GEMV. Eager, or with many rows, it multiplies the dequantized weight."""
+    no int8-weight GEMV. With ``TRITON_GEMV`` a GPU call with few rows takes omni_accel's Triton GEMV instead,
+    compiled or not. Eager, or with many rows, it multiplies the dequantized weight."""
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights only"
 
     def _product(self, x2: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and x2.shape[0] <= GEMV_MAX_ROWS:
-            sums = (x2.float().unsqueeze(1) * self.weight_int8.unsqueeze(0)).sum(dim=-1)  # (rows, out), fp32
-            return (sums * self.weight_scale).to(x2.dtype)
+        if x2.shape[0] <= GEMV_MAX_ROWS:
+            if TRITON_GEMV and x2.is_cuda and x2.stride(-1) == 1:
+                return torch.ops.omni_accel.int8_gemv(x2, self.weight_int8, self.weight_scale)
+            if torch.compiler.is_compiling():
+                return int8_gemv_reference(x2, self.weight_int8, self.weight_scale)
         weight = (self.weight_int8.to(torch.float32) * self.weight_scale.reshape(-1, 1)).to(x2.dtype)
         return torch.nn.functional.linear(x2, weight)

@@ -27,6 +27,9 @@ Three kernels compute the same sums (integer arithmetic: bit for bit the same ou
   ahead of e4m3's ``_scaled_mm`` on four of five (``benchmarks/bench_fp8_gemm.py``). Its descriptors are built on
   the device, which needs Triton's scratch allocator (``_ensure_scratch_allocator``: torch's, unless the caller set
   one).
+
+``_int8_gemv_kernel``: the int8 weight-only layers' matrix-vector product (16-bit x of up to 16 rows, int8 weight,
+per-channel scale; kernels/int8.py's ``TRITON_GEMV``), bound by reading the weight once.
 """
 
 from __future__ import annotations
@@ -334,3 +337,49 @@ def int8_mm_rescale(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.T
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
             EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
     return out.to(out_dtype)
+
+
+# ------------------------------------------------------------------ int8-weight matrix-vector product (GEMV)
+@triton.jit
+def _int8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, rows, n, k, stride_x, stride_out,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m, j] = sum_i x[m, i] w[j, i] * w_scale[j] for a few rows of 16-bit x: each program reads BLOCK_N rows
+    of the int8 weight once, whole (the bytes that bound the product), for every row of x."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first in tl.range(0, k, BLOCK_K):
+        i = first + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * k + i[None, :],
+                    mask=(cols < n)[:, None] & (i < k)[None, :], other=0).to(tl.float32)  # (N, K) tile
+        x = tl.load(x_ptr + m[:, None] * stride_x + i[None, :], mask=(m < rows)[:, None] & (i < k)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    scale = tl.load(w_scale_ptr + cols, mask=cols < n, other=0.0)
+    tl.store(out_ptr + m[:, None] * stride_out + cols[None, :], (acc * scale[None, :]).to(out_ptr.dtype.element_ty),
+             mask=(m < rows)[:, None] & (cols < n)[None, :])
+
+
+GEMV_BLOCK_N = 16  # weight rows per program: FLUX's 9,216-18,432 output channels give 576-1,152 programs
+
+
+def gemv_tiles(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) for ``rows`` rows of x: the broadcast product holds BLOCK_M x 16 x BLOCK_K float32 values
+    per program, kept at 4,096 (32 per thread at 4 warps)."""
+    block_m = max(1, triton.next_power_of_2(rows))
+    return block_m, max(16, 4096 // (block_m * GEMV_BLOCK_N))
+
+
+def int8_gemv(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x (rows, K) 16-bit with stride(-1) == 1, rows up to 16; w_int8 (N, K) contiguous; w_scale (1, N) fp32 ->
+    (rows, N) in x's dtype."""
+    rows, k = x.shape
+    n = w_int8.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m, block_k = gemv_tiles(rows)
+    with _on_device(x):
+        _launcher(_int8_gemv_kernel, x.device)[(triton.cdiv(n, GEMV_BLOCK_N),)](
+            x, w_int8, w_scale, out, rows, n, k, x.stride(0), out.stride(0),
+            BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, num_warps=4,
+        )
+    return out
