@@ -158,11 +158,11 @@ def _(query, key, value, scale, keys_smoothed=False):
 # ------------------------------------------------------------------- Q, K and V quantized in the compiled graph
 # Whether the route quantizes Q, K and V for the package's Hopper kernel in the compiled graph, where inductor fuses
 # the quantization into the kernels that produce them, and the op runs only the attention kernel (else the op calls
-# ``sageattn``, whose eight preparation kernels cost more than its attention kernel saves at FLUX's 4,608 keys).
+# ``sageattn``, whose preparation kernels cost more than its attention kernel saves at FLUX's 4,608 keys).
 # Off: not yet timed on a GPU (docs/kernels.md).
 PREP_IN_GRAPH = False
 QUERY_TILE, KEY_TILE = 64, 128  # the Hopper kernel's query and key tiles (its CTA_Q and CTA_K)
-_WARP_QUERIES, _THREAD_KEYS = 16, 32  # queries per warp; keys per thread group of a key tile
+_WARP_QUERIES = 16  # the queries of one warp of the kernel's query tile
 INT8_MAX = 127.0
 V_FP8_MAX = 448.0  # V is scaled per channel to e4m3's largest value
 _KERNEL_OP = "qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf"  # in the package's sageattention_sm90 namespace
