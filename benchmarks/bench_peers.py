@@ -135,6 +135,7 @@ class Row:
     cached_module_walk: bool = True  # cuda_graphs.CACHED_MODULE_WALK (False: parameters() + buffers() per replay)
     epilogue_fusion: bool = True  # compiler.EPILOGUE_FUSION (False: inductor's own concat + GELU + cast kernel)
     qk_norm_rope: bool = True  # kernels.epilogue_fusion.QK_NORM_ROPE (False: inductor's q / k norm + rotary + cast)
+    qk_norm_rope_16: bool = False  # kernels.epilogue_fusion.QK_NORM_ROPE_16 (True: the 16-bit q / k kernel)
     layernorm: bool = True  # kernels.epilogue_fusion.LAYERNORM (False: inductor's AdaLN norm + modulate + cast)
     epilogue_pdl: bool = True  # kernels.epilogue_fusion.PDL (False: the pass's kernels launched without PDL)
     int8_tma: bool = True  # kernels.int8_gemm_triton.PERSISTENT_TMA (False: the pointer int8 GEMM at every size)
@@ -154,6 +155,7 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("cuda_graphs", "CACHED_MODULE_WALK", "cached_module_walk"),
             ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"),
             ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"),
+            ("kernels.epilogue_fusion", "QK_NORM_ROPE_16", "qk_norm_rope_16"),
             ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"),
             ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"),
             ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"),
@@ -538,6 +540,12 @@ ROWS.update((row.name, row) for row in (
               layernorm_int8=True),
     _switched("ours_int8", "newepi", "both: the one-pass concat + GELU + int8 kernel and the AdaLN int8 kernel",
               int8_one_pass=True, layernorm_int8=True),
+    _switched("ours_int8", "qk16", "the single blocks' q / k RMSNorm + rotary in the graph pass's kernel (bf16 out)",
+              qk_norm_rope_16=True),
+    _switched(_BF16, "qk16", "the single blocks' q / k RMSNorm + rotary in the graph pass's kernel (bf16 out)",
+              qk_norm_rope_16=True),
+    _switched("ours_int8", "allnew", "the one-pass concat + GELU + int8, AdaLN int8 and 16-bit q / k kernels",
+              int8_one_pass=True, layernorm_int8=True, qk_norm_rope_16=True),
     _switched("ours_int8_sage", "prep", "Q / K / V quantized in the compiled graph, the op runs SageAttention's "
               "Hopper kernel alone", sage_prep_in_graph=True),
     _switched("ours_int8_auto", "prep", "the SageAttention calls' Q / K / V quantized in the compiled graph",

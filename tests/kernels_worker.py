@@ -326,12 +326,13 @@ def concat_gelu_int8_cases() -> dict:
     return results
 
 
-QK_NORM_ROPE_CASES = ("q-bias", "k-bias-mean", "k-batch2-nobias")
+QK_NORM_ROPE_CASES = ("q-bias", "k-bias-mean", "k-batch2-nobias", "q-bias-bf16", "k-batch2-nobias-fp16")
 
 
 def qk_norm_rope_cases() -> dict:
     """FP8 attention's q / k kernel (RMSNorm + interleaved rotary + K's mean + static cast from a fused projection's
-    output) against its float32 torch formula; e4m3 stored as float32 and cast by torch in the interpreter."""
+    output), and its 16-bit form, against the float32 torch formula; stored as float32 and cast by torch in the
+    interpreter."""
     import torch
 
     from omni_accel.kernels import epilogue_triton
@@ -350,8 +351,13 @@ def qk_norm_rope_cases() -> dict:
             cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
             k_mean = torch.randn(1, 1, heads, d, generator=gen) * 0.3 if "mean" in case else None
             first_col = 0 if case.startswith("q") else heads * d
-            args = (src, bias, first_col, heads, weight, 1e-6, cos, sin, k_mean, torch.tensor(448.0 / 6))
-            results[case] = agreement(epilogue_triton.qk_norm_rope(*args), qk_norm_rope_reference(*args), 2.0 ** -6)
+            # the 16-bit cases: no cast, the float32 result rounded to bf16 / fp16 (16-bit attention)
+            out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case.rsplit("-", 1)[-1])
+            inverse = torch.tensor(448.0 / 6) if out_dtype is None else None
+            args = (src, bias, first_col, heads, weight, 1e-6, cos, sin, k_mean, inverse)
+            extra = {} if out_dtype is None else {"out_dtype": out_dtype}
+            results[case] = agreement(epilogue_triton.qk_norm_rope(*args, **extra),
+                                      qk_norm_rope_reference(*args, **extra), 2.0 ** -6)
         except Exception:
             results[case] = {"error": traceback.format_exc()}
     return results

@@ -328,6 +328,61 @@ def test_fp8_attention_q_and_k_become_one_operation_each_with_the_same_values():
     assert torch.equal(out[2], ref[2])
 
 
+def _attention_operands_16(x, w_qkv, b_qkv, wq, wk, cos, sin, **_):
+    """The same from the projection to a 16-bit attention's q and k (the bf16 and int8 stacks: no cast)."""
+    from diffusers.models import embeddings
+
+    qkv = (x.reshape(-1, 40) @ w_qkv.t()).reshape(1, S, 3 * H * D) + b_qkv
+    q, k, v = (t.unflatten(-1, (H, -1)) for t in qkv.split(H * D, dim=-1))
+    rope = compiler._pair_swap_rotary(embeddings.apply_rotary_emb)
+    q, k = (rope(torch.nn.functional.rms_norm(t, (D,), w, 1e-6), (cos, sin), sequence_dim=1)
+            for t, w in ((q, wq), (k, wk)))
+    return q * 1.0, k, v
+
+
+def test_16_bit_q_and_k_become_the_operation_without_the_cast_when_switched_on(monkeypatch):
+    """QK_NORM_ROPE_16 (off by default until timed): a 16-bit q and k from the fused projection's norm + rotary
+    become one operation each, with inductor's values; off, nothing is replaced. FP8 attention's casts still go to
+    the FP8 form (checked by the test above with the switch on too)."""
+    inputs = _attention_inputs(9)
+    assert epilogue_fusion.QK_NORM_ROPE_16 is False
+    _, delta = _compiled_with_pass(_attention_operands_16, **inputs)
+    assert delta == {}
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
+    ref, _ = _compiled(_attention_operands_16, **inputs, with_pass=False)
+    out, delta = _compiled_with_pass(_attention_operands_16, **inputs)
+    assert delta == {"qk_norm_rope": 2}
+    for o, r in zip(out, ref):
+        _assert_bf16_close(o, r)
+    _, delta = _compiled_with_pass(_attention_operands, **_attention_inputs(10))
+    assert delta == {"qk_norm_rope_fp8": 2}
+
+
+def test_flux_single_block_q_and_k_become_the_16_bit_operation(monkeypatch):
+    """diffusers' FLUX single-stream block in bf16 with the pair-swap rotary compile=True installs: its q and k are
+    replaced (switch on) and the block's output is inductor's, bit for bit on the CPU."""
+    from omni_accel.testing import tiny_pipeline
+
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
+    pipe, _ = tiny_pipeline("flux")
+    count, undo = compiler.use_rotary_pair_swap(pipe.transformer)
+    block = pipe.transformer.single_transformer_blocks[0].to(BF16)
+    dim, head_dim = block.attn.to_q.in_features, block.attn.to_q.in_features // block.attn.heads
+    g = torch.Generator().manual_seed(13)
+    streams = [torch.randn(1, n, dim, generator=g).to(BF16) for n in (16, 6)] + [torch.randn(1, dim, generator=g)
+                                                                                .to(BF16)]
+    angles = torch.rand(22, head_dim // 2, generator=g) * 6.28
+    rotary = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+    try:
+        with torch.no_grad():
+            ref, _ = _compiled(block, *streams, rotary, with_pass=False)
+            out, delta = _compiled_with_pass(block, *streams, rotary)
+    finally:
+        undo()
+    assert count > 0 and delta == {"qk_norm_rope": 2}
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))
+
+
 def test_q_and_k_replacement_has_a_switch(monkeypatch):
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE", False)
     _, delta = _compiled_with_pass(_attention_operands, **_attention_inputs(7))
@@ -515,16 +570,18 @@ def test_the_pdl_decision_reaches_every_operation_the_pass_puts_in(monkeypatch, 
 
     monkeypatch.setattr(epilogue_fusion, "_pdl", lambda device: pdl)
     monkeypatch.setattr(epilogue_fusion, "LAYERNORM_INT8", True)
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
     recording = Recording()
     adaln = _adaln_inputs()
     for fn, inputs in ((_single_block_epilogue, dict(**_inputs(), fp8_attention=True, cast=True)),
                        (_attention_operands, _attention_inputs()), (_adaln_input, dict(**adaln, two=True)),
-                       (_adaln_int8_input, {k: v for k, v in adaln.items() if k in ("text", "image", "emb")})):
+                       (_adaln_int8_input, {k: v for k, v in adaln.items() if k in ("text", "image", "emb")}),
+                       (_attention_operands_16, _attention_inputs())):
         torch._dynamo.reset()
         torch.compile(fn, options={"fx_graph_cache": False, compiler.POST_GRAD_PASS: recording})(**inputs)
     assert recording.flags == {f"omni_accel::{op}": {pdl} for op in ("concat_gelu", "qk_norm_rope_fp8",
                                                                       "layernorm_modulate_fp8",
-                                                                      "layernorm_modulate_int8")}
+                                                                      "layernorm_modulate_int8", "qk_norm_rope")}
 
 
 def test_the_one_pass_int8_kernel_has_a_switch_off_by_default(monkeypatch):

@@ -10,6 +10,7 @@ whatever model code produced it), and what each becomes:
     layer_norm(x) * (1 + scale) + shift -> 1-3 static casts     omni_accel::layernorm_modulate_fp8   (AdaLN's norm)
     layer_norm(x) * (1 + scale) + shift -> int8 rows + scales   omni_accel::layernorm_modulate_int8  (int8 linears)
     rotary(rms_norm(q or k of a fused projection)) [- mean] -> static cast   omni_accel::qk_norm_rope_fp8 (FP8 attention)
+    rotary(rms_norm(q or k of a fused projection)), 16 bits   omni_accel::qk_norm_rope (16-bit attention; a switch)
 
 ``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16); ``gelu`` is the
 sigmoid form of the tanh GELU that ``compile=True`` installs (``compiler.sigmoid_gelu``); ``static_fp8_cast`` is what
@@ -62,11 +63,15 @@ _FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
 _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else None
 
 # "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "gelu_int8" / "layernorm_modulate_fp8" /
-# "layernorm_modulate_int8" / "qk_norm_rope_fp8" -> how many this process replaced (graphs compiled here: one loaded
-# from inductor's cache ran its passes when it was first compiled)
+# "layernorm_modulate_int8" / "qk_norm_rope_fp8" / "qk_norm_rope" -> how many this process replaced (graphs
+# compiled here: one loaded from inductor's cache ran its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
 # Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
 QK_NORM_ROPE = True
+# Whether it also replaces the 16-bit q / k RMSNorm + rotary in front of a 16-bit attention (the bf16 and int8
+# stacks' cuDNN attention, SageAttention's quantization): the same kernel without the cast. Off until timed on a GPU;
+# benchmarks' A/B rows set it.
+QK_NORM_ROPE_16 = False
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
 # Whether a concatenation + GELU feeding an int8 linear's row quantization becomes one operation that writes the
@@ -171,8 +176,10 @@ def _(a, a_scale, h, bias, dtype, pdl=False):
 
 def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int,
                            weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                           k_mean: torch.Tensor | None, inverse: torch.Tensor) -> torch.Tensor:
-    """The q or k part of a fused projection's output -> e4m3 (rows, heads, D), in float32 (see epilogue_triton)."""
+                           k_mean: torch.Tensor | None, inverse: torch.Tensor | None,
+                           out_dtype: torch.dtype = FP8_DTYPE) -> torch.Tensor:
+    """The q or k part of a fused projection's output -> (rows, heads, D), in float32 (see epilogue_triton), cast to
+    e4m3 with ``inverse`` or rounded to ``out_dtype`` without."""
     d = weight.numel()
     x = src[:, first_col:first_col + heads * d].float()
     if bias is not None:
@@ -185,6 +192,8 @@ def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_c
     out = y * c + y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * (s * sign)
     if k_mean is not None:
         out = out - k_mean.float().reshape(heads, d)
+    if inverse is None:
+        return out.to(out_dtype)
     return (out * inverse.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -204,6 +213,24 @@ def qk_norm_rope_fp8(src, bias, first_col, heads, weight, eps, cos, sin, k_mean,
 @qk_norm_rope_fp8.register_fake
 def _(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, pdl=False):
     return src.new_empty((src.shape[0], heads, weight.numel()), dtype=FP8_DTYPE)
+
+
+@torch.library.custom_op("omni_accel::qk_norm_rope", mutates_args=(), schema=(
+    "(Tensor src, Tensor? bias, int first_col, int heads, Tensor weight, float eps, Tensor cos, Tensor sin, "
+    "ScalarType out_dtype, bool pdl=False) -> Tensor"))
+def qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, out_dtype, pdl=False):
+    if _use_triton(src.device):
+        from . import epilogue_triton
+
+        if epilogue_triton.qk_norm_rope_supported(weight.numel()):
+            return epilogue_triton.qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, None, None,
+                                                pdl=pdl, out_dtype=out_dtype)
+    return qk_norm_rope_reference(src, bias, first_col, heads, weight, eps, cos, sin, None, None, out_dtype)
+
+
+@qk_norm_rope.register_fake
+def _(src, bias, first_col, heads, weight, eps, cos, sin, out_dtype, pdl=False):
+    return src.new_empty((src.shape[0], heads, weight.numel()), dtype=out_dtype)
 
 
 def layernorm_modulate_reference(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
@@ -722,12 +749,28 @@ def _qk_candidate(cast: fx.Node):
         if not (isinstance(_val(k_mean), torch.Tensor) and _val(k_mean).is_contiguous()):
             return None
         z = _skip_round_trip(z)
+    return _qk_parts(cast, z, inverse, k_mean)
+
+
+def _qk16_candidate(node: fx.Node):
+    """``node`` = the 16-bit rounding of rotary(rms_norm(part of a fused projection)) read as such (no use converts
+    it back to float32: that is FP8 attention's static cast, which ``_qk_candidate`` takes whole)."""
+    if not (_call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16)):
+        return None
+    if any(_call(user, _CONVERT) and user.args[1] == torch.float32 for user in node.users):
+        return None
+    return _qk_parts(node, node.args[0], None, None)
+
+
+def _qk_parts(final: fx.Node, z, inverse, k_mean):
+    """The rotary and norm behind ``z`` (float32) and the projection they read, for the node ``final`` that the
+    operation replaces: a _QkCandidate or None."""
     rope = _pair_swap_rope(z)
     norm = _rms_norm_source(rope[0]) if rope is not None else None
     if norm is None:
         return None
     (_, cos4, sin4), (x, weight, eps) = rope, norm
-    xv, out = _val(x), _val(cast)
+    xv, out = _val(x), _val(final)
     if xv.dim() != 4 or tuple(out.shape) != tuple(xv.shape) or not out.is_contiguous():
         return None
     batch, seq, heads, d = xv.shape
@@ -747,15 +790,19 @@ def _qk_candidate(cast: fx.Node):
         return None
     if not _kernel_takes(out, lambda kernels: kernels.qk_norm_rope_supported(d)):
         return None
-    return _QkCandidate(cast, inverse, k_mean, *part, weight, eps, *tables, heads)
+    return _QkCandidate(final, inverse, k_mean, *part, weight, eps, *tables, heads)
 
 
 def _rewrite_qk(graph: fx.Graph, c: _QkCandidate) -> None:
     out = _val(c.cast)
     with graph.inserting_before(c.cast):
         src = _node(graph, aten.reshape.default, c.src, [-1, _val(c.src).shape[-1]])
-        fused = _node(graph, torch.ops.omni_accel.qk_norm_rope_fp8.default, src, c.bias, c.first_col, c.heads,
-                      c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse, _pdl(out.device))
+        if c.inverse is None:  # the 16-bit form: no mean, no cast
+            fused = _node(graph, torch.ops.omni_accel.qk_norm_rope.default, src, c.bias, c.first_col, c.heads,
+                          c.weight, c.eps, c.cos, c.sin, out.dtype, _pdl(out.device))
+        else:
+            fused = _node(graph, torch.ops.omni_accel.qk_norm_rope_fp8.default, src, c.bias, c.first_col, c.heads,
+                          c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse, _pdl(out.device))
         result = _node(graph, aten.reshape.default, fused, list(out.shape))
     c.cast.replace_all_uses_with(result)
 
@@ -910,6 +957,8 @@ def _match(node: fx.Node):
         return kind, _rewrite, found
     if QK_NORM_ROPE and _call(node, _CONVERT) and (found := _qk_candidate(node)) is not None:
         return "qk_norm_rope_fp8", _rewrite_qk, found
+    if QK_NORM_ROPE_16 and (found := _qk16_candidate(node)) is not None:
+        return "qk_norm_rope", _rewrite_qk, found
     if LAYERNORM and (found := _norm_candidate(node)) is not None:
         return f"layernorm_modulate_{'int8' if found.int8 is not None else 'fp8'}", _rewrite_norm, found
     return None
@@ -942,7 +991,8 @@ class EpilogueFusionPass(CustomGraphPass):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles
         here = os.path.dirname(os.path.abspath(__file__))
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
-        return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}-ln{int(LAYERNORM)}"
+        return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}{int(QK_NORM_ROPE_16)}"
+                f"-ln{int(LAYERNORM)}"
                 f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}")
 
 

@@ -365,24 +365,27 @@ def qk_norm_rope_supported(head_dim: int) -> bool:
 
 def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int, weight: torch.Tensor,
                  eps: float, cos: torch.Tensor, sin: torch.Tensor, k_mean: torch.Tensor | None,
-                 inverse: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """src (rows, C) with stride(-1) == 1, columns [first_col, first_col + heads * D) of it -> e4m3 (rows, heads, D):
+                 inverse: torch.Tensor | None, pdl: bool = False,
+                 out_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """src (rows, C) with stride(-1) == 1, columns [first_col, first_col + heads * D) of it -> (rows, heads, D):
     RMSNorm per head, interleaved rotary embedding with cos / sin (S, D) (row r is token r % S), K's mean
-    subtracted, static cast."""
+    subtracted, static cast to e4m3 with ``inverse``; without it, the float32 result rounded to ``out_dtype``."""
     d = weight.numel()
     n_rows = src.shape[0] * heads
-    store_dtype = torch.float32 if INTERPRETED else torch.float8_e4m3fn
+    cast = inverse is not None
+    out_dtype = torch.float8_e4m3fn if cast else out_dtype
+    store_dtype = torch.float32 if INTERPRETED else out_dtype  # the interpreter's e4m3 and bf16 casts are off
     out = torch.empty(src.shape[0], heads, d, dtype=store_dtype, device=src.device)
     if n_rows:
         rows = 8  # 8 (token, head) rows of 128 per program, 4 warps: 44 us at FLUX's q or k (bench_fp8_epilogues.py)
         with _on_device(src):
             _launcher(_qk_norm_rope_kernel, src.device)[(triton.cdiv(n_rows, rows),)](
                 src, bias if bias is not None else src, weight, cos, sin, k_mean if k_mean is not None else cos,
-                inverse, out, n_rows, cos.shape[0], src.stride(0), first_col, float(eps),
-                HEADS=heads, D=d, HAS_BIAS=bias is not None, HAS_MEAN=k_mean is not None, CAST=True, ROWS=rows,
+                inverse if cast else cos, out, n_rows, cos.shape[0], src.stride(0), first_col, float(eps),
+                HEADS=heads, D=d, HAS_BIAS=bias is not None, HAS_MEAN=k_mean is not None, CAST=cast, ROWS=rows,
                 num_warps=4, **_pdl_launch(pdl),
             )
-    return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
+    return out.to(out_dtype) if store_dtype != out_dtype else out
 
 
 @triton.jit
