@@ -136,6 +136,7 @@ class Row:
     epilogue_fusion: bool = True  # compiler.EPILOGUE_FUSION (False: inductor's own concat + GELU + cast kernel)
     qk_norm_rope: bool = True  # kernels.epilogue_fusion.QK_NORM_ROPE (False: inductor's q / k norm + rotary + cast)
     qk_norm_rope_16: bool = False  # kernels.epilogue_fusion.QK_NORM_ROPE_16 (True: the 16-bit q / k kernel)
+    qk_norm_rope_joint: bool = False  # kernels.epilogue_fusion.QK_NORM_ROPE_JOINT (True: dual blocks' q / k too)
     layernorm: bool = True  # kernels.epilogue_fusion.LAYERNORM (False: inductor's AdaLN norm + modulate + cast)
     epilogue_pdl: bool = True  # kernels.epilogue_fusion.PDL (False: the pass's kernels launched without PDL)
     int8_tma: bool = True  # kernels.int8_gemm_triton.PERSISTENT_TMA (False: the pointer int8 GEMM at every size)
@@ -156,6 +157,7 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("compiler", "EPILOGUE_FUSION", "epilogue_fusion"),
             ("kernels.epilogue_fusion", "QK_NORM_ROPE", "qk_norm_rope"),
             ("kernels.epilogue_fusion", "QK_NORM_ROPE_16", "qk_norm_rope_16"),
+            ("kernels.epilogue_fusion", "QK_NORM_ROPE_JOINT", "qk_norm_rope_joint"),
             ("kernels.epilogue_fusion", "LAYERNORM", "layernorm"),
             ("kernels.epilogue_fusion", "PDL", "epilogue_pdl"),
             ("kernels.int8_gemm_triton", "PERSISTENT_TMA", "int8_tma"),
@@ -544,8 +546,13 @@ ROWS.update((row.name, row) for row in (
               qk_norm_rope_16=True),
     _switched(_BF16, "qk16", "the single blocks' q / k RMSNorm + rotary in the graph pass's kernel (bf16 out)",
               qk_norm_rope_16=True),
-    _switched("ours_int8", "allnew", "the one-pass concat + GELU + int8, AdaLN int8 and 16-bit q / k kernels",
-              int8_one_pass=True, layernorm_int8=True, qk_norm_rope_16=True),
+    _switched("ours_int8", "allnew", "the one-pass concat + GELU + int8, AdaLN int8 and 16-bit q / k kernels (the "
+              "dual blocks' too)", int8_one_pass=True, layernorm_int8=True, qk_norm_rope_16=True,
+              qk_norm_rope_joint=True),
+    _switched("ours_int8", "qk16joint", "the 16-bit q / k kernel in the single and dual blocks",
+              qk_norm_rope_16=True, qk_norm_rope_joint=True),
+    _switched(_FP8_STATIC, "joint", "the dual blocks' q / k RMSNorm + rotary + cast in the graph pass's kernel too",
+              qk_norm_rope_joint=True),
     _switched("ours_int8_sage", "prep", "Q / K / V quantized in the compiled graph, the op runs SageAttention's "
               "Hopper kernel alone", sage_prep_in_graph=True),
     _switched("ours_int8_auto", "prep", "the SageAttention calls' Q / K / V quantized in the compiled graph",

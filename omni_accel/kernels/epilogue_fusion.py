@@ -11,6 +11,7 @@ whatever model code produced it), and what each becomes:
     layer_norm(x) * (1 + scale) + shift -> int8 rows + scales   omni_accel::layernorm_modulate_int8  (int8 linears)
     rotary(rms_norm(q or k of a fused projection)) [- mean] -> static cast   omni_accel::qk_norm_rope_fp8 (FP8 attention)
     rotary(rms_norm(q or k of a fused projection)), 16 bits   omni_accel::qk_norm_rope (16-bit attention; a switch)
+    either, rotary(cat([rms_norm(text q / k), rms_norm(image q / k)]))   the same, both streams read (a switch)
 
 ``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16); ``gelu`` is the
 sigmoid form of the tanh GELU that ``compile=True`` installs (``compiler.sigmoid_gelu``); ``static_fp8_cast`` is what
@@ -72,6 +73,10 @@ QK_NORM_ROPE = True
 # stacks' cuDNN attention, SageAttention's quantization): the same kernel without the cast. Off until timed on a GPU;
 # benchmarks' A/B rows set it.
 QK_NORM_ROPE_16 = False
+# Whether the q / k forms also take a q or k concatenated from two normalized streams before the rotary (FLUX's
+# dual-stream blocks), reading both projections in place; else those stay with inductor. Off until timed on a GPU;
+# benchmarks' A/B rows set it.
+QK_NORM_ROPE_JOINT = False
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
 # Whether a concatenation + GELU feeding an int8 linear's row quantization becomes one operation that writes the
@@ -174,19 +179,34 @@ def _(a, a_scale, h, bias, dtype, pdl=False):
     return (h.new_empty((h.shape[0], cols), dtype=torch.int8), h.new_empty((h.shape[0], 1), dtype=torch.float32))
 
 
-def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int,
-                           weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                           k_mean: torch.Tensor | None, inverse: torch.Tensor | None,
-                           out_dtype: torch.dtype = FP8_DTYPE) -> torch.Tensor:
-    """The q or k part of a fused projection's output -> (rows, heads, D), in float32 (see epilogue_triton), cast to
-    e4m3 with ``inverse`` or rounded to ``out_dtype`` without."""
+def _rms_normalized(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int,
+                    weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Columns [first_col, first_col + heads * D) of src (+ bias) as (rows, heads, D), RMS-normalized per head, in
+    float32."""
     d = weight.numel()
     x = src[:, first_col:first_col + heads * d].float()
     if bias is not None:
         x = x + bias[first_col:first_col + heads * d].float()
     x = x.reshape(src.shape[0], heads, d)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    positions = torch.arange(src.shape[0], device=src.device) % cos.shape[0]
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int,
+                           weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                           k_mean: torch.Tensor | None, inverse: torch.Tensor | None,
+                           out_dtype: torch.dtype = FP8_DTYPE, second: tuple | None = None) -> torch.Tensor:
+    """The q or k part of a fused projection's output -> (rows, heads, D), in float32 (see epilogue_triton), cast to
+    e4m3 with ``inverse`` or rounded to ``out_dtype`` without. ``second``: (src2, bias2, first_col2, weight2,
+    tokens_a), a second stream whose rows follow each sample's first tokens_a rows of src."""
+    d = weight.numel()
+    y = _rms_normalized(src, bias, first_col, heads, weight, eps)
+    if second is not None:
+        src2, bias2, first_col2, weight2, tokens_a = second
+        samples = src.shape[0] // tokens_a
+        y2 = _rms_normalized(src2, bias2, first_col2, heads, weight2, eps)
+        y = torch.cat([y.reshape(samples, tokens_a, heads, d), y2.reshape(samples, -1, heads, d)], dim=1)
+        y = y.reshape(-1, heads, d)
+    positions = torch.arange(y.shape[0], device=src.device) % cos.shape[0]
     c, s = cos.float()[positions][:, None, :], sin.float()[positions][:, None, :]
     sign = torch.arange(d, device=src.device) % 2 * 2 - 1
     out = y * c + y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * (s * sign)
@@ -197,40 +217,59 @@ def qk_norm_rope_reference(src: torch.Tensor, bias: torch.Tensor | None, first_c
     return (out * inverse.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _second_stream(src2, bias2, first_col2, weight2, tokens_a) -> tuple | None:
+    """The ops' optional second-stream arguments as ``qk_norm_rope``'s ``second``, or None."""
+    return (src2, bias2, first_col2, weight2, tokens_a) if src2 is not None else None
+
+
+def _qk_rows(src, src2) -> int:
+    return src.shape[0] + (src2.shape[0] if src2 is not None else 0)
+
+
+_SECOND_STREAM_SCHEMA = "Tensor? src2=None, Tensor? bias2=None, int first_col2=0, Tensor? weight2=None, int tokens_a=0"
+
+
 @torch.library.custom_op("omni_accel::qk_norm_rope_fp8", mutates_args=(), schema=(
     "(Tensor src, Tensor? bias, int first_col, int heads, Tensor weight, float eps, Tensor cos, Tensor sin, "
-    "Tensor? k_mean, Tensor inverse, bool pdl=False) -> Tensor"))
-def qk_norm_rope_fp8(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, pdl=False):
+    f"Tensor? k_mean, Tensor inverse, bool pdl=False, {_SECOND_STREAM_SCHEMA}) -> Tensor"))
+def qk_norm_rope_fp8(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, pdl=False, src2=None,
+                     bias2=None, first_col2=0, weight2=None, tokens_a=0):
+    second = _second_stream(src2, bias2, first_col2, weight2, tokens_a)
     if _use_triton(src.device):
         from . import epilogue_triton
 
         if epilogue_triton.qk_norm_rope_supported(weight.numel()):
             return epilogue_triton.qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse,
-                                                pdl=pdl)
-    return qk_norm_rope_reference(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse)
+                                                pdl=pdl, second=second)
+    return qk_norm_rope_reference(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, second=second)
 
 
 @qk_norm_rope_fp8.register_fake
-def _(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, pdl=False):
-    return src.new_empty((src.shape[0], heads, weight.numel()), dtype=FP8_DTYPE)
+def _(src, bias, first_col, heads, weight, eps, cos, sin, k_mean, inverse, pdl=False, src2=None, bias2=None,
+      first_col2=0, weight2=None, tokens_a=0):
+    return src.new_empty((_qk_rows(src, src2), heads, weight.numel()), dtype=FP8_DTYPE)
 
 
 @torch.library.custom_op("omni_accel::qk_norm_rope", mutates_args=(), schema=(
     "(Tensor src, Tensor? bias, int first_col, int heads, Tensor weight, float eps, Tensor cos, Tensor sin, "
-    "ScalarType out_dtype, bool pdl=False) -> Tensor"))
-def qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, out_dtype, pdl=False):
+    f"ScalarType out_dtype, bool pdl=False, {_SECOND_STREAM_SCHEMA}) -> Tensor"))
+def qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, out_dtype, pdl=False, src2=None, bias2=None,
+                 first_col2=0, weight2=None, tokens_a=0):
+    second = _second_stream(src2, bias2, first_col2, weight2, tokens_a)
     if _use_triton(src.device):
         from . import epilogue_triton
 
         if epilogue_triton.qk_norm_rope_supported(weight.numel()):
             return epilogue_triton.qk_norm_rope(src, bias, first_col, heads, weight, eps, cos, sin, None, None,
-                                                pdl=pdl, out_dtype=out_dtype)
-    return qk_norm_rope_reference(src, bias, first_col, heads, weight, eps, cos, sin, None, None, out_dtype)
+                                                pdl=pdl, out_dtype=out_dtype, second=second)
+    return qk_norm_rope_reference(src, bias, first_col, heads, weight, eps, cos, sin, None, None, out_dtype,
+                                  second=second)
 
 
 @qk_norm_rope.register_fake
-def _(src, bias, first_col, heads, weight, eps, cos, sin, out_dtype, pdl=False):
-    return src.new_empty((src.shape[0], heads, weight.numel()), dtype=out_dtype)
+def _(src, bias, first_col, heads, weight, eps, cos, sin, out_dtype, pdl=False, src2=None, bias2=None, first_col2=0,
+      weight2=None, tokens_a=0):
+    return src.new_empty((_qk_rows(src, src2), heads, weight.numel()), dtype=out_dtype)
 
 
 def layernorm_modulate_reference(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
@@ -730,10 +769,11 @@ def _projection_part(x, width: int):
 
 
 class _QkCandidate:
-    def __init__(self, cast, inverse, k_mean, src, bias, first_col, weight, eps, cos, sin, heads):
+    def __init__(self, cast, inverse, k_mean, src, bias, first_col, weight, eps, cos, sin, heads, second=None):
         self.cast, self.inverse, self.k_mean = cast, inverse, k_mean
         self.src, self.bias, self.first_col, self.weight, self.eps = src, bias, first_col, weight, eps
         self.cos, self.sin, self.heads = cos, sin, heads
+        self.second = second  # (src2, bias2, first_col2, weight2, tokens_a): a joint block's second stream, or None
 
 
 def _qk_candidate(cast: fx.Node):
@@ -762,20 +802,44 @@ def _qk16_candidate(node: fx.Node):
     return _qk_parts(node, node.args[0], None, None)
 
 
+def _normed_streams(y):
+    """The RMSNorms behind the rotary's input ``y``: [(x, weight, eps)] for one norm, or two for a concatenation of
+    two normalized streams along the tokens (FLUX's dual-stream blocks: text, then image); None otherwise."""
+    if _call(y, aten.cat.default) and len(y.args[0]) == 2 and QK_NORM_ROPE_JOINT:
+        dim = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim", 0)
+        if dim not in (1, -3):
+            return None
+        norms = [_rms_norm_source(part) for part in y.args[0]]
+        return norms if all(n is not None for n in norms) else None
+    norm = _rms_norm_source(y)
+    return [norm] if norm is not None else None
+
+
 def _qk_parts(final: fx.Node, z, inverse, k_mean):
-    """The rotary and norm behind ``z`` (float32) and the projection they read, for the node ``final`` that the
+    """The rotary and norm(s) behind ``z`` (float32) and the projection(s) they read, for the node ``final`` that the
     operation replaces: a _QkCandidate or None."""
     rope = _pair_swap_rope(z)
-    norm = _rms_norm_source(rope[0]) if rope is not None else None
-    if norm is None:
+    streams = _normed_streams(rope[0]) if rope is not None else None
+    out = _val(final)
+    if streams is None or out.dim() != 4 or not out.is_contiguous():
         return None
-    (_, cos4, sin4), (x, weight, eps) = rope, norm
-    xv, out = _val(x), _val(final)
-    if xv.dim() != 4 or tuple(out.shape) != tuple(xv.shape) or not out.is_contiguous():
-        return None
-    batch, seq, heads, d = xv.shape
+    batch, seq, heads, d = out.shape
+    (_, cos4, sin4), eps = rope, streams[0][2]
     # K's mean is one vector per head, (1, 1, heads, D) as AttentionScales keeps it
-    if _val(weight).shape[0] != d or (k_mean is not None and tuple(_val(k_mean).shape) != (1, 1, heads, d)):
+    if k_mean is not None and tuple(_val(k_mean).shape) != (1, 1, heads, d):
+        return None
+    parts, tokens = [], []
+    for x, weight, stream_eps in streams:
+        xv = _val(x)
+        if (xv.dim() != 4 or xv.shape[0] != batch or tuple(xv.shape[2:]) != (heads, d) or stream_eps != eps
+                or _val(weight).shape[0] != d):
+            return None
+        part = _projection_part(x, heads * d)
+        if part is None or _val(part[0]).numel() != batch * xv.shape[1] * _val(part[0]).shape[-1]:
+            return None
+        parts.append((*part, weight))
+        tokens.append(xv.shape[1])
+    if sum(tokens) != seq or len({p[1] is None for p in parts}) != 1:  # both streams with a bias or neither
         return None
     tables = []
     for table in (cos4, sin4):  # (1, S, 1, D) views of (S, D) tables: tokens on dim 1, as x has them
@@ -785,24 +849,29 @@ def _qk_parts(final: fx.Node, z, inverse, k_mean):
         if not (tuple(_val(source).shape) == (seq, d) and _val(source).is_contiguous()):
             return None
         tables.append(source)
-    part = _projection_part(x, heads * d)
-    if part is None or _val(part[0]).numel() != batch * seq * _val(part[0]).shape[-1]:
-        return None
     if not _kernel_takes(out, lambda kernels: kernels.qk_norm_rope_supported(d)):
         return None
-    return _QkCandidate(final, inverse, k_mean, *part, weight, eps, *tables, heads)
+    (src, bias, first_col, weight), second = parts[0], None
+    if len(parts) == 2:
+        second = (*parts[1], tokens[0])
+    return _QkCandidate(final, inverse, k_mean, src, bias, first_col, weight, eps, *tables, heads, second)
 
 
 def _rewrite_qk(graph: fx.Graph, c: _QkCandidate) -> None:
     out = _val(c.cast)
     with graph.inserting_before(c.cast):
         src = _node(graph, aten.reshape.default, c.src, [-1, _val(c.src).shape[-1]])
+        second = ()
+        if c.second is not None:
+            src2, bias2, first_col2, weight2, tokens_a = c.second
+            src2 = _node(graph, aten.reshape.default, src2, [-1, _val(src2).shape[-1]])
+            second = (src2, bias2, first_col2, weight2, tokens_a)
         if c.inverse is None:  # the 16-bit form: no mean, no cast
             fused = _node(graph, torch.ops.omni_accel.qk_norm_rope.default, src, c.bias, c.first_col, c.heads,
-                          c.weight, c.eps, c.cos, c.sin, out.dtype, _pdl(out.device))
+                          c.weight, c.eps, c.cos, c.sin, out.dtype, _pdl(out.device), *second)
         else:
             fused = _node(graph, torch.ops.omni_accel.qk_norm_rope_fp8.default, src, c.bias, c.first_col, c.heads,
-                          c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse, _pdl(out.device))
+                          c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse, _pdl(out.device), *second)
         result = _node(graph, aten.reshape.default, fused, list(out.shape))
     c.cast.replace_all_uses_with(result)
 
@@ -992,6 +1061,7 @@ class EpilogueFusionPass(CustomGraphPass):
         here = os.path.dirname(os.path.abspath(__file__))
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}{int(QK_NORM_ROPE_16)}"
+                f"{int(QK_NORM_ROPE_JOINT)}"
                 f"-ln{int(LAYERNORM)}"
                 f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}")
 

@@ -324,31 +324,46 @@ def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: to
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    src_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr, k_mean_ptr, inverse_ptr, out_ptr,
-    n_rows, seq, stride_src, first_col, eps,
+    src_ptr, bias_ptr, w_ptr, src2_ptr, bias2_ptr, w2_ptr, cos_ptr, sin_ptr, k_mean_ptr, inverse_ptr, out_ptr,
+    n_rows, seq, stride_src, first_col, stride_src2, first_col2, tokens_a, eps,
     HEADS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MEAN: tl.constexpr, CAST: tl.constexpr,
-    ROWS: tl.constexpr, PDL: tl.constexpr,
+    TWO: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
-    # rows are (token, head) pairs of one part (q or k) of a fused projection's output: row = token * HEADS + head
+    # rows are (token, head) pairs of one part (q or k) of a fused projection's output: row = token * HEADS + head;
+    # with TWO, each sample's first tokens_a tokens come from src and the rest from src2 (a joint block's text and
+    # image streams, concatenated before the rotary), each stream with its own bias and norm weight
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = (rows < n_rows)[:, None]
     token = (rows // HEADS).to(tl.int64)[:, None]
     head = (rows % HEADS)[:, None]
     d = tl.arange(0, D)[None, :]
-    col = first_col + head * D + d
-    x = tl.load(src_ptr + token * stride_src + col, mask=ok, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + col).to(tl.float32)
+    position = token % seq
+    if TWO:
+        sample = token // seq
+        in_a = position < tokens_a
+        col_a, col_b = first_col + head * D + d, first_col2 + head * D + d
+        x = tl.load(src_ptr + (sample * tokens_a + position) * stride_src + col_a, mask=ok & in_a, other=0.0)
+        x += tl.load(src2_ptr + (sample * (seq - tokens_a) + position - tokens_a) * stride_src2 + col_b,
+                     mask=ok & ~in_a, other=0.0)
+        x = x.to(tl.float32)
+        if HAS_BIAS:
+            x += tl.where(in_a, tl.load(bias_ptr + col_a).to(tl.float32), tl.load(bias2_ptr + col_b).to(tl.float32))
+        weight = tl.where(in_a, tl.load(w_ptr + d).to(tl.float32), tl.load(w2_ptr + d).to(tl.float32))
+    else:
+        col = first_col + head * D + d
+        x = tl.load(src_ptr + token * stride_src + col, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + col).to(tl.float32)
+        weight = tl.load(w_ptr + d).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-    y = x * rstd * tl.load(w_ptr + d).to(tl.float32)
+    y = x * rstd * weight
     # the rotary embedding on interleaved pairs: y * cos + swap(y) * sin * (-1, +1, ...), the swap in registers
     even, odd = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
     swapped = tl.reshape(tl.join(odd, even), (ROWS, D))
-    position = (token % seq) * D + d
-    c = tl.load(cos_ptr + position, mask=ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + position, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
     out = y * c + swapped * (s * ((d % 2) * 2 - 1).to(tl.float32))
     if HAS_MEAN:
         out -= tl.load(k_mean_ptr + head * D + d)
@@ -366,24 +381,28 @@ def qk_norm_rope_supported(head_dim: int) -> bool:
 def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int, weight: torch.Tensor,
                  eps: float, cos: torch.Tensor, sin: torch.Tensor, k_mean: torch.Tensor | None,
                  inverse: torch.Tensor | None, pdl: bool = False,
-                 out_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float8_e4m3fn, second: tuple | None = None) -> torch.Tensor:
     """src (rows, C) with stride(-1) == 1, columns [first_col, first_col + heads * D) of it -> (rows, heads, D):
     RMSNorm per head, interleaved rotary embedding with cos / sin (S, D) (row r is token r % S), K's mean
-    subtracted, static cast to e4m3 with ``inverse``; without it, the float32 result rounded to ``out_dtype``."""
+    subtracted, static cast to e4m3 with ``inverse``; without it, the float32 result rounded to ``out_dtype``.
+    ``second``: (src2, bias2, first_col2, weight2, tokens_a): each sample's first tokens_a tokens are src's rows, its
+    other S - tokens_a tokens src2's, normalized with weight2 (a joint block's two streams)."""
     d = weight.numel()
-    n_rows = src.shape[0] * heads
+    src2, bias2, first_col2, weight2, tokens_a = second if second is not None else (src, bias, 0, weight, 0)
+    n_rows = (src.shape[0] + (src2.shape[0] if second is not None else 0)) * heads
     cast = inverse is not None
     out_dtype = torch.float8_e4m3fn if cast else out_dtype
     store_dtype = torch.float32 if INTERPRETED else out_dtype  # the interpreter's e4m3 and bf16 casts are off
-    out = torch.empty(src.shape[0], heads, d, dtype=store_dtype, device=src.device)
+    out = torch.empty(n_rows // heads, heads, d, dtype=store_dtype, device=src.device)
     if n_rows:
         rows = 8  # 8 (token, head) rows of 128 per program, 4 warps: 44 us at FLUX's q or k (bench_fp8_epilogues.py)
         with _on_device(src):
             _launcher(_qk_norm_rope_kernel, src.device)[(triton.cdiv(n_rows, rows),)](
-                src, bias if bias is not None else src, weight, cos, sin, k_mean if k_mean is not None else cos,
-                inverse if cast else cos, out, n_rows, cos.shape[0], src.stride(0), first_col, float(eps),
-                HEADS=heads, D=d, HAS_BIAS=bias is not None, HAS_MEAN=k_mean is not None, CAST=cast, ROWS=rows,
-                num_warps=4, **_pdl_launch(pdl),
+                src, bias if bias is not None else src, weight, src2, bias2 if bias2 is not None else src2, weight2,
+                cos, sin, k_mean if k_mean is not None else cos, inverse if cast else cos, out, n_rows, cos.shape[0],
+                src.stride(0), first_col, src2.stride(0), first_col2, tokens_a, float(eps),
+                HEADS=heads, D=d, HAS_BIAS=bias is not None, HAS_MEAN=k_mean is not None, CAST=cast,
+                TWO=second is not None, ROWS=rows, num_warps=4, **_pdl_launch(pdl),
             )
     return out.to(out_dtype) if store_dtype != out_dtype else out
 
