@@ -144,7 +144,8 @@ def _omni_sage_prepared(kernel_only: bool) -> Callable:
     from omni_accel.kernels import sage_attention as sage
 
     if not kernel_only:
-        return torch.compile(sage.prepared_attention, dynamic=False)
+        compiled = torch.compile(sage.prepared_attention, dynamic=False)
+        return lambda q, k, v: compiled(q, k, v, None)
     cache: dict = {}
 
     def call(q, k, v):

@@ -328,8 +328,9 @@ def test_fp8_attention_q_and_k_become_one_operation_each_with_the_same_values():
     assert torch.equal(out[2], ref[2])
 
 
-def _attention_operands_16(x, w_qkv, b_qkv, wq, wk, cos, sin, **_):
-    """The same from the projection to a 16-bit attention's q and k (the bf16 and int8 stacks: no cast)."""
+def _attention_operands_16(x, w_qkv, b_qkv, wq, wk, cos, sin, float_use=False, **_):
+    """The same from the projection to a 16-bit attention's q and k (the bf16 and int8 stacks: no cast), or
+    (``float_use``) to a consumer that reads them in float32 (SageAttention's quantization in the graph)."""
     from diffusers.models import embeddings
 
     qkv = (x.reshape(-1, 40) @ w_qkv.t()).reshape(1, S, 3 * H * D) + b_qkv
@@ -337,6 +338,8 @@ def _attention_operands_16(x, w_qkv, b_qkv, wq, wk, cos, sin, **_):
     rope = compiler._pair_swap_rotary(embeddings.apply_rotary_emb)
     q, k = (rope(torch.nn.functional.rms_norm(t, (D,), w, 1e-6), (cos, sin), sequence_dim=1)
             for t, w in ((q, wq), (k, wk)))
+    if float_use:
+        return q.float().abs().amax(dim=-1), k.float() * 3.0, v
     return q * 1.0, k, v
 
 
@@ -420,6 +423,13 @@ def test_16_bit_q_and_k_become_the_operation_without_the_cast_when_switched_on(m
         _assert_bf16_close(o, r)
     _, delta = _compiled_with_pass(_attention_operands, **_attention_inputs(10))
     assert delta == {"qk_norm_rope_fp8": 2}
+    # a float32 use that is not FP8 attention's cast (SageAttention's quantization) is served too; it reads the
+    # 16-bit rounding the graph asks for, which inductor's own kernel may skip (one bf16 step)
+    ref, _ = _compiled(_attention_operands_16, **inputs, float_use=True, with_pass=False)
+    out, delta = _compiled_with_pass(_attention_operands_16, **inputs, float_use=True)
+    assert delta == {"qk_norm_rope": 2}
+    for o, r in zip(out[:2], ref[:2]):
+        assert ((o - r).abs() <= 2.0 ** -8 * r.abs() + 1e-6).all()
 
 
 @pytest.mark.parametrize("kind", ["single", "dual"])
@@ -567,6 +577,23 @@ def test_the_int8_norm_has_a_switch_off_by_default():
     assert delta == {}
     ref, _ = _compiled(_adaln_int8_input, **inputs, with_pass=False)
     assert all(torch.equal(o, r) for pair, ref_pair in zip(out, ref) for o, r in zip(pair, ref_pair))
+
+
+def test_a_quantization_of_rows_of_another_width_is_left_to_inductor(layernorm_int8):
+    """The norm's rows viewed at half their width before the int8 quantization: not the rows the kernel quantizes,
+    so nothing is replaced and the graph compiles to inductor's values."""
+    from omni_accel.kernels.int8 import quantize_rows_int8
+
+    def half_width_rows(text, image, emb):
+        x = torch.cat([text, image], dim=1)
+        shift, scale, _ = emb.chunk(3, dim=1)
+        y = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        return quantize_rows_int8(y.reshape(-1, y.shape[-1] // 2))
+
+    inputs = {k: v for k, v in _adaln_inputs(14).items() if k in ("text", "image", "emb")}
+    out, delta = _compiled_with_pass(half_width_rows, **inputs)
+    ref, _ = _compiled(half_width_rows, **inputs, with_pass=False)
+    assert delta == {} and all(torch.equal(o, r) for o, r in zip(out, ref))
 
 
 def test_flux_blocks_with_int8_linears_have_their_norms_replaced(layernorm_int8):

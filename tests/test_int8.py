@@ -214,8 +214,9 @@ def test_weight_only_layer_is_the_rescaled_product_eager_and_as_a_traced_reducti
 
 
 def test_weight_only_layer_takes_the_triton_gemv_on_gpus_when_switched_on(monkeypatch):
-    """With TRITON_GEMV a GPU call of up to 16 rows goes to omni_accel::int8_gemv (eager and compiled); off (the
-    default until timed) and on the CPU it does not."""
+    """With TRITON_GEMV a GPU call of up to 16 rows goes to omni_accel::int8_gemv (the check comes before the traced
+    form's, so compiled calls take it too); off (the default until timed), with more rows, or on the CPU it does
+    not."""
     lin = _linear(64, 48).to(torch.bfloat16)
     layer = int8_mod.Int8WeightOnlyLinear(lin)
     calls = []
@@ -225,10 +226,14 @@ def test_weight_only_layer_takes_the_triton_gemv_on_gpus_when_switched_on(monkey
         return int8_mod.int8_gemv_reference(x, w_int8, w_scale)
 
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the dispatch only reads is_cuda
-    monkeypatch.setattr(torch.ops.omni_accel, "int8_gemv", gemv, raising=False)
     assert int8_mod.TRITON_GEMV is False
-    layer(x)
+    monkeypatch.setattr(torch.ops.omni_accel, "int8_gemv", gemv, raising=False)
+    monkeypatch.setattr(int8_mod, "TRITON_GEMV", True)
+    layer(x)  # the CPU: not the GPU kernel
+    assert calls == []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the dispatch only reads is_cuda
+    monkeypatch.setattr(int8_mod, "TRITON_GEMV", False)
+    layer(x)  # off: not either
     assert calls == []
     monkeypatch.setattr(int8_mod, "TRITON_GEMV", True)
     out = layer(x)

@@ -411,6 +411,8 @@ def _int8_row_quantization(node: fx.Node):
     n = node
     while (user := _only_user(n)) is not None and _call(user, *_VIEWS):
         n = user
+    if _val(n).shape[-1] != _val(node).shape[-1]:  # a view to other rows: not the rows the kernels quantize
+        return None
     users = list(n.users)
     absolute = next((u for u in users if _call(u, aten.abs.default)), None)
     to_float = next((u for u in users if _call(u, _CONVERT) and u.args[1] == torch.float32), None)
@@ -792,12 +794,25 @@ def _qk_candidate(cast: fx.Node):
     return _qk_parts(cast, z, inverse, k_mean)
 
 
+def _feeds_static_cast(user: fx.Node) -> bool:
+    """``user`` = float32 of the rotary's 16-bit output, then [- K's mean] and a static e4m3 cast: FP8 attention's
+    operand, which ``_qk_candidate`` takes whole from the cast."""
+    if not (_call(user, _CONVERT) and user.args[1] == torch.float32):
+        return False
+    if _cast_from_float32(user) is not None:
+        return True
+    sub, mul = _only_user(user), None
+    if _call(sub, aten.sub.Tensor) and sub.args[0] is user:
+        mul = _only_user(sub)
+    return _call(mul, aten.mul.Tensor) and _cast_after_mul(mul, sub) is not None
+
+
 def _qk16_candidate(node: fx.Node):
-    """``node`` = the 16-bit rounding of rotary(rms_norm(part of a fused projection)) read as such (no use converts
-    it back to float32: that is FP8 attention's static cast, which ``_qk_candidate`` takes whole)."""
+    """``node`` = the 16-bit rounding of rotary(rms_norm(part of a fused projection)) read as such (no use is FP8
+    attention's static cast, which ``_qk_candidate`` takes whole)."""
     if not (_call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16)):
         return None
-    if any(_call(user, _CONVERT) and user.args[1] == torch.float32 for user in node.users):
+    if any(_feeds_static_cast(user) for user in node.users):
         return None
     return _qk_parts(node, node.args[0], None, None)
 

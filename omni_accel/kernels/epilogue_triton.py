@@ -287,9 +287,10 @@ def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: to
                      row_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``concat_gelu`` in ``dtype`` (bf16 / fp16), then each row to int8 with its own scale (kernels/int8.py's
     ``quantize_rows_int8``) in the same kernel: (int8 (rows, A + H), scale (rows, 1) float32). The 16-bit row is
-    never written. Rows up to ``ROW_KERNEL_MAX_WIDTH`` wide (and ``one_pass``) go to the one-pass kernel, which
-    reads each input once; wider ones (or a ``tile``: (rows, first input's block, GELU block, warps)) to the
-    two-pass kernel, which reads them twice, for the row's largest value and then for the cast. ``row_warps``: the
+    never written. Rows up to ``ROW_KERNEL_MAX_WIDTH`` wide go to the one-pass kernel, which reads each input once
+    (with ``one_pass`` False, only those whose widths the two-pass kernel cannot tile); the others (or a ``tile``:
+    (rows, first input's block, GELU block, warps)) to the two-pass kernel, which reads them twice, for the row's
+    largest value and then for the cast. ``row_warps``: the
     one-pass kernel's warps instead of ``_row_kernel_launch``'s choice (the benchmark's sweep)."""
     n_rows, h_cols = h.shape
     heads, a_head = a.shape[1:] if a is not None else (0, 0)
@@ -298,7 +299,9 @@ def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: to
     scale = torch.empty(n_rows, 1, dtype=torch.float32, device=h.device)
     if n_rows == 0:
         return out, scale
-    row_launch = _row_kernel_launch(a_cols, h_cols) if tile is None and one_pass else None
+    row_launch = _row_kernel_launch(a_cols, h_cols) if tile is None else None
+    if row_launch is not None and not one_pass and _int8_tile(a_cols, a_head, h_cols) is not None:
+        row_launch = None  # the two-pass kernel, asked for and able to tile these widths
     if row_launch is not None:
         width, warps = row_launch[0], row_warps or row_launch[1]
         with _on_device(h):

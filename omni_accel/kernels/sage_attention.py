@@ -45,11 +45,15 @@ either (benchmarks/results/bench_peers_h100_wan81_int8_keysmooth_20261205.json),
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..cuda_graphs import run_outside_graph
 from ..deps import installed
 from .fa4_attention import attention_output_like, attention_output_shape, call_or_sdpa, listed_shapes
+
+logger = logging.getLogger(__name__)
 
 PACKAGE = "sageattention"
 MAX_HEAD_DIM = 128  # the package pads smaller heads to 64 or 128 and refuses larger ones
@@ -167,6 +171,7 @@ INT8_MAX = 127.0
 V_FP8_MAX = 448.0  # V is scaled per channel to e4m3's largest value
 _KERNEL_OP = "qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf"  # in the package's sageattention_sm90 namespace
 _PER_THREAD = 3  # the kernel's code for per-thread Q / K scales (sageattn's default on Hopper)
+_NO_KERNEL = ("prepared", "no Hopper kernel")  # refused_shapes()'s entry once the op found no kernel to call
 
 
 def _padded_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -246,12 +251,17 @@ def _sm90_kernel():
 def _quantized_call(q8, q_scale, k8, k_scale, v8, v_scale, scale: float, dtype: torch.dtype) -> torch.Tensor:
     kernel = _sm90_kernel() if q8.is_cuda and _hopper(q8) else None
     if kernel is None:  # the operands' own attention in float32 (CPU tests; a GPU the kernel was not built for)
+        if q8.is_cuda and not _REFUSED.get(_NO_KERNEL):
+            _REFUSED[_NO_KERNEL] = "the package's Hopper kernel (sageattention_sm90) is not available here"
+            logger.warning("omni_accel: SageAttention's Hopper kernel is not available on %s; the quantized "
+                           "operands' attention is computed in float32 by PyTorch (slow)", q8.device)
         q, k, v = dequantized(q8, q_scale, k8, k_scale, v8, v_scale)
         out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                                v.transpose(1, 2), scale=scale)
         return out.transpose(1, 2).to(dtype).contiguous()
     out = torch.empty(q8.shape, dtype=dtype, device=q8.device)
-    kernel(q8, k8, v8, out, q_scale, k_scale, v_scale, 0, 0, _PER_THREAD, scale, 0)  # NHD, not causal, no lse
+    with torch.cuda.device(q8.device):  # the kernel launches on the current device (sageattn sets it first)
+        kernel(q8, k8, v8, out, q_scale, k_scale, v_scale, 0, 0, _PER_THREAD, scale, 0)  # NHD, not causal, no lse
     return out
 
 
