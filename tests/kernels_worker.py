@@ -360,13 +360,14 @@ def qk_norm_rope_cases() -> dict:
             inverse = torch.tensor(448.0 / 6) if out_dtype is None else None
             args = (src, bias, first_col, heads, weight, 1e-6, cos, sin, k_mean, inverse)
             extra = {} if out_dtype is None else {"out_dtype": out_dtype}
-            if "two-streams" in case:  # the first 3 of the 7 tokens from src, the other 4 from a second stream
-                text = torch.randn(batch * 3, 3 * heads * d, generator=gen).to(torch.bfloat16)
-                image = src[:batch * 4]
-                bias2 = None if bias is None else (torch.randn(3 * heads * d, generator=gen) * 0.1).to(torch.bfloat16)
+            if "two-streams" in case:  # the first 3 of the 7 tokens from src, the other 4 from a second stream,
+                # laid out differently: 5 parts wide, its q / k one part further along
+                text = src[:batch * 3]
+                image = torch.randn(batch * 4, 5 * heads * d, generator=gen).to(torch.bfloat16)
+                bias2 = None if bias is None else (torch.randn(5 * heads * d, generator=gen) * 0.1).to(torch.bfloat16)
                 weight2 = (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
                 args = (text, bias, first_col, heads, weight, 1e-6, cos, sin, k_mean, inverse)
-                extra["second"] = (image, bias2, first_col, weight2, 3)
+                extra["second"] = (image, bias2, first_col + heads * d, weight2, 3)
             results[case] = agreement(epilogue_triton.qk_norm_rope(*args, **extra),
                                       qk_norm_rope_reference(*args, **extra), 2.0 ** -6)
         except Exception:

@@ -352,10 +352,12 @@ def _joint_attention_operands(x, text, w_qkv, b_qkv, wq, wk, cos, sin, k_mean, i
 
     rope = compiler._pair_swap_rotary(embeddings.apply_rotary_emb)
     streams = []
-    for tokens, weights in ((text, (w_qkv * 0.5, b_qkv * 2, wk, wq)), (x, (w_qkv, b_qkv, wq, wk))):
+    # the text stream's projection laid out differently: an extra part first, so its q / k sit one part further
+    text_w, text_b = torch.cat([w_qkv[:H * D] * 0.3, w_qkv * 0.5]), torch.cat([b_qkv[:H * D], b_qkv * 2])
+    for tokens, weights in ((text, (text_w, text_b, wk, wq)), (x, (w_qkv, b_qkv, wq, wk))):
         w, b, norm_q, norm_k = weights
-        qkv = (tokens.reshape(-1, 40) @ w.t()).reshape(1, tokens.shape[1], 3 * H * D) + b
-        q, k, v = (t.unflatten(-1, (H, -1)) for t in qkv.split(H * D, dim=-1))
+        qkv = (tokens.reshape(-1, 40) @ w.t()).reshape(1, tokens.shape[1], w.shape[0]) + b
+        q, k, v = (t.unflatten(-1, (H, -1)) for t in qkv.split(H * D, dim=-1)[-3:])
         streams.append((torch.nn.functional.rms_norm(q, (D,), norm_q, 1e-6),
                         torch.nn.functional.rms_norm(k, (D,), norm_k, 1e-6), v))
     q, k, v = (torch.cat([a, b], dim=1) for a, b in zip(*streams))
@@ -465,6 +467,29 @@ def test_flux_blocks_q_and_k_become_the_16_bit_operation(monkeypatch, kind):
             assert torch.equal(o, r)
         else:
             assert 0 < torch.linalg.norm((o - r).float()) <= torch.linalg.norm((e - r).float())
+
+
+def test_the_16_bit_form_leaves_fp8_attentions_casts_to_the_fp8_form_with_other_uses(monkeypatch):
+    """K's float32 value (after K's mean) also read elsewhere: the FP8 form still takes q and k from their casts,
+    the 16-bit form (switched on, and visiting the 16-bit node first) does not take them away."""
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
+
+    def operands_and_a_statistic(**inputs):
+        from diffusers.models import embeddings
+
+        from omni_accel.kernels.cudnn_fp8_attention import _static_e4m3
+
+        qkv = (inputs["x"].reshape(-1, 40) @ inputs["w_qkv"].t()).reshape(1, S, 3 * H * D) + inputs["b_qkv"]
+        q, k, _ = (t.unflatten(-1, (H, -1)) for t in qkv.split(H * D, dim=-1))
+        rope = compiler._pair_swap_rotary(embeddings.apply_rotary_emb)
+        q, k = (rope(torch.nn.functional.rms_norm(t, (D,), w, 1e-6), (inputs["cos"], inputs["sin"]),
+                     sequence_dim=1) for t, w in ((q, inputs["wq"]), (k, inputs["wk"])))
+        k_centred = k.float() - inputs["k_mean"]
+        return (_static_e4m3(q, inputs["inv_q"]), _static_e4m3(k_centred, inputs["inv_k"]),
+                k_centred.abs().amax())
+
+    _, delta = _compiled_with_pass(operands_and_a_statistic, **_attention_inputs(15))
+    assert delta == {"qk_norm_rope_fp8": 2}
 
 
 def test_q_and_k_replacement_has_a_switch(monkeypatch):

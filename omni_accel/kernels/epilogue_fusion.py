@@ -794,25 +794,31 @@ def _qk_candidate(cast: fx.Node):
     return _qk_parts(cast, z, inverse, k_mean)
 
 
-def _feeds_static_cast(user: fx.Node) -> bool:
-    """``user`` = float32 of the rotary's 16-bit output, then [- K's mean] and a static e4m3 cast: FP8 attention's
-    operand, which ``_qk_candidate`` takes whole from the cast."""
-    if not (_call(user, _CONVERT) and user.args[1] == torch.float32):
+def _fp8_form_takes(node: fx.Node) -> bool:
+    """Whether a static e4m3 cast a few operations after ``node`` (the rotary's 16-bit output) is one the FP8 form
+    replaces (``_qk_candidate``): then that form takes the chain whole, from the cast."""
+    if not QK_NORM_ROPE:
         return False
-    if _cast_from_float32(user) is not None:
-        return True
-    sub, mul = _only_user(user), None
-    if _call(sub, aten.sub.Tensor) and sub.args[0] is user:
-        mul = _only_user(sub)
-    return _call(mul, aten.mul.Tensor) and _cast_after_mul(mul, sub) is not None
+    frontier, seen = list(node.users), set()
+    for _ in range(6):  # float32, [- K's mean], * inverse, clamp (one or two), the cast
+        following = []
+        for n in frontier:
+            if n in seen or not isinstance(n, fx.Node):
+                continue
+            seen.add(n)
+            if _call(n, _CONVERT) and n.args[1] == FP8_DTYPE and _qk_candidate(n) is not None:
+                return True
+            following.extend(n.users)
+        frontier = following
+    return False
 
 
 def _qk16_candidate(node: fx.Node):
-    """``node`` = the 16-bit rounding of rotary(rms_norm(part of a fused projection)) read as such (no use is FP8
+    """``node`` = the 16-bit rounding of rotary(rms_norm(part of a fused projection)) read as such (not FP8
     attention's static cast, which ``_qk_candidate`` takes whole)."""
     if not (_call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16)):
         return None
-    if any(_feeds_static_cast(user) for user in node.users):
+    if _fp8_form_takes(node):
         return None
     return _qk_parts(node, node.args[0], None, None)
 

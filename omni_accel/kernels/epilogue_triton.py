@@ -391,6 +391,8 @@ def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, h
     ``second``: (src2, bias2, first_col2, weight2, tokens_a): each sample's first tokens_a tokens are src's rows, its
     other S - tokens_a tokens src2's, normalized with weight2 (a joint block's two streams)."""
     d = weight.numel()
+    if second is not None and (bias is None) != (second[1] is None):  # the kernel has one bias switch for both
+        raise ValueError("qk_norm_rope: give both streams a bias or neither")
     src2, bias2, first_col2, weight2, tokens_a = second if second is not None else (src, bias, 0, weight, 0)
     n_rows = (src.shape[0] + (src2.shape[0] if second is not None else 0)) * heads
     cast = inverse is not None

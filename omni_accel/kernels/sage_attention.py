@@ -51,7 +51,7 @@ import torch
 
 from ..cuda_graphs import run_outside_graph
 from ..deps import installed
-from .fa4_attention import attention_output_like, attention_output_shape, call_or_sdpa, listed_shapes
+from .fa4_attention import _REFUSED_LOCK, attention_output_like, attention_output_shape, call_or_sdpa, listed_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,8 @@ def _quantized_call(q8, q_scale, k8, k_scale, v8, v_scale, scale: float, dtype: 
     kernel = _sm90_kernel() if q8.is_cuda and _hopper(q8) else None
     if kernel is None:  # the operands' own attention in float32 (CPU tests; a GPU the kernel was not built for)
         if q8.is_cuda and not _REFUSED.get(_NO_KERNEL):
-            _REFUSED[_NO_KERNEL] = "the package's Hopper kernel (sageattention_sm90) is not available here"
+            with _REFUSED_LOCK:
+                _REFUSED[_NO_KERNEL] = "the package's Hopper kernel (sageattention_sm90) is not available here"
             logger.warning("omni_accel: SageAttention's Hopper kernel is not available on %s; the quantized "
                            "operands' attention is computed in float32 by PyTorch (slow)", q8.device)
         q, k, v = dequantized(q8, q_scale, k8, k_scale, v8, v_scale)
