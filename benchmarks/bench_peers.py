@@ -563,9 +563,22 @@ ROWS["ours_int8_mod"] = replace(ROWS["ours_int8"], name="ours_int8_mod", setup=_
     note="ours_int8 with quant_config['modulation']='int8' (Inductor's reduction for the modulation GEMVs)")
 ROWS["ours_int8_mod_gemv"] = _switched("ours_int8_mod", "gemv", "the modulation GEMVs in omni_accel's Triton kernel",
                                        triton_gemv=True)
+ROWS["ours_int8_sage_prep_allnew"] = _switched(
+    "ours_int8_sage_prep", "allnew", "the one-pass concat + GELU + int8, AdaLN int8 and 16-bit q / k kernels (the dual "
+    "blocks' too)", int8_one_pass=True, layernorm_int8=True, qk_norm_rope_16=True, qk_norm_rope_joint=True)
+ROWS["ours_bf16_mk_pdl_qk16joint"] = _switched(
+    "ours_bf16_mk_pdl", "qk16joint", "the 16-bit q / k kernel in the single and dual blocks", qk_norm_rope_16=True,
+    qk_norm_rope_joint=True)
 ROWS["ours_int8_sage_prep_newepi"] = _switched(
     "ours_int8_sage_prep", "newepi", "the one-pass concat + GELU + int8 and the AdaLN int8 kernels",
     int8_one_pass=True, layernorm_int8=True)
+# The library's defaults since the A/B rows above were timed (one H100, benchmarks/results/
+# bench_peers_h100_flux_newkernels_ab1_20261205.json and ..._ab2_...): the rows that stand for today's stacks take them;
+# every row defined before this keeps what it measured.
+_NEW_KERNELS = dict(int8_one_pass=True, layernorm_int8=True, qk_norm_rope_16=True, qk_norm_rope_joint=True,
+                    sage_prep_in_graph=True)
+for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl", "ours_bf16_mk_pdl"):
+    ROWS[_name] = replace(ROWS[_name], **_NEW_KERNELS)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

@@ -386,7 +386,8 @@ def test_joint_blocks_q_and_k_read_both_streams_in_one_operation(monkeypatch):
     rotary cancels differ from inductor's by more than one step: it is held to being as close to the float64
     computation as inductor's kernels are."""
     inputs = _joint_inputs(11)
-    assert epilogue_fusion.QK_NORM_ROPE_JOINT is False  # off by default until timed on a GPU: inductor keeps them
+    assert epilogue_fusion.QK_NORM_ROPE_JOINT is True  # the default; off, inductor keeps them
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_JOINT", False)
     _, delta = _compiled_with_pass(_joint_attention_operands, **inputs)
     assert delta == {}
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_JOINT", True)
@@ -410,11 +411,12 @@ def test_joint_blocks_q_and_k_read_both_streams_in_one_operation(monkeypatch):
 
 
 def test_16_bit_q_and_k_become_the_operation_without_the_cast_when_switched_on(monkeypatch):
-    """QK_NORM_ROPE_16 (off by default until timed): a 16-bit q and k from the fused projection's norm + rotary
-    become one operation each, with inductor's values; off, nothing is replaced. FP8 attention's casts still go to
-    the FP8 form (checked by the test above with the switch on too)."""
+    """QK_NORM_ROPE_16 (on by default): a 16-bit q and k from the fused projection's norm + rotary become one
+    operation each, with inductor's values; off, nothing is replaced. FP8 attention's casts still go to the FP8 form
+    (checked with the switch on too)."""
     inputs = _attention_inputs(9)
-    assert epilogue_fusion.QK_NORM_ROPE_16 is False
+    assert epilogue_fusion.QK_NORM_ROPE_16 is True
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", False)
     _, delta = _compiled_with_pass(_attention_operands_16, **inputs)
     assert delta == {}
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
@@ -594,9 +596,10 @@ def test_adaln_norm_feeding_int8_linears_becomes_one_operation(layernorm_int8, l
     _assert_int8_rows_close(out, _adaln_int8_input(**inputs, linears=linears, streams=streams), equal_frac=0.8)
 
 
-def test_the_int8_norm_has_a_switch_off_by_default():
-    """Off (the library's default until timed on a GPU) inductor keeps its own norm + quantization kernels."""
-    assert epilogue_fusion.LAYERNORM_INT8 is False
+def test_the_int8_norm_has_a_switch(monkeypatch):
+    """On by default; off, inductor keeps its own norm + quantization kernels."""
+    assert epilogue_fusion.LAYERNORM_INT8 is True
+    monkeypatch.setattr(epilogue_fusion, "LAYERNORM_INT8", False)
     inputs = {k: v for k, v in _adaln_inputs(11).items() if k in ("text", "image", "emb")}
     out, delta = _compiled_with_pass(_adaln_int8_input, **inputs)
     assert delta == {}
@@ -710,12 +713,13 @@ def test_the_pdl_decision_reaches_every_operation_the_pass_puts_in(monkeypatch, 
                                                                       "layernorm_modulate_int8", "qk_norm_rope")}
 
 
-def test_the_one_pass_int8_kernel_has_a_switch_off_by_default(monkeypatch):
-    """The operation hands the switch to the kernel launcher: the two-pass kernel by default (until timed on a GPU),
-    the one-pass kernel with ``INT8_ONE_PASS``."""
+def test_the_one_pass_int8_kernel_has_a_switch(monkeypatch):
+    """The operation hands the switch to the kernel launcher: the one-pass kernel by default, the two-pass kernel with
+    ``INT8_ONE_PASS`` off."""
     from omni_accel.kernels import epilogue_triton
 
-    assert epilogue_fusion.INT8_ONE_PASS is False
+    assert epilogue_fusion.INT8_ONE_PASS is True
+    monkeypatch.setattr(epilogue_fusion, "INT8_ONE_PASS", False)
     seen = []
 
     def launcher(a, a_scale, h, bias, dtype, pdl=False, one_pass=True):

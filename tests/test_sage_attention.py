@@ -41,6 +41,7 @@ def sage_on_cpu(monkeypatch, caplog):
     monkeypatch.setattr(attn, "_installed", lambda package: True)
     monkeypatch.setattr(sage, "DTYPES", (torch.float32,))
     monkeypatch.setattr(sage, "_REFUSED", {})
+    monkeypatch.setattr(sage, "PREP_IN_GRAPH", False)  # the package's own entry, which these tests follow
     caplog.set_level(logging.WARNING)
     return calls
 
@@ -223,12 +224,13 @@ def test_queries_and_keys_are_quantized_as_the_hopper_kernel_reads_them(tokens):
     want_q8, want_q_scale = _per_thread_reference(
         q, -(-tokens // 64) * 32, lambda p: [p // 8 * 16 + j * 8 + p % 8 for j in range(2)])
     assert q_scale.shape == want_q_scale.shape and torch.equal(q_scale, want_q_scale)
+    assert q_scale.is_contiguous()  # the kernel refuses strided scales
     assert q8.shape == q.shape and torch.equal(q8, want_q8)
     k8, k_scale = sage.quantize_keys(k)
     want_k8, want_k_scale = _per_thread_reference(
         k - k.mean(dim=1, keepdim=True), -(-tokens // 128) * 4,
         lambda p: [p // 4 * 128 + 8 * i + 2 * (p % 4) + e for i in range(16) for e in range(2)])
-    assert k_scale.shape == want_k_scale.shape and torch.equal(k_scale, want_k_scale)
+    assert k_scale.shape == want_k_scale.shape and torch.equal(k_scale, want_k_scale) and k_scale.is_contiguous()
     assert torch.equal(k8, want_k8)
 
 

@@ -70,13 +70,14 @@ REWRITES: collections.Counter = collections.Counter()
 # Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
 QK_NORM_ROPE = True
 # Whether it also replaces the 16-bit q / k RMSNorm + rotary in front of a 16-bit attention (the bf16 and int8
-# stacks' cuDNN attention, SageAttention's quantization): the same kernel without the cast. Off until timed on a GPU;
-# benchmarks' A/B rows set it.
-QK_NORM_ROPE_16 = False
+# stacks' cuDNN attention, SageAttention's quantization): the same kernel without the cast. FLUX on an H100: bf16
+# 128.8 -> 127.5 ms per step with QK_NORM_ROPE_JOINT
+# (benchmarks/results/bench_peers_h100_flux_newkernels_ab2_20261205.json).
+QK_NORM_ROPE_16 = True
 # Whether the q / k forms also take a q or k concatenated from two normalized streams before the rotary (FLUX's
-# dual-stream blocks), reading both projections in place; else those stay with inductor. Off until timed on a GPU;
-# benchmarks' A/B rows set it.
-QK_NORM_ROPE_JOINT = False
+# dual-stream blocks), reading both projections in place; else those stay with inductor. FLUX's static FP8 stack on an
+# H100: 80.7 -> 80.1 ms per step (same file). Benchmarks' A/B rows set both.
+QK_NORM_ROPE_JOINT = True
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
 # Whether a concatenation + GELU feeding an int8 linear's row quantization becomes one operation that writes the
@@ -88,13 +89,14 @@ INT8 = True
 # too (else inductor's GELU + quantization kernel, a split reduction); benchmarks' A/B rows set it.
 GELU_INT8 = True
 # Whether the int8 concatenation + GELU kernel holds a row of up to 16,384 values in registers and reads its inputs
-# once (else it reads them twice: epilogue_triton.concat_gelu_int8). Off until timed on a GPU; benchmarks' A/B rows
-# set it.
-INT8_ONE_PASS = False
+# once (else it reads them twice: epilogue_triton.concat_gelu_int8). On an H100: 98 us per call at 4608 x 15360
+# against 134-142 for the two-pass kernel; the int8 FLUX step 93.2 -> 91.0 ms
+# (benchmarks/results/bench_peers_h100_flux_newkernels_ab1_20261205.json). Benchmarks' A/B rows set it.
+INT8_ONE_PASS = True
 # Whether, with INT8, AdaLN's LayerNorm + modulate feeding int8 linears becomes one operation that writes the int8
-# rows and their scales (else inductor's norm + quantization kernels). Off until timed on a GPU; benchmarks' A/B rows
-# set it.
-LAYERNORM_INT8 = False
+# rows and their scales (else inductor's norm + quantization kernels). The int8 FLUX step on an H100: 93.2 -> 92.7
+# ms, output error 0.0146 -> 0.0104 (same file). Benchmarks' A/B rows set it.
+LAYERNORM_INT8 = True
 # Whether the kernels it puts in take part in programmatic dependent launch where inductor's own kernels do
 # (``_pdl``); benchmarks' A/B rows set it.
 PDL = True
@@ -796,9 +798,8 @@ def _qk_candidate(cast: fx.Node):
 
 def _fp8_form_takes(node: fx.Node) -> bool:
     """Whether a static e4m3 cast a few operations after ``node`` (the rotary's 16-bit output) is one the FP8 form
-    replaces (``_qk_candidate``): then that form takes the chain whole, from the cast."""
-    if not QK_NORM_ROPE:
-        return False
+    matches (``_qk_candidate``): then that form takes the chain whole from the cast, or with QK_NORM_ROPE off,
+    inductor keeps it (the A/B rows' meaning)."""
     frontier, seen = list(node.users), set()
     for _ in range(6):  # float32, [- K's mean], * inverse, clamp (one or two), the cast
         following = []

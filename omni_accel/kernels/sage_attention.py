@@ -27,7 +27,8 @@ dispatcher's own kernels.
 self-attention), and keeps cuDNN for shorter ones, where the package's preparation kernels cost more than its
 attention kernel saves.
 
-Q, K and V quantized in the compiled graph (``PREP_IN_GRAPH``, off: not yet timed on a GPU): the route computes the
+Q, K and V quantized in the compiled graph (``PREP_IN_GRAPH``, on: 5 ms per FLUX step less than the package's own
+preparation on an H100): the route computes the
 package's operands with torch operations (``quantize_queries`` / ``quantize_keys`` / ``quantize_values``, the same
 layouts and roundings: Q and K equal its per-thread Triton kernels' bit for bit), so inductor fuses them into the
 kernels that produce q, k and v, and ``omni_accel::sage_attention_quantized`` runs only the package's Hopper kernel
@@ -162,9 +163,11 @@ def _(query, key, value, scale, keys_smoothed=False):
 # ------------------------------------------------------------------- Q, K and V quantized in the compiled graph
 # Whether the route quantizes Q, K and V for the package's Hopper kernel in the compiled graph, where inductor fuses
 # the quantization into the kernels that produce them, and the op runs only the attention kernel (else the op calls
-# ``sageattn``, whose preparation kernels cost more than its attention kernel saves at FLUX's 4,608 keys).
-# Off: not yet timed on a GPU (docs/kernels.md).
-PREP_IN_GRAPH = False
+# ``sageattn``, whose preparation kernels cost more than its attention kernel saves at FLUX's 4,608 keys). FLUX with
+# int8 linears and attention="sage" on an H100: 101.1 -> 96.0 ms per step, the op's output 2e-4 from sageattn's on the
+# same inputs (benchmarks/results/bench_peers_h100_flux_newkernels_ab2_20261205.json,
+# check_sage_graphs_h100_prepared_20261205.json).
+PREP_IN_GRAPH = True
 QUERY_TILE, KEY_TILE = 64, 128  # the Hopper kernel's query and key tiles (its CTA_Q and CTA_K)
 _WARP_QUERIES = 16  # the queries of one warp of the kernel's query tile
 INT8_MAX = 127.0
@@ -195,7 +198,8 @@ def quantize_queries(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = x.view(b, n // _WARP_QUERIES, 2, 8, h, d)  # query 16 w + 8 j + t: (w, j, t)
     scale = groups.abs().amax(dim=(2, 5)) / INT8_MAX + 1e-7  # (b, n / 16, 8, h)
     q8 = _to_int8(groups / scale[:, :, None, :, :, None]).view(b, n, h, d)[:, :tokens]
-    return q8, scale.permute(0, 3, 1, 2).reshape(b, h, n // _WARP_QUERIES * 8)
+    # contiguous: the kernel checks it, and the reshape of the permuted scales is a strided view
+    return q8, scale.permute(0, 3, 1, 2).reshape(b, h, n // _WARP_QUERIES * 8).contiguous()
 
 
 def quantize_keys(key: torch.Tensor, smooth: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +214,7 @@ def quantize_keys(key: torch.Tensor, smooth: bool = True) -> tuple[torch.Tensor,
     groups = x.view(b, n // KEY_TILE, KEY_TILE // 8, 4, 2, h, d)  # key 128 blk + 8 i + 2 t + e: (blk, i, t, e)
     scale = groups.abs().amax(dim=(2, 4, 6)) / INT8_MAX + 1e-7  # (b, n / 128, 4, h)
     k8 = _to_int8(groups / scale[:, :, None, :, None, :, None]).view(b, n, h, d)[:, :tokens]
-    return k8, scale.permute(0, 3, 1, 2).reshape(b, h, n // KEY_TILE * 4)
+    return k8, scale.permute(0, 3, 1, 2).reshape(b, h, n // KEY_TILE * 4).contiguous()
 
 
 def quantize_values(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
