@@ -651,10 +651,19 @@ def _rewrite_int8(graph: fx.Graph, c: _Candidate, a3, h2) -> None:
     scales, which replace the quantization's int8 node and its scale node."""
     fused = _node(graph, torch.ops.omni_accel.concat_gelu_int8.default, a3, c.a_scale, h2, c.bias,
                   _val(c.cat).dtype, _pdl(_val(c.cat).device))
-    for index, old in enumerate((c.final, c.int8_scale)):
-        part = graph.call_function(operator.getitem, (fused, index))
-        part.meta["val"] = _val(fused)[index]
-        old.replace_all_uses_with(_node(graph, aten.reshape.default, part, list(_val(old).shape)))
+    _replace_int8_rows(graph, fused, [(c.final, c.int8_scale)])
+
+
+def _replace_int8_rows(graph: fx.Graph, fused: fx.Node, chains) -> None:
+    """``fused``'s (int8 rows, scales) replace each quantization's (int8 node, scale node) in ``chains``, each reshaped
+    to that node's shape (inside the caller's insertion point)."""
+    parts = []
+    for index in (0, 1):
+        parts.append(graph.call_function(operator.getitem, (fused, index)))
+        parts[-1].meta["val"] = _val(fused)[index]
+    for chain in chains:
+        for part, old in zip(parts, chain):
+            old.replace_all_uses_with(_node(graph, aten.reshape.default, part, list(_val(old).shape)))
 
 
 # --------------------------------------------------------------------- q / k: RMSNorm + rotary + static cast
@@ -819,9 +828,8 @@ def _qk16_candidate(node: fx.Node):
     attention's static cast, which ``_qk_candidate`` takes whole)."""
     if not (_call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16)):
         return None
-    if _fp8_form_takes(node):
-        return None
-    return _qk_parts(node, node.args[0], None, None)
+    found = _qk_parts(node, node.args[0], None, None)  # the pattern first: the downstream walk only for a rotary
+    return found if found is not None and not _fp8_form_takes(node) else None
 
 
 def _normed_streams(y):
@@ -1008,10 +1016,7 @@ def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max((cast for cast, _ in c.casts), key=order.__getitem__)
     with graph.inserting_before(last):
-        a = _node(graph, aten.reshape.default, c.a, [-1, cols])
-        b = _node(graph, aten.reshape.default, c.b, [-1, cols]) if c.b is not None else None
-        scale = _node(graph, aten.reshape.default, c.scale, [cols])
-        shift = _node(graph, aten.reshape.default, c.shift, [cols])
+        a, b, scale, shift = _norm_operands(graph, c, cols)
         inverses = [inverse for _, inverse in c.casts] + [None, None]
         fused = _node(graph, torch.ops.omni_accel.layernorm_modulate_fp8.default, a, b, scale, shift, c.eps,
                       *inverses[:3], _pdl(_val(c.a).device))
@@ -1021,22 +1026,21 @@ def _rewrite_norm(graph: fx.Graph, c: _NormCandidate) -> None:
         cast.replace_all_uses_with(result)
 
 
+def _norm_operands(graph: fx.Graph, c: _NormCandidate, cols: int) -> tuple:
+    """The norm operations' (a, b or None, scale, shift) as the kernels take them: rows of ``cols``, (cols,) vectors."""
+    a = _node(graph, aten.reshape.default, c.a, [-1, cols])
+    b = _node(graph, aten.reshape.default, c.b, [-1, cols]) if c.b is not None else None
+    scale = _node(graph, aten.reshape.default, c.scale, [cols])
+    return a, b, scale, _node(graph, aten.reshape.default, c.shift, [cols])
+
+
 def _rewrite_norm_int8(graph: fx.Graph, c: _NormCandidate, cols: int) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     with graph.inserting_before(min((int8 for int8, _ in c.int8), key=order.__getitem__)):
-        a = _node(graph, aten.reshape.default, c.a, [-1, cols])
-        b = _node(graph, aten.reshape.default, c.b, [-1, cols]) if c.b is not None else None
-        scale = _node(graph, aten.reshape.default, c.scale, [cols])
-        shift = _node(graph, aten.reshape.default, c.shift, [cols])
-        fused = _node(graph, torch.ops.omni_accel.layernorm_modulate_int8.default, a, b, scale, shift, c.eps,
-                      _val(c.y16).dtype, _pdl(_val(c.a).device))
-        parts = []
-        for index in (0, 1):
-            parts.append(graph.call_function(operator.getitem, (fused, index)))
-            parts[-1].meta["val"] = _val(fused)[index]
-        for chain in c.int8:  # every linear's (int8, scale) pair: the same values, in its own view's shape
-            for part, old in zip(parts, chain):
-                old.replace_all_uses_with(_node(graph, aten.reshape.default, part, list(_val(old).shape)))
+        fused = _node(graph, torch.ops.omni_accel.layernorm_modulate_int8.default, *_norm_operands(graph, c, cols),
+                      c.eps, _val(c.y16).dtype, _pdl(_val(c.a).device))
+        # every linear's (int8, scale) pair: the same values, in its own view's shape
+        _replace_int8_rows(graph, fused, c.int8)
 
 
 def _match(node: fx.Node):

@@ -67,6 +67,12 @@ def _gelu_block(h_ptr, bias_ptr, rows, row_ok, c, stride_h_row, HAS_BIAS: tl.con
     h = tl.load(h_ptr + rows * stride_h_row + c, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(bias_ptr + c).to(tl.float32)
+    return _sigmoid_gelu(h, APPROX)
+
+
+@triton.jit
+def _sigmoid_gelu(h, APPROX: tl.constexpr):
+    """gelu_tanh(h) for float32 h, as h * sigmoid(2 sqrt(2 / pi) (h + 0.044715 h^3))."""
     # exp(-2 sqrt(2 / pi) z) as 2^(-log2(e) 2 sqrt(2 / pi) z)
     e = tl.exp2(-2.302208198144325 * (h + 0.044715 * h * h * h))
     if APPROX:
@@ -236,13 +242,7 @@ def _concat_gelu_int8_row_kernel(
         h += tl.load(bias_ptr + h_col, mask=in_h, other=0.0).to(tl.float32)
     if PDL:  # every input is read: the next kernel may launch
         tl.extra.cuda.gdc_launch_dependents()
-    e = tl.exp2(-2.302208198144325 * (h + 0.044715 * h * h * h))  # as _gelu_block
-    if APPROX:
-        g = h * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e],
-                                          dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        g = h / (1.0 + e)
-    y = _as_16_bit(tl.where(in_a, a, g), BF16, not APPROX)
+    y = _as_16_bit(tl.where(in_a, a, _sigmoid_gelu(h, APPROX)), BF16, not APPROX)
     scale = tl.maximum(tl.max(tl.abs(tl.where(in_a | in_h, y, 0.0)), axis=0), 1e-12) / 127.0
     tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * (A_COLS + H_COLS) + col, _to_int8(y, scale), mask=in_a | in_h)

@@ -24,8 +24,8 @@ With sequence parallelism the pass keeps diffusers' ``sage`` backend: the ring /
 dispatcher's own kernels.
 
 ``attention="auto"`` sends the int8 stack's calls with at least ``AUTO_MIN_TOKENS`` keys here on Hopper (video
-self-attention), and keeps cuDNN for shorter ones, where the package's preparation kernels cost more than its
-attention kernel saves.
+self-attention), and keeps cuDNN for shorter ones, where the operands' preparation costs more than the attention
+kernel saves (the package's own and, since, the in-graph one below: FLUX 92.3 against 88.9 ms with cuDNN).
 
 Q, K and V quantized in the compiled graph (``PREP_IN_GRAPH``, on: 5 ms per FLUX step less than the package's own
 preparation on an H100): the route computes the
