@@ -41,6 +41,9 @@ FLUX_SHAPES = (
     ("dual.img.ff.up", 4096, 3072, 12288),
     ("dual.img.ff.down", 4096, 12288, 3072),
     ("dual.txt.ff.up", 512, 3072, 12288),
+    ("dual.txt.qkv", 512, 3072, 9216),
+    ("dual.txt.out", 512, 3072, 3072),
+    ("dual.txt.ff.down", 512, 12288, 3072),
 )
 TINY_SHAPES = (("tiny", 64, 128, 256),)
 # (name, M, K, N): FLUX.1-dev's AdaLN modulation linears, one token per sample: matrix-vector products
@@ -184,7 +187,43 @@ def gemv_row(name, m, k, n, device, iters) -> dict:
         row.update({"int8_triton_gemv_ms": round(gemv_ms, 4), "int8_triton_gemv_gbs": round(n * k / gemv_ms / 1e6, 1),
                     "int8_triton_gemv_speedup": round(bf16_ms / gemv_ms, 3),
                     "int8_triton_gemv_rel_err": ((got - exact).norm() / exact.norm()).item()})
+        row.update(gemv_kernel_rows(x, linear, layer, exact, n * k, iters))
     return row
+
+
+def graph_ms(fn, iters: int, calls: int = 20) -> float:
+    """ms per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no host launch cost in the figure: what a
+    compiled forward's graph pays), median of ``iters`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return statistics.median(sample_ms(graph.replay, torch.device("cuda"), iters)) / calls
+
+
+def gemv_kernel_rows(x, linear, layer, exact, weight_bytes: int, iters: int) -> dict:
+    """cuBLAS's bf16 GEMV against each of omni_accel's int8 GEMV kernels (int8_gemm_triton.GEMV_KERNELS: the
+    tensor-core kernel's tiles and the reduction kernel), each replayed from a CUDA graph."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    bf16_ms = graph_ms(lambda: linear(x), iters)
+    out = {"bf16_gemv_graph_ms": round(bf16_ms, 4), "bf16_gemv_graph_gbs": round(2 * weight_bytes / bf16_ms / 1e6, 1)}
+    for kernel in g.GEMV_KERNELS:
+        def call(kernel=kernel):
+            return g.int8_gemv(x, layer.weight_int8, layer.weight_scale, kernel=kernel)
+        ms = graph_ms(call, iters)
+        got = call().float() + linear.bias.float()
+        out.update({f"int8_gemv_{kernel}_graph_ms": round(ms, 4),
+                    f"int8_gemv_{kernel}_graph_gbs": round(weight_bytes / ms / 1e6, 1),
+                    f"int8_gemv_{kernel}_speedup": round(bf16_ms / ms, 3),
+                    f"int8_gemv_{kernel}_rel_err": ((got - exact).norm() / exact.norm()).item()})
+    return out
 
 
 def _int8_configs(names: str) -> tuple[str, ...]:
@@ -211,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--int8-configs", default="",
                     help="comma list of the int8 Triton tiles to time (int8_gemm_triton.CONFIGS, TMA_CONFIGS, "
                          "WS_CONFIGS names; default: all)")
+    ap.add_argument("--modulation-only", action="store_true",
+                    help="only the AdaLN modulation linears' GEMVs (skip the block GEMMs)")
     ap.add_argument("--out", default="bench_fp8_gemm.json")
     args = ap.parse_args(argv)
     int8_configs = _int8_configs(args.int8_configs)
@@ -228,7 +269,7 @@ def main(argv=None) -> int:
     clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
     try:
         shapes = [(functools.partial(row, autotune=args.int8_autotune, int8_configs=int8_configs), spec)
-                  for spec in (TINY_SHAPES if args.tiny else FLUX_SHAPES)]
+                  for spec in (TINY_SHAPES if args.tiny else FLUX_SHAPES) if not args.modulation_only]
         shapes += [(gemv_row, spec) for spec in (TINY_MODULATION_SHAPES if args.tiny else MODULATION_SHAPES)]
         for measure, spec in shapes:
             clocks.mark()

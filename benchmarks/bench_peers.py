@@ -148,6 +148,7 @@ class Row:
     sage_keys_in_graph: bool = False  # kernels.sage_attention.SMOOTH_KEYS_IN_GRAPH (True: K's mean in the graph)
     sage_prep_in_graph: bool = False  # kernels.sage_attention.PREP_IN_GRAPH (True: Q / K / V quantized in the graph)
     triton_gemv: bool = False  # kernels.int8.TRITON_GEMV (True: the int8 weight-only layers' GEMV in Triton)
+    int8_few_rows_tile: str = "128x128x128"  # kernels.int8_gemm_triton.FEW_ROWS_TILE (int8 GEMM tile, <= 1,024 rows)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -168,7 +169,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "LAYERNORM_INT8", "layernorm_int8"),
             ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"),
             ("kernels.sage_attention", "PREP_IN_GRAPH", "sage_prep_in_graph"),
-            ("kernels.int8", "TRITON_GEMV", "triton_gemv"))
+            ("kernels.int8", "TRITON_GEMV", "triton_gemv"),
+            ("kernels.int8_gemm_triton", "FEW_ROWS_TILE", "int8_few_rows_tile"))
 
 
 @contextlib.contextmanager
@@ -579,6 +581,23 @@ _NEW_KERNELS = dict(int8_one_pass=True, layernorm_int8=True, qk_norm_rope_16=Tru
                     sage_prep_in_graph=True)
 for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl", "ours_bf16_mk_pdl"):
     ROWS[_name] = replace(ROWS[_name], **_NEW_KERNELS)
+# A/B rows on today's int8 stack: the text stream's 512-row GEMMs in smaller tiles, and the AdaLN modulation layers
+# as int8 weights only (Inductor's reduction, then omni_accel's Triton GEMV)
+ROWS.update((row.name, row) for row in (
+    _switched("ours_int8", "few64", "the int8 GEMM's 64 x 128 x 128 tile up to 1,024 rows",
+              int8_few_rows_tile="64x128x128"),
+    _switched("ours_int8", "few64w", "the int8 GEMM's 64 x 256 x 128 tile up to 1,024 rows",
+              int8_few_rows_tile="64x256x128"),
+    _switched("ours_int8", "few128n64", "the int8 GEMM's 128 x 64 x 128 tile up to 1,024 rows",
+              int8_few_rows_tile="128x64x128"),
+))
+ROWS["ours_int8_auto_pkgprep"] = _switched("ours_int8_auto", "pkgprep", "the SageAttention calls' Q / K / V prepared by "
+                                           "the package (outside the graph)", sage_prep_in_graph=False)
+ROWS["ours_int8_modint8"] = replace(ROWS["ours_int8"], name="ours_int8_modint8", setup=_ours(
+    attention="cudnn", quant="int8", quant_config={"modulation": "int8"}, fuse_if_supported=True, compile=True),
+    note="ours_int8 (today's kernels) with quant_config['modulation']='int8' (Inductor's reduction for the GEMVs)")
+ROWS["ours_int8_modint8_gemv"] = _switched("ours_int8_modint8", "gemv", "the modulation GEMVs in omni_accel's Triton "
+                                           "kernel", triton_gemv=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

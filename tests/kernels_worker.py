@@ -174,7 +174,7 @@ def int8_gemv_cases() -> dict:
     import torch
 
     from omni_accel.kernels import int8
-    from omni_accel.kernels.int8_gemm_triton import int8_gemv
+    from omni_accel.kernels.int8_gemm_triton import GEMV_KERNELS, int8_gemv
 
     results = {}
     for (m, k, n), key in zip(INT8_GEMV_SHAPES, INT8_GEMV_CASES):
@@ -190,7 +190,10 @@ def int8_gemv_cases() -> dict:
                 return ((y.double() - exact).abs() / (exact.abs() * 2.0 ** -7 + 1e-5)).max().item()
 
             results[key] = {"shape": list(got.shape), "dtype": str(got.dtype), "max_ulps_vs_exact": ulps(got),
-                            "reference_max_ulps_vs_exact": ulps(ref)}
+                            "reference_max_ulps_vs_exact": ulps(ref),
+                            "kernels_max_ulps_vs_exact": {
+                                kernel: ulps(int8_gemv(x, w_int8, w_scale.reshape(1, -1), kernel=kernel))
+                                for kernel in GEMV_KERNELS}}
         except Exception:  # noqa: BLE001 -- recorded per case
             results[key] = {"error": traceback.format_exc()[-2000:]}
     return results

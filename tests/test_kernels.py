@@ -261,13 +261,14 @@ def test_fp8_attention_kernel_compiles_for_hopper_in_every_mode(mode):
 
 @pytest.mark.parametrize("case", WORKER.INT8_GEMV_CASES)
 def test_int8_gemv_kernel_is_the_rescaled_product(interpreted, case):
-    """The int8-weight GEMV of the modulation linears: within one bf16 step of the exact product, as the float32
-    multiply-and-sum it replaces is."""
+    """The int8-weight GEMV of the modulation linears, each of its kernels (the tensor-core tiles, the reduction):
+    within one bf16 step of the exact product, as the float32 multiply-and-sum it replaces is."""
     r = interpreted["int8_gemv"][case]
     assert "error" not in r, r.get("error")
     m, n = (int(v) for v in case.split("-")[1].split("x")[::2])
     assert r["shape"] == [m, n] and r["dtype"] == "torch.bfloat16"
     assert r["max_ulps_vs_exact"] <= 1.0 and r["reference_max_ulps_vs_exact"] <= 1.0, r
+    assert len(r["kernels_max_ulps_vs_exact"]) > 1 and max(r["kernels_max_ulps_vs_exact"].values()) <= 1.0, r
 
 
 def test_int8_gemv_kernel_compiles_for_hopper_without_spills():
@@ -279,6 +280,23 @@ def test_int8_gemv_kernel_compiles_for_hopper_without_spills():
             g._int8_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*i8", w_scale_ptr="*fp32", out_ptr="*bf16"),
             dict(BLOCK_M=block_m, BLOCK_N=g.GEMV_BLOCK_N, BLOCK_K=block_k), {"num_warps": 4}, aligned=True)
         assert "ld.global" in compiled.asm["ptx"] and ".local" not in compiled.asm["ptx"], rows
+
+
+def test_tensor_core_int8_gemv_compiles_for_hopper_to_pipelined_copies_and_mmas():
+    """The tensor-core GEMV lowers for sm_90 with asynchronous copies (the pipelined weight loads it exists for) where
+    K is a multiple of the tile's (the modulation linears'), feeding bf16 tensor-core MMAs, without spills."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    for name, (block_n, block_k, warps, stages) in g.GEMV_DOT_TILES.items():
+        for even_k in (True, False):
+            compiled = _compile_for_hopper(
+                g._int8_gemv_dot_kernel, dict(x_ptr="*bf16", w_ptr="*i8", w_scale_ptr="*fp32", out_ptr="*bf16"),
+                dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even_k, FLOAT32_DOT=False),
+                {"num_warps": warps, "num_stages": stages}, aligned=True)
+            ptx = compiled.asm["ptx"]
+            mma = "wgmma.mma_async.sync.aligned.m64n16k16" if block_n % 64 == 0 else "mma.sync.aligned.m16n8k16"
+            assert mma in ptx and ("cp.async" in ptx) == even_k, (name, even_k)  # masked K tails: not pipelined
+            assert "0 bytes spill stores" in _ptxas_report(ptx), (name, even_k)
 
 
 def test_int8_gemm_kernel_compiles_to_hopper_int8_mmas_in_every_tile_config():

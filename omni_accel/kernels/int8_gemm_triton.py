@@ -61,6 +61,10 @@ CONFIGS = {
     "128x128x128": (128, 128, 128, 8, 4, 4),
     "256x128x128": (256, 128, 128, 8, 8, 3),
     "128x256x64": (128, 256, 64, 8, 8, 4),
+    # candidates for few rows (FLUX's 512 text tokens): 512 x 3,072 outputs make 96 tiles of 128 x 128 on 132 SMs
+    "64x128x128": (64, 128, 128, 8, 4, 4),
+    "64x256x128": (64, 256, 128, 8, 4, 3),
+    "128x64x128": (128, 64, 128, 8, 4, 4),
 }
 # The persistent TMA kernel's tiles, same fields; named "tma_" + tile.
 TMA_CONFIGS = {
@@ -80,6 +84,7 @@ WS_CONFIGS = {
     "ws_128x256x64": (128, 256, 64, 8, 4, 4),
 }
 FEW_ROWS = 1024  # up to this many rows: the smaller tile of the pointer kernel (more tiles to fill the GPU)
+FEW_ROWS_TILE = "128x128x128"  # the pointer kernel's tile up to FEW_ROWS rows (benchmarks' A/B rows set it)
 # Whether ``pick_config`` takes the persistent TMA kernel for more than FEW_ROWS rows where the shape and GPU allow it
 # (benchmarks' A/B rows set it). Measured on an H200 on FLUX.1-dev's block shapes, 20 calls back to back
 # (benchmarks/results/bench_fp8_gemm_h200_int8_tma_20261205.json): 4,096-4,608 rows ran at 967-1,242 TOPS with
@@ -95,7 +100,7 @@ WS_TILE = "ws_128x256x128"
 
 def pick_config(rows: int, tma: bool = False, warp_specialize: bool = False) -> str:
     if rows <= FEW_ROWS:
-        return "128x128x128"
+        return FEW_ROWS_TILE
     if not tma:
         return "128x256x128"
     return WS_TILE if warp_specialize else "tma_128x256x128"
@@ -360,26 +365,72 @@ def _int8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, rows, n, k, stride_x, 
              mask=(m < rows)[:, None] & (cols < n)[None, :])
 
 
+@triton.jit
+def _int8_gemv_dot_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, rows, n, k, stride_x, stride_w, stride_out,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EVEN_K: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+    """The same product on the tensor cores, transposed (out^T = w x^T): BLOCK_N weight rows are the MMA's rows, x's
+    rows padded to BLOCK_M (16) its columns; the int8 weight tile is widened to x's dtype in registers (integers up
+    to 127 are exact in bf16 and fp16). Why: loads that feed ``tl.dot`` are software-pipelined (several tiles in
+    flight per program), which the reduction kernel's are not, and a GEMV is bound by the weight bytes in flight."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    cols_in = tl.minimum(cols, n - 1).to(tl.int64)  # out-of-range weight rows read the last one, masked at the store
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for first in range(0, k, BLOCK_K):
+        i = first + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_ptr + cols_in[:, None] * stride_w + i[None, :])
+        else:
+            w = tl.load(w_ptr + cols_in[:, None] * stride_w + i[None, :], mask=(i < k)[None, :], other=0)
+        x = tl.load(x_ptr + m[:, None] * stride_x + i[None, :], mask=(m < rows)[:, None] & (i < k)[None, :],
+                    other=0.0)
+        if FLOAT32_DOT:  # the interpreter (its bf16 dot is wrong): the same exact products, in float32
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    scale = tl.load(w_scale_ptr + cols, mask=cols < n, other=0.0)
+    tl.store(out_ptr + m[None, :] * stride_out + cols[:, None], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(m < rows)[None, :] & (cols < n)[:, None])
+
+
 GEMV_BLOCK_N = 16  # weight rows per program: FLUX's 9,216-18,432 output channels give 576-1,152 programs
+# The tensor-core GEMV's tiles (BLOCK_N weight rows, BLOCK_K, warps, stages); x's rows are padded to 16. 64 rows make
+# the MMA Hopper's warp-group m64n16k16; 32 take the older m16n8k16.
+GEMV_DOT_TILES = {"dot_64x256": (64, 256, 4, 4), "dot_32x256": (32, 256, 4, 4), "dot_64x128": (64, 128, 4, 4),
+                  "dot_128x128": (128, 128, 4, 4)}
+# Which GEMV kernel ``int8_gemv`` launches: a tile of the tensor-core kernel, or "reduce" (the broadcast product
+# summed in registers, the first one built: 2x slower than cuBLAS's bf16 GEMV on an H100, its loads not pipelined)
+GEMV_KERNEL = "dot_64x256"
+GEMV_KERNELS = (*GEMV_DOT_TILES, "reduce")
 
 
 def gemv_tiles(rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K) for ``rows`` rows of x: the broadcast product holds BLOCK_M x 16 x BLOCK_K float32 values
-    per program, kept at 4,096 (32 per thread at 4 warps)."""
+    """(BLOCK_M, BLOCK_K) of the reduction kernel for ``rows`` rows of x: the broadcast product holds BLOCK_M x 16 x
+    BLOCK_K float32 values per program, kept at 4,096 (32 per thread at 4 warps)."""
     block_m = max(1, triton.next_power_of_2(rows))
     return block_m, max(16, 4096 // (block_m * GEMV_BLOCK_N))
 
 
-def int8_gemv(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def int8_gemv(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
     """x (rows, K) 16-bit with stride(-1) == 1, rows up to 16; w_int8 (N, K) contiguous; w_scale (1, N) fp32 ->
-    (rows, N) in x's dtype."""
+    (rows, N) in x's dtype. ``kernel``: one of GEMV_KERNELS (default GEMV_KERNEL)."""
+    kernel = GEMV_KERNEL if kernel is None else kernel
+    if kernel not in GEMV_KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not a GEMV kernel; use one of {GEMV_KERNELS}")
     rows, k = x.shape
     n = w_int8.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m, block_k = gemv_tiles(rows)
     with _on_device(x):
-        _launcher(_int8_gemv_kernel, x.device)[(triton.cdiv(n, GEMV_BLOCK_N),)](
-            x, w_int8, w_scale, out, rows, n, k, x.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, num_warps=4,
-        )
+        if kernel in GEMV_DOT_TILES:
+            block_n, block_k, warps, stages = GEMV_DOT_TILES[kernel]
+            _launcher(_int8_gemv_dot_kernel, x.device)[(triton.cdiv(n, block_n),)](
+                x, w_int8, w_scale, out, rows, n, k, x.stride(0), w_int8.stride(0), out.stride(0),
+                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, FLOAT32_DOT=INTERPRETED,
+                num_warps=warps, num_stages=stages)
+        else:
+            block_m, block_k = gemv_tiles(rows)
+            _launcher(_int8_gemv_kernel, x.device)[(triton.cdiv(n, GEMV_BLOCK_N),)](
+                x, w_int8, w_scale, out, rows, n, k, x.stride(0), out.stride(0),
+                BLOCK_M=block_m, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, num_warps=4)
     return out
