@@ -317,6 +317,17 @@ def test_int8_gemm_kernel_compiles_to_hopper_int8_mmas_in_every_tile_config():
         assert "0 bytes spill stores" in report, (name, report)
 
 
+def test_the_tile_picked_by_row_count_is_a_shipped_one():
+    """Up to FEW_ROWS rows the pointer kernel takes FEW_ROWS_TILE (64 rows a tile: FLUX's 512 text rows fill more
+    SMs), above it the large tile or the TMA / warp-specialized kernels; each name is one the launcher knows."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    assert g.pick_config(512) == g.FEW_ROWS_TILE == "64x128x128" and g.FEW_ROWS_TILE in g.CONFIGS
+    assert g.pick_config(g.FEW_ROWS + 1) == "128x256x128"
+    assert g.pick_config(4096, tma=True) == "tma_128x256x128" and "tma_128x256x128" in g.TMA_CONFIGS
+    assert g.pick_config(4096, tma=True, warp_specialize=True) == g.WS_TILE and g.WS_TILE in g.WS_CONFIGS
+
+
 def test_persistent_tma_int8_gemm_compiles_to_tma_copies_and_int8_mmas():
     """The persistent kernel's tiles lower for sm_90 with TMA bulk-tensor copies (not per-thread loads) feeding
     warp-group int8 MMAs, within the shared memory an H100 / H200 block gets (227 KiB), without spills."""

@@ -61,7 +61,10 @@ CONFIGS = {
     "128x128x128": (128, 128, 128, 8, 4, 4),
     "256x128x128": (256, 128, 128, 8, 8, 3),
     "128x256x64": (128, 256, 64, 8, 8, 4),
-    # candidates for few rows (FLUX's 512 text tokens): 512 x 3,072 outputs make 96 tiles of 128 x 128 on 132 SMs
+    # tiles for few rows (FLUX's 512 text tokens): 512 x 9,216 outputs make 288 tiles of 128 x 128, 2.2 waves on 132
+    # SMs. Measured on an H100 at FLUX's four 512-row shapes, 20 calls back to back
+    # (benchmarks/results/bench_fp8_gemm_h100_int8_few_rows_20261205.json): 64x128x128 684 against 395 TOPS on the
+    # q / k / v projection, 821 against 736 on the feed-forward's down projection, within 1 % on the other two.
     "64x128x128": (64, 128, 128, 8, 4, 4),
     "64x256x128": (64, 256, 128, 8, 4, 3),
     "128x64x128": (128, 64, 128, 8, 4, 4),
@@ -84,7 +87,9 @@ WS_CONFIGS = {
     "ws_128x256x64": (128, 256, 64, 8, 4, 4),
 }
 FEW_ROWS = 1024  # up to this many rows: the smaller tile of the pointer kernel (more tiles to fill the GPU)
-FEW_ROWS_TILE = "128x128x128"  # the pointer kernel's tile up to FEW_ROWS rows (benchmarks' A/B rows set it)
+# The pointer kernel's tile up to FEW_ROWS rows (benchmarks' A/B rows set it): 64x128x128 by the per-shape figures
+# above; the forward's A/B row (bench_peers.py's ours_int8_few128) is still to time.
+FEW_ROWS_TILE = "64x128x128"
 # Whether ``pick_config`` takes the persistent TMA kernel for more than FEW_ROWS rows where the shape and GPU allow it
 # (benchmarks' A/B rows set it). Measured on an H200 on FLUX.1-dev's block shapes, 20 calls back to back
 # (benchmarks/results/bench_fp8_gemm_h200_int8_tma_20261205.json): 4,096-4,608 rows ran at 967-1,242 TOPS with
