@@ -149,6 +149,7 @@ class Row:
     sage_prep_in_graph: bool = False  # kernels.sage_attention.PREP_IN_GRAPH (True: Q / K / V quantized in the graph)
     triton_gemv: bool = False  # kernels.int8.TRITON_GEMV (True: the int8 weight-only layers' GEMV in Triton)
     int8_few_rows_tile: str = "128x128x128"  # kernels.int8_gemm_triton.FEW_ROWS_TILE (int8 GEMM tile, <= 1,024 rows)
+    gemv_kernel: str = "reduce"  # kernels.int8_gemm_triton.GEMV_KERNEL (with triton_gemv: the first GEMV kernel)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -170,7 +171,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.sage_attention", "SMOOTH_KEYS_IN_GRAPH", "sage_keys_in_graph"),
             ("kernels.sage_attention", "PREP_IN_GRAPH", "sage_prep_in_graph"),
             ("kernels.int8", "TRITON_GEMV", "triton_gemv"),
-            ("kernels.int8_gemm_triton", "FEW_ROWS_TILE", "int8_few_rows_tile"))
+            ("kernels.int8_gemm_triton", "FEW_ROWS_TILE", "int8_few_rows_tile"),
+            ("kernels.int8_gemm_triton", "GEMV_KERNEL", "gemv_kernel"))
 
 
 @contextlib.contextmanager
@@ -600,8 +602,11 @@ ROWS["ours_int8_auto_pkgprep"] = _switched(
 ROWS["ours_int8_modint8"] = replace(ROWS["ours_int8"], name="ours_int8_modint8", setup=_ours(
     attention="cudnn", quant="int8", quant_config={"modulation": "int8"}, fuse_if_supported=True, compile=True),
     note="ours_int8 (today's kernels) with quant_config['modulation']='int8' (Inductor's reduction for the GEMVs)")
-ROWS["ours_int8_modint8_gemv"] = _switched("ours_int8_modint8", "gemv", "the modulation GEMVs in omni_accel's Triton "
-                                           "kernel", triton_gemv=True)
+ROWS["ours_int8_modint8_gemv"] = _switched("ours_int8_modint8", "gemv", "the modulation GEMVs in omni_accel's "
+                                           "tensor-core Triton kernel", triton_gemv=True, gemv_kernel="dot_64x256")
+ROWS["ours_int8_modint8_gemvreduce"] = _switched("ours_int8_modint8", "gemvreduce", "the modulation GEMVs in "
+                                                 "omni_accel's reduction Triton kernel", triton_gemv=True,
+                                                 gemv_kernel="reduce")
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

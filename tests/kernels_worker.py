@@ -163,8 +163,9 @@ def int8_gemm_cases() -> dict:
     return results
 
 
-# int8-weight GEMV (rows, K, N): one row, a few rows, 16 rows; K with a partial block, N with a partial program
-INT8_GEMV_SHAPES = ((1, 300, 40), (3, 64, 37), (16, 96, 24))
+# int8-weight GEMV (rows, K, N): one row, a few rows, 16 rows; K with a partial block, N with a partial program; K a
+# multiple of every tensor-core tile's (their unmasked loads, the path a FLUX-sized call takes), several programs
+INT8_GEMV_SHAPES = ((1, 300, 40), (3, 64, 37), (16, 96, 24), (2, 512, 200))
 INT8_GEMV_CASES = tuple(f"int8_gemv-{m}x{k}x{n}" for m, k, n in INT8_GEMV_SHAPES)
 
 

@@ -28,8 +28,9 @@ Three kernels compute the same sums (integer arithmetic: bit for bit the same ou
   the device, which needs Triton's scratch allocator (``_ensure_scratch_allocator``: torch's, unless the caller set
   one).
 
-``_int8_gemv_kernel``: the int8 weight-only layers' matrix-vector product (16-bit x of up to 16 rows, int8 weight,
-per-channel scale; kernels/int8.py's ``TRITON_GEMV``), bound by reading the weight once.
+``_int8_gemv_dot_kernel`` and ``_int8_gemv_kernel``: the int8 weight-only layers' matrix-vector product (16-bit x
+of up to 16 rows, int8 weight, per-channel scale; kernels/int8.py's ``TRITON_GEMV``), bound by reading the weight
+once: on the tensor cores with pipelined weight loads (``GEMV_KERNEL``'s default), or summed in registers.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ except ImportError:  # pragma: no cover - older Triton: no warp-specialized kern
     _allocation = None
 
 from .fused_triton import INTERPRETED, _launcher, _on_device
+from .int8 import GEMV_MAX_ROWS  # rows of x a GEMV call takes (the tensor-core kernel pads them to one MMA tile)
 
 try:  # host-side TMA descriptors (Triton 3.4+)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -64,7 +66,7 @@ CONFIGS = {
     # tiles for few rows (FLUX's 512 text tokens): 512 x 9,216 outputs make 288 tiles of 128 x 128, 2.2 waves on 132
     # SMs. Measured on an H100 at FLUX's four 512-row shapes, 20 calls back to back
     # (benchmarks/results/bench_fp8_gemm_h100_int8_few_rows_20261205.json): 64x128x128 684 against 395 TOPS on the
-    # q / k / v projection, 821 against 736 on the feed-forward's down projection, within 1 % on the other two.
+    # q / k / v projection, 821 against 736 on the feed-forward's down projection, within 1.1 % on the other two.
     "64x128x128": (64, 128, 128, 8, 4, 4),
     "64x256x128": (64, 256, 128, 8, 4, 3),
     "128x64x128": (128, 64, 128, 8, 4, 4),
@@ -390,7 +392,7 @@ def _int8_gemv_dot_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, rows, n, k, stride
             w = tl.load(w_ptr + cols_in[:, None] * stride_w + i[None, :], mask=(i < k)[None, :], other=0)
         x = tl.load(x_ptr + m[:, None] * stride_x + i[None, :], mask=(m < rows)[:, None] & (i < k)[None, :],
                     other=0.0)
-        if FLOAT32_DOT:  # the interpreter (its bf16 dot is wrong): the same exact products, in float32
+        if FLOAT32_DOT:  # float32 x, or the interpreter (its bf16 dot is wrong): exact products in float32
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
@@ -405,7 +407,7 @@ GEMV_BLOCK_N = 16  # weight rows per program: FLUX's 9,216-18,432 output channel
 GEMV_DOT_TILES = {"dot_64x256": (64, 256, 4, 4), "dot_32x256": (32, 256, 4, 4), "dot_64x128": (64, 128, 4, 4),
                   "dot_128x128": (128, 128, 4, 4)}
 # Which GEMV kernel ``int8_gemv`` launches: a tile of the tensor-core kernel, or "reduce" (the broadcast product
-# summed in registers, the first one built: 2x slower than cuBLAS's bf16 GEMV on an H100, its loads not pipelined)
+# summed in registers, the first one built: 0.43-0.53x cuBLAS's bf16 GEMV on an H100, its loads not pipelined)
 GEMV_KERNEL = "dot_64x256"
 GEMV_KERNELS = (*GEMV_DOT_TILES, "reduce")
 
@@ -424,6 +426,9 @@ def int8_gemv(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, kern
     if kernel not in GEMV_KERNELS:
         raise ValueError(f"kernel={kernel!r} is not a GEMV kernel; use one of {GEMV_KERNELS}")
     rows, k = x.shape
+    if rows > GEMV_MAX_ROWS:
+        raise ValueError(f"int8_gemv takes up to {GEMV_MAX_ROWS} rows of x, got {rows}; use int8_mm_rescale (quantize "
+                         "x first) or the layer's dequantized path for more")
     n = w_int8.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     with _on_device(x):
@@ -431,8 +436,9 @@ def int8_gemv(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor, kern
             block_n, block_k, warps, stages = GEMV_DOT_TILES[kernel]
             _launcher(_int8_gemv_dot_kernel, x.device)[(triton.cdiv(n, block_n),)](
                 x, w_int8, w_scale, out, rows, n, k, x.stride(0), w_int8.stride(0), out.stride(0),
-                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, FLOAT32_DOT=INTERPRETED,
-                num_warps=warps, num_stages=stages)
+                BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+                # float32 x multiplies in float32 (tl.dot would round it to tf32), as the interpreter does
+                FLOAT32_DOT=INTERPRETED or x.dtype == torch.float32, num_warps=warps, num_stages=stages)
         else:
             block_m, block_k = gemv_tiles(rows)
             _launcher(_int8_gemv_kernel, x.device)[(triton.cdiv(n, GEMV_BLOCK_N),)](
