@@ -18,7 +18,8 @@ diffusers' dispatcher -- and every kernel is called the way it is called in a pi
   it; ``sage_no_smooth_k``: HND with ``smooth_k=False``, to show what subtracting K's token mean buys;
   ``omni_sage_prepared``: omni_accel's quantization of Q, K and V (compiled by inductor) and the package's Hopper
   kernel through ``omni_accel::sage_attention_quantized`` (``sage_attention.PREP_IN_GRAPH``), ``omni_sage_kernel``
-  the kernel alone,
+  the kernel alone, ``omni_sage_prep_kernels`` the quantization in omni_accel's Triton kernels
+  (``sage_attention.PREP_KERNELS``) before the kernel,
 - ``flash_attn`` / ``fa3`` / ``fa4``: ``flash_attn_func`` of the flash-attn / FlashAttention-3 / flash-attn-4
   (``flash_attn.cute``, compiled at its first call by the CuTe DSL) packages on (B, S, H, D).
 
@@ -158,6 +159,19 @@ def _omni_sage_prepared(kernel_only: bool) -> Callable:
     return call
 
 
+def _omni_sage_prep_kernels() -> Callable:
+    """The same with ``sage_attention.PREP_KERNELS``: Q, K and V quantized by omni_accel's four Triton kernels (op
+    omni_accel::sage_quantize), then the package's Hopper kernel."""
+    from omni_accel.kernels import sage_attention as sage
+    from omni_accel.kernels import sage_prep_triton
+
+    def call(q, k, v):
+        operands = sage_prep_triton.quantize(q, k, v)
+        return sage.sage_attention_quantized(*operands, q.shape[-1] ** -0.5, q.dtype)
+
+    return call
+
+
 def _cudnn_fp8(core_only: bool) -> Callable:
     """cuDNN's FP8 SDPA (attention="fp8" on Hopper with nvidia-cudnn-frontend). ``core_only`` times the cuDNN call
     alone on operands quantized once; the full call adds K smoothing, per-tensor e4m3 quantization (eager here,
@@ -225,6 +239,8 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
          "inductor-compiled torch ops, then SageAttention's Hopper kernel", "sageattention"),
         ("omni_sage_kernel", "BSHD", lambda: _omni_sage_prepared(True), "same, the kernel alone on operands "
          "quantized once", "sageattention"),
+        ("omni_sage_prep_kernels", "BSHD", _omni_sage_prep_kernels, "omni_accel: Q / K / V quantized by its Triton "
+         "kernels, then SageAttention's Hopper kernel", "sageattention"),
         ("omni_int8_fp8", "BSHD", lambda: _omni("int8_fp8", False), "omni_accel fp8 attention: int8 QK (per token), "
          "e4m3 PV; incl. eager quantization", "triton"),
         ("omni_int8_fp8_core", "BSHD", lambda: _omni("int8_fp8", True), "same, kernel only", "triton"),

@@ -150,6 +150,7 @@ class Row:
     triton_gemv: bool = False  # kernels.int8.TRITON_GEMV (True: the int8 weight-only layers' GEMV in Triton)
     int8_few_rows_tile: str = "128x128x128"  # kernels.int8_gemm_triton.FEW_ROWS_TILE (int8 GEMM tile, <= 1,024 rows)
     gemv_kernel: str = "reduce"  # kernels.int8_gemm_triton.GEMV_KERNEL (with triton_gemv: the first GEMV kernel)
+    sage_prep_kernels: bool = False  # kernels.sage_attention.PREP_KERNELS (True: Q / K / V quantized by Triton kernels)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -172,7 +173,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.sage_attention", "PREP_IN_GRAPH", "sage_prep_in_graph"),
             ("kernels.int8", "TRITON_GEMV", "triton_gemv"),
             ("kernels.int8_gemm_triton", "FEW_ROWS_TILE", "int8_few_rows_tile"),
-            ("kernels.int8_gemm_triton", "GEMV_KERNEL", "gemv_kernel"))
+            ("kernels.int8_gemm_triton", "GEMV_KERNEL", "gemv_kernel"),
+            ("kernels.sage_attention", "PREP_KERNELS", "sage_prep_kernels"))
 
 
 @contextlib.contextmanager
@@ -599,6 +601,10 @@ ROWS.update((row.name, row) for row in (
 ROWS["ours_int8_auto_pkgprep"] = _switched(
     "ours_int8_auto", "pkgprep", "the SageAttention calls' Q / K / V prepared by the package (outside the graph)",
     sage_prep_in_graph=False)
+ROWS["ours_int8_sage_prepk"] = _switched("ours_int8_sage", "prepk", "Q / K / V quantized by omni_accel's Triton "
+                                         "kernels (one op) instead of inductor's", sage_prep_kernels=True)
+ROWS["ours_int8_auto_prepk"] = _switched("ours_int8_auto", "prepk", "the SageAttention calls' Q / K / V quantized "
+                                         "by omni_accel's Triton kernels (one op)", sage_prep_kernels=True)
 ROWS["ours_int8_modint8"] = replace(ROWS["ours_int8"], name="ours_int8_modint8", setup=_ours(
     attention="cudnn", quant="int8", quant_config={"modulation": "int8"}, fuse_if_supported=True, compile=True),
     note="ours_int8 (today's kernels) with quant_config['modulation']='int8' (Inductor's reduction for the GEMVs)")

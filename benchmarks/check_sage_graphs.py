@@ -15,7 +15,9 @@ Each gets the relative error against SDPA on the new inputs; SageAttention's own
 (``sage_attention.PREP_IN_GRAPH``: ``prepared_*`` rows, the quantization compiled by inductor and the package's Hopper
 kernel called through ``omni_accel::sage_attention_quantized``), plus ``prepared_vs_package``: its output against
 ``sageattn``'s on the same inputs (both quantize the same way, so this is the kernel reading our operands as its
-own), and ``prepared_vs_operands``: against the float32 attention of the operands it was given. Usage::
+own), and ``prepared_vs_operands``: against the float32 attention of the operands it was given. ``prep_kernels_*``:
+the same with ``sage_attention.PREP_KERNELS`` (omni_accel's Triton kernels quantize), and how many of their operands
+equal the PyTorch expressions'. Usage::
 
     python benchmarks/check_sage_graphs.py --out benchmarks/results/check_sage_graphs_h200.json
 """
@@ -94,6 +96,36 @@ def _prepared_rows(fresh, want, other, device) -> dict:
     return rows
 
 
+def _prep_kernel_rows(fresh, want, other, device) -> dict:
+    """The PREP_KERNELS path (omni_accel's Triton kernels quantize Q, K, V): its operands against the PyTorch
+    expressions' (int8 and scales equal, V within one e4m3 step), the attention on them against the package's, and
+    the compiled route eager and under the whole-forward graph on new inputs."""
+    from omni_accel.kernels import sage_attention as sage
+    from omni_accel.kernels import sage_prep_triton
+
+    q, k, v = fresh
+    got = sage_prep_triton.quantize(q, k, v)
+    ref = (*sage.quantize_queries(q), *sage.quantize_keys(k.float()), *sage.quantize_values(v))
+    rows = {f"prep_kernels_{name}_equal_frac": (x.float() == y.float()).float().mean().item()
+            for name, x, y in zip(("q8", "q_scale", "k8", "k_scale", "v8", "v_scale"), got, ref)}
+    kernel_out = sage.sage_attention_quantized(*got, q.shape[-1] ** -0.5, q.dtype)
+    rows["prep_kernels_vs_package"] = rel_err(kernel_out, sage._sage_call(q, k, v, None, False))
+    saved = sage.PREP_KERNELS
+    sage.PREP_KERNELS = True
+    try:
+        prepared = torch.compile(sage.prepared_attention, dynamic=False)
+
+        def block(q, k, v):
+            return prepared(q * 1.0, k, v, None) * 2.0
+
+        rows["prep_kernels_eager"] = rel_err(block(*fresh), want)
+        rows["prep_kernels_host_step"], _, rows["prep_kernels_graph_stats"] = _graphed_error(block, other, fresh, want,
+                                                                                           device)
+    finally:
+        sage.PREP_KERNELS = saved
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4608)
@@ -144,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rows["side_stream"] = rel_err(out, want)
     torch.cuda.synchronize()
     rows.update(_prepared_rows(fresh, want, qkv(2), device))
+    rows.update(_prep_kernel_rows(fresh, want, qkv(2), device))
 
     import sageattention  # noqa: F401 -- its version goes into the result
 

@@ -568,6 +568,42 @@ def fp8_attention_pipeline_case() -> dict:
         return {"error": traceback.format_exc()}
 
 
+# SageAttention's operand preparation (batch, queries, keys, heads, head dim): tokens short of a tile, several tiles
+SAGE_PREP_SHAPES = ((1, 100, 130, 2, 64), (2, 64, 256, 3, 128), (1, 17, 300, 1, 64))
+SAGE_PREP_CASES = tuple("sage_prep-" + "x".join(map(str, shape)) for shape in SAGE_PREP_SHAPES)
+
+
+def sage_prep_cases() -> dict:
+    """sage_prep_triton.quantize against sage_attention's PyTorch expressions (K's mean in float32 on both sides):
+    which operands are equal, and for V (e4m3) how many values differ and by how many e4m3 steps."""
+    import torch
+
+    from omni_accel.kernels import sage_attention as sa
+    from omni_accel.kernels import sage_prep_triton
+
+    results = {}
+    for (b, nq, nk, h, d), key in zip(SAGE_PREP_SHAPES, SAGE_PREP_CASES):
+        try:
+            gen = torch.Generator().manual_seed(nq + nk + d)
+            q = (torch.randn(b, nq, h, d, generator=gen) * 3).to(torch.bfloat16)
+            k = (torch.randn(b, nk, h, d, generator=gen) * 2 + 1).to(torch.bfloat16)  # a mean to smooth away
+            v = torch.randn(b, nk, h, d, generator=gen).to(torch.bfloat16)
+            got = sage_prep_triton.quantize(q, k, v)
+            ref = (*sa.quantize_queries(q), *sa.quantize_keys(k.float()), *sa.quantize_values(v))
+            names = ("q8", "q_scale", "k8", "k_scale", "v8", "v_scale")
+            entry = {f"{n}_equal": bool(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.float(), y.float()))
+                     for n, x, y in zip(names, got, ref)}
+            v_got, v_ref = got[4].float(), ref[4].float()
+            step = 2.0 ** (torch.floor(torch.log2(v_ref.abs().clamp_min(2.0 ** -6))) - 3)  # one e4m3 step there
+            entry.update(v8_shape_equal=tuple(v_got.shape) == tuple(v_ref.shape),
+                         v8_differ_frac=(v_got != v_ref).float().mean().item(),
+                         v8_max_steps=((v_got - v_ref).abs() / step).max().item())
+            results[key] = entry
+        except Exception:  # noqa: BLE001 -- recorded per case
+            results[key] = {"error": traceback.format_exc()[-2000:]}
+    return results
+
+
 def main(out_path: str) -> int:
     from omni_accel.kernels import fused
 
@@ -584,6 +620,7 @@ def main(out_path: str) -> int:
     result["pipelines"] = pipeline_cases()
     result["fp8_attention"] = fp8_attention_cases()
     result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()
+    result["sage_prep"] = sage_prep_cases()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
     return 0

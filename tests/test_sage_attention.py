@@ -284,25 +284,36 @@ def test_the_quantized_ops_fake_implementation_gives_the_output_shape():
     assert out.shape == (1, 4608, 24, 128) and out.dtype == torch.bfloat16
 
 
-def test_with_prep_in_the_graph_compiled_blocks_quantize_and_call_only_the_kernel(sage_on_cpu, monkeypatch):
+@pytest.mark.parametrize("prep_kernels", [False, True], ids=["traced", "prep_op"])
+def test_with_prep_in_the_graph_compiled_blocks_quantize_and_call_only_the_kernel(sage_on_cpu, monkeypatch,
+                                                                                 prep_kernels):
     """PREP_IN_GRAPH: the route quantizes Q, K and V inside the compiled blocks (no graph break, no recompile) and
     hands the operands to the quantized op (the package's sageattn is not called); the tiny model's output stays
-    within the 8-bit attention's error of the plain pipeline's (head dim 16, padded to 64 as the package does)."""
-    quantized_calls = []
-    original = sage._quantized_call
+    within the 8-bit attention's error of the plain pipeline's (head dim 16, padded to 64 as the package does).
+    With PREP_KERNELS the quantization is one opaque op (omni_accel::sage_quantize, on the CPU the same expressions)
+    that runs at every attention call; traced, the expressions are inductor's kernels and the op never runs."""
+    quantized_calls, quantize_calls = [], []
+    original, original_operands = sage._quantized_call, sage._reference_operands
 
     def recording(q8, *rest):
         quantized_calls.append((q8.dtype, tuple(q8.shape)))
         return original(q8, *rest)
 
+    def recording_operands(*qkv):
+        quantize_calls.append(tuple(qkv[0].shape))
+        return original_operands(*qkv)
+
     monkeypatch.setattr(sage, "_quantized_call", recording)
+    monkeypatch.setattr(sage, "_reference_operands", recording_operands)
     monkeypatch.setattr(sage, "PREP_IN_GRAPH", True)
+    monkeypatch.setattr(sage, "PREP_KERNELS", prep_kernels)
     pipe, kwargs = tiny_pipeline("flux")
     plain = run(pipe, kwargs)
     compiled, counts = run_compiled_twice(pipe, kwargs, attention="sage", compile=True)
     assert counts["graph_breaks"] == 0
     assert counts["graphs_second_call"] == counts["graphs_first_call"] > 0
     assert not sage_on_cpu and quantized_calls and all(dtype == torch.int8 for dtype, _ in quantized_calls)
+    assert len(quantize_calls) == (len(quantized_calls) if prep_kernels else 0), (quantize_calls, quantized_calls)
     err = ((compiled - plain).norm() / plain.norm()).item()
     assert 0 < err < 0.05, err
 

@@ -288,6 +288,40 @@ def _(q8, q_scale, k8, k_scale, v8, v_scale, scale, dtype):
     return q8.new_empty(q8.shape, dtype=dtype)
 
 
+# Whether ``prepared_attention`` quantizes Q, K and V with omni_accel's four Triton kernels (sage_prep_triton.py, op
+# omni_accel::sage_quantize) instead of tracing the PyTorch expressions into inductor's kernels (about 10 ms per FLUX
+# step on an H100). Off until timed on a GPU; benchmarks' A/B rows set it.
+PREP_KERNELS = False
+
+
+@torch.library.custom_op("omni_accel::sage_quantize", mutates_args=(), schema=(
+    "(Tensor query, Tensor key, Tensor value) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def sage_quantize(query, key, value):
+    """``quantize_queries(query) + quantize_keys(key) + quantize_values(value)``: on a GPU in sage_prep_triton's
+    kernels (K's mean in float32), elsewhere the PyTorch expressions themselves."""
+    if query.is_cuda:
+        from . import sage_prep_triton
+
+        return sage_prep_triton.quantize(*(t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)))
+    return _reference_operands(query, key, value)
+
+
+def _reference_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (*quantize_queries(query), *quantize_keys(key), *quantize_values(value))
+
+
+@sage_quantize.register_fake
+def _(query, key, value):
+    b, queries, h, d = query.shape
+    keys = key.shape[1]
+    padded_queries, padded_keys = -(-queries // QUERY_TILE) * QUERY_TILE, -(-keys // KEY_TILE) * KEY_TILE
+    f32 = torch.float32
+    return (query.new_empty(query.shape, dtype=torch.int8),
+            query.new_empty((b, h, padded_queries // _WARP_QUERIES * 8), dtype=f32),
+            key.new_empty(key.shape, dtype=torch.int8), key.new_empty((b, h, padded_keys // KEY_TILE * 4), dtype=f32),
+            value.new_empty((b, d, h, padded_keys), dtype=torch.float8_e4m3fn), value.new_empty((b, h, d), dtype=f32))
+
+
 def prepared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        scale: float | None) -> torch.Tensor:
     """The route's call with ``PREP_IN_GRAPH``: the quantization traced into the compiled graph, then the kernel.
@@ -296,9 +330,12 @@ def prepared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     padded = 64 if d <= 64 else 128
     if padded != d:
         query, key, value = (torch.nn.functional.pad(t, (0, padded - d)) for t in (query, key, value))
-    q8, q_scale = quantize_queries(query)
-    k8, k_scale = quantize_keys(key)
-    v8, v_scale = quantize_values(value)
+    if PREP_KERNELS:
+        q8, q_scale, k8, k_scale, v8, v_scale = sage_quantize(query, key, value)
+    else:
+        q8, q_scale = quantize_queries(query)
+        k8, k_scale = quantize_keys(key)
+        v8, v_scale = quantize_values(value)
     out = sage_attention_quantized(q8, q_scale, k8, k_scale, v8, v_scale, scale if scale is not None else d ** -0.5,
                                    query.dtype)
     return out[..., :d] if padded != d else out

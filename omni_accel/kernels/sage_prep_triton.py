@@ -1,0 +1,155 @@
+"""SageAttention's operand preparation in four Triton kernels (``sage_attention.PREP_KERNELS``).
+
+The package's Hopper attention kernel takes int8 Q and K with per-thread scales, K minus its token mean, and V in
+e4m3 with a scale per channel, transposed and reordered for the FP8 MMA (``sage_attention.quantize_queries`` /
+``quantize_keys`` / ``quantize_values`` spell the layouts out in PyTorch). Traced into the compiled graph, inductor
+turns those expressions into about 10 ms of kernels per FLUX step, more than the 4 ms the attention kernel saves
+against cuDNN (docs/kernels.md, "SageAttention"). Here each operand is read once more than the bytes need:
+
+- ``_kv_partials_kernel``: per 128 tokens and head, K's column sums and V's column maxima of |v| (the two
+  reductions over all tokens that K's smoothing and V's scales need), written as partials;
+- ``_queries_kernel``: per 16 queries and head, the per-thread scales (queries t and t + 8 share one) and int8 Q;
+- ``_keys_kernel``: per 128 keys and head, K minus its mean, the per-thread-group scales (keys 8 i + 2 t + e share
+  thread t's) and int8 K;
+- ``_values_kernel``: per 128 keys and head, V scaled to e4m3 per channel, its keys reordered within each 16 as the
+  FP8 MMA reads them, stored transposed.
+
+The roundings are the package's: half away from zero for int8, scale = amax / 127 + 1e-7. K's mean is taken and
+subtracted in float32 (the PyTorch expression rounds it to the input's 16 bits), so an int8 value may differ by one
+where the two fall on either side of a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_triton import INTERPRETED, _launcher, _on_device
+
+KEY_TILE = 128  # the Hopper kernel's key tile; also the token chunk of the partial reductions
+QUERY_TILE = 64  # the Hopper kernel's query tile: Q's scales cover the tokens padded to it
+WARP_QUERIES = 16  # one warp's queries: eight pairs (t, t + 8) with a scale each
+INT8_MAX = 127.0
+V_FP8_MAX = 448.0
+
+
+@triton.jit
+def _round_to_int8(x):
+    """Half away from zero, then the truncating cast (the package's rounding)."""
+    return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int8)
+
+
+@triton.jit
+def _program_tile(heads, TOKENS: tl.constexpr, D: tl.constexpr):
+    """This program's (batch * heads index, batch, head, token rows, head-dim columns): axis 0 walks batch x heads,
+    axis 1 tiles of TOKENS tokens."""
+    bh = tl.program_id(0)
+    return bh, bh // heads, bh % heads, tl.program_id(1) * TOKENS + tl.arange(0, TOKENS), tl.arange(0, D)
+
+
+@triton.jit
+def _kv_partials_kernel(k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, n, heads, chunks, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh,
+                        TOKENS: tl.constexpr, D: tl.constexpr):
+    bh, b, h, rows, cols = _program_tile(heads, TOKENS, D)
+    chunk = tl.program_id(1)
+    inside = (rows < n)[:, None]
+    k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_sn + cols[None, :], mask=inside, other=0.0)
+    v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_sn + cols[None, :], mask=inside, other=0.0)
+    out = (bh * chunks + chunk) * D + cols
+    tl.store(k_sum_ptr + out, tl.sum(k.to(tl.float32), axis=0))
+    tl.store(v_amax_ptr + out, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+
+
+@triton.jit
+def _queries_kernel(q_ptr, q8_ptr, scale_ptr, n, heads, groups, q_sb, q_sn, q_sh, o_sb, o_sn, o_sh,
+                    D: tl.constexpr):
+    bh, b, h, rows, cols = _program_tile(heads, 16, D)  # 16 queries
+    group = tl.program_id(1)
+    x = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sn + cols[None, :], mask=(rows < n)[:, None],
+                other=0.0).to(tl.float32)
+    pair_amax = tl.max(tl.max(tl.reshape(tl.abs(x), (2, 8, D)), axis=2), axis=0)  # (8,): queries t and t + 8
+    scale = pair_amax / 127.0 + 1e-7
+    row_scale = tl.reshape(tl.broadcast_to(scale[None, :], (2, 8)), (16,))
+    q8 = _round_to_int8(tl.math.div_rn(x, row_scale[:, None]))
+    tl.store(q8_ptr + b * o_sb + h * o_sh + rows[:, None] * o_sn + cols[None, :], q8, mask=(rows < n)[:, None])
+    tl.store(scale_ptr + (bh * groups + group) * 8 + tl.arange(0, 8), scale)
+
+
+@triton.jit
+def _keys_kernel(k_ptr, k_sum_ptr, k8_ptr, scale_ptr, n, heads, chunks, tiles, k_sb, k_sn, k_sh, o_sb, o_sn, o_sh,
+                 D: tl.constexpr):
+    bh, b, h, rows, cols = _program_tile(heads, 128, D)  # 128 keys
+    tile = tl.program_id(1)
+    total = tl.zeros((D,), dtype=tl.float32)
+    for c in range(chunks):  # the mean from the partial sums (a few dozen rows of D floats)
+        total += tl.load(k_sum_ptr + (bh * chunks + c) * D + cols)
+    mean = total / n
+    inside = (rows < n)[:, None]
+    x = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_sn + cols[None, :], mask=inside, other=0.0)
+    x = tl.where(inside, x.to(tl.float32) - mean[None, :], 0.0)  # padded keys stay zero, as the package pads after
+    # key 8 i + 2 t + e (i < 16, t < 4, e < 2) belongs to thread t's group
+    group_amax = tl.max(tl.max(tl.max(tl.reshape(tl.abs(x), (16, 4, 2, D)), axis=3), axis=2), axis=0)  # (4,)
+    scale = group_amax / 127.0 + 1e-7
+    row_scale = tl.reshape(tl.broadcast_to(scale[None, :, None], (16, 4, 2)), (128,))
+    k8 = _round_to_int8(tl.math.div_rn(x, row_scale[:, None]))
+    tl.store(k8_ptr + b * o_sb + h * o_sh + rows[:, None] * o_sn + cols[None, :], k8, mask=inside)
+    tl.store(scale_ptr + (bh * tiles + tile) * 4 + tl.arange(0, 4), scale)
+
+
+@triton.jit
+def _values_kernel(v_ptr, v_amax_ptr, v8_ptr, n, heads, chunks, v_sb, v_sn, v_sh, o_sb, o_sd, o_sh,
+                   D: tl.constexpr):
+    bh, b, h, rows, cols = _program_tile(heads, 128, D)  # 128 keys
+    amax = tl.zeros((D,), dtype=tl.float32)
+    for c in range(chunks):
+        amax = tl.maximum(amax, tl.load(v_amax_ptr + (bh * chunks + c) * D + cols))
+    inverse = tl.where(amax > 0, tl.math.div_rn(tl.full((D,), 448.0, tl.float32), amax), 0.0)  # zero channel: zero
+    x = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_sn + cols[None, :], mask=(rows < n)[:, None],
+                other=0.0).to(tl.float32) * inverse[None, :]
+    # within each 16 keys, key 8 b + 2 a + c moves to 4 a + 2 b + c (the FP8 MMA's operand order)
+    x = tl.reshape(tl.permute(tl.reshape(x, (8, 2, 4, 2, D)), (0, 2, 1, 3, 4)), (128, D))
+    v8 = tl.trans(x.to(v8_ptr.dtype.element_ty))  # (D, 128): keys along the output's contiguous dim
+    tl.store(v8_ptr + b * o_sb + h * o_sh + cols[:, None] * o_sd + rows[None, :], v8)
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q8, q_scale, k8, k_scale, v8, v_scale) as ``sage_attention.quantize_queries(query)``, ``quantize_keys(key)``
+    and ``quantize_values(value)`` return them; inputs (batch, tokens, heads, D) 16-bit with D a power of two and
+    stride 1 along D, the same batch, heads and D, any token counts."""
+    b, nq, h, d = query.shape
+    nk = key.shape[1]
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
+        raise ValueError("sage_prep_triton.quantize needs stride 1 along the head dim; pass .contiguous() tensors")
+    device = query.device
+    chunks = triton.cdiv(nk, KEY_TILE)
+    k_sum = torch.empty(b, h, chunks, d, dtype=torch.float32, device=device)
+    v_amax = torch.empty(b, h, chunks, d, dtype=torch.float32, device=device)
+    q8 = torch.empty(b, nq, h, d, dtype=torch.int8, device=device)
+    q_groups = _padded(nq, QUERY_TILE) // WARP_QUERIES
+    q_scale = torch.empty(b, h, q_groups * 8, dtype=torch.float32, device=device)
+    k8 = torch.empty(b, nk, h, d, dtype=torch.int8, device=device)
+    k_scale = torch.empty(b, h, chunks * 4, dtype=torch.float32, device=device)
+    # the interpreter's float32 -> e4m3 cast loses the rounding carry (124 -> 64): there the kernel writes float32
+    # and torch rounds it, as the GPU's cvt.rn.satfinite does
+    v8 = torch.empty(b, d, h, chunks * KEY_TILE, dtype=torch.float32 if INTERPRETED else torch.float8_e4m3fn,
+                     device=device)
+    ks, vs = key.stride(), value.stride()
+    with _on_device(query):
+        _launcher(_kv_partials_kernel, device)[(b * h, chunks)](
+            key, value, k_sum, v_amax, nk, h, chunks, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            TOKENS=KEY_TILE, D=d, num_warps=8)
+        _launcher(_queries_kernel, device)[(b * h, q_groups)](
+            query, q8, q_scale, nq, h, q_groups, *query.stride()[:3], *q8.stride()[:3], D=d, num_warps=2)
+        _launcher(_keys_kernel, device)[(b * h, chunks)](
+            key, k_sum, k8, k_scale, nk, h, chunks, chunks, ks[0], ks[1], ks[2], *k8.stride()[:3], D=d, num_warps=8)
+        _launcher(_values_kernel, device)[(b * h, chunks)](
+            value, v_amax, v8, nk, h, chunks, vs[0], vs[1], vs[2], v8.stride(0), v8.stride(1), v8.stride(2), D=d,
+            num_warps=8)
+    return q8, q_scale, k8, k_scale, v8.to(torch.float8_e4m3fn), v_amax.amax(dim=2) / V_FP8_MAX
+
+
