@@ -4,17 +4,19 @@ The package's Hopper attention kernel takes int8 Q and K with per-thread scales,
 e4m3 with a scale per channel, transposed and reordered for the FP8 MMA (``sage_attention.quantize_queries`` /
 ``quantize_keys`` / ``quantize_values`` spell the layouts out in PyTorch). Traced into the compiled graph, inductor
 turns those expressions into about 10 ms of kernels per FLUX step, more than the 4 ms the attention kernel saves
-against cuDNN (docs/kernels.md, "SageAttention"). Here each operand is read once more than the bytes need:
+against cuDNN (docs/kernels.md, "SageAttention"). Here K and V are read twice, Q once:
 
 - ``_kv_partials_kernel``: per 128 tokens and head, K's column sums and V's column maxima of |v| (the two
   reductions over all tokens that K's smoothing and V's scales need), written as partials;
 - ``_queries_kernel``: per 16 queries and head, the per-thread scales (queries t and t + 8 share one) and int8 Q;
+- (K's mean and V's inverse scales finished from the partials by PyTorch: batch x heads x D values)
 - ``_keys_kernel``: per 128 keys and head, K minus its mean, the per-thread-group scales (keys 8 i + 2 t + e share
   thread t's) and int8 K;
 - ``_values_kernel``: per 128 keys and head, V scaled to e4m3 per channel, its keys reordered within each 16 as the
   FP8 MMA reads them, stored transposed.
 
-The roundings are the package's: half away from zero for int8, scale = amax / 127 + 1e-7. K's mean is taken and
+The roundings are the package's: half away from zero for int8, scale = amax / 127 + 1e-7 (correctly rounded
+division, as PyTorch's). K's mean is taken and
 subtracted in float32 (the PyTorch expression rounds it to the input's 16 bits), so an int8 value may differ by one
 where the two fall on either side of a rounding boundary.
 """
@@ -45,7 +47,8 @@ def _program_tile(heads, TOKENS: tl.constexpr, D: tl.constexpr):
     """This program's (batch * heads index, batch, head, token rows, head-dim columns): axis 0 walks batch x heads,
     axis 1 tiles of TOKENS tokens."""
     bh = tl.program_id(0)
-    return bh, bh // heads, bh % heads, tl.program_id(1) * TOKENS + tl.arange(0, TOKENS), tl.arange(0, D)
+    b = (bh // heads).to(tl.int64)  # 64-bit offsets: a fused q / k / v view at 720p, batch 2, passes 2^31
+    return bh, b, bh % heads, tl.program_id(1) * TOKENS + tl.arange(0, TOKENS), tl.arange(0, D)
 
 
 @triton.jit
@@ -69,7 +72,7 @@ def _queries_kernel(q_ptr, q8_ptr, scale_ptr, n, heads, groups, q_sb, q_sn, q_sh
     x = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sn + cols[None, :], mask=(rows < n)[:, None],
                 other=0.0).to(tl.float32)
     pair_amax = tl.max(tl.max(tl.reshape(tl.abs(x), (2, 8, D)), axis=2), axis=0)  # (8,): queries t and t + 8
-    scale = pair_amax / 127.0 + 1e-7
+    scale = tl.math.div_rn(pair_amax, tl.full((8,), 127.0, tl.float32)) + 1e-7
     row_scale = tl.reshape(tl.broadcast_to(scale[None, :], (2, 8)), (16,))
     q8 = _round_to_int8(tl.math.div_rn(x, row_scale[:, None]))
     tl.store(q8_ptr + b * o_sb + h * o_sh + rows[:, None] * o_sn + cols[None, :], q8, mask=(rows < n)[:, None])
@@ -77,20 +80,17 @@ def _queries_kernel(q_ptr, q8_ptr, scale_ptr, n, heads, groups, q_sb, q_sn, q_sh
 
 
 @triton.jit
-def _keys_kernel(k_ptr, k_sum_ptr, k8_ptr, scale_ptr, n, heads, chunks, tiles, k_sb, k_sn, k_sh, o_sb, o_sn, o_sh,
+def _keys_kernel(k_ptr, mean_ptr, k8_ptr, scale_ptr, n, heads, tiles, k_sb, k_sn, k_sh, o_sb, o_sn, o_sh,
                  D: tl.constexpr):
     bh, b, h, rows, cols = _program_tile(heads, 128, D)  # 128 keys
     tile = tl.program_id(1)
-    total = tl.zeros((D,), dtype=tl.float32)
-    for c in range(chunks):  # the mean from the partial sums (a few dozen rows of D floats)
-        total += tl.load(k_sum_ptr + (bh * chunks + c) * D + cols)
-    mean = total / n
+    mean = tl.load(mean_ptr + bh * D + cols)
     inside = (rows < n)[:, None]
     x = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_sn + cols[None, :], mask=inside, other=0.0)
     x = tl.where(inside, x.to(tl.float32) - mean[None, :], 0.0)  # padded keys stay zero, as the package pads after
     # key 8 i + 2 t + e (i < 16, t < 4, e < 2) belongs to thread t's group
     group_amax = tl.max(tl.max(tl.max(tl.reshape(tl.abs(x), (16, 4, 2, D)), axis=3), axis=2), axis=0)  # (4,)
-    scale = group_amax / 127.0 + 1e-7
+    scale = tl.math.div_rn(group_amax, tl.full((4,), 127.0, tl.float32)) + 1e-7
     row_scale = tl.reshape(tl.broadcast_to(scale[None, :, None], (16, 4, 2)), (128,))
     k8 = _round_to_int8(tl.math.div_rn(x, row_scale[:, None]))
     tl.store(k8_ptr + b * o_sb + h * o_sh + rows[:, None] * o_sn + cols[None, :], k8, mask=inside)
@@ -98,13 +98,9 @@ def _keys_kernel(k_ptr, k_sum_ptr, k8_ptr, scale_ptr, n, heads, chunks, tiles, k
 
 
 @triton.jit
-def _values_kernel(v_ptr, v_amax_ptr, v8_ptr, n, heads, chunks, v_sb, v_sn, v_sh, o_sb, o_sd, o_sh,
-                   D: tl.constexpr):
+def _values_kernel(v_ptr, inverse_ptr, v8_ptr, n, heads, v_sb, v_sn, v_sh, o_sb, o_sd, o_sh, D: tl.constexpr):
     bh, b, h, rows, cols = _program_tile(heads, 128, D)  # 128 keys
-    amax = tl.zeros((D,), dtype=tl.float32)
-    for c in range(chunks):
-        amax = tl.maximum(amax, tl.load(v_amax_ptr + (bh * chunks + c) * D + cols))
-    inverse = tl.where(amax > 0, tl.math.div_rn(tl.full((D,), 448.0, tl.float32), amax), 0.0)  # zero channel: zero
+    inverse = tl.load(inverse_ptr + bh * D + cols)
     x = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_sn + cols[None, :], mask=(rows < n)[:, None],
                 other=0.0).to(tl.float32) * inverse[None, :]
     # within each 16 keys, key 8 b + 2 a + c moves to 4 a + 2 b + c (the FP8 MMA's operand order)
@@ -145,11 +141,16 @@ def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tup
             TOKENS=KEY_TILE, D=d, num_warps=8)
         _launcher(_queries_kernel, device)[(b * h, q_groups)](
             query, q8, q_scale, nq, h, q_groups, *query.stride()[:3], *q8.stride()[:3], D=d, num_warps=2)
+        # the partials finished once per (batch, head) by PyTorch (b x h x D values), with the reference's own
+        # expressions for V's inverse scale, so every tile loads D floats
+        mean = (k_sum.sum(dim=2) / nk).contiguous()
+        amax = v_amax.amax(dim=2)
+        inverse = torch.where(amax > 0, V_FP8_MAX / amax, 0.0).contiguous()
         _launcher(_keys_kernel, device)[(b * h, chunks)](
-            key, k_sum, k8, k_scale, nk, h, chunks, chunks, ks[0], ks[1], ks[2], *k8.stride()[:3], D=d, num_warps=8)
+            key, mean, k8, k_scale, nk, h, chunks, ks[0], ks[1], ks[2], *k8.stride()[:3], D=d, num_warps=8)
         _launcher(_values_kernel, device)[(b * h, chunks)](
-            value, v_amax, v8, nk, h, chunks, vs[0], vs[1], vs[2], v8.stride(0), v8.stride(1), v8.stride(2), D=d,
+            value, inverse, v8, nk, h, vs[0], vs[1], vs[2], v8.stride(0), v8.stride(1), v8.stride(2), D=d,
             num_warps=8)
-    return q8, q_scale, k8, k_scale, v8.to(torch.float8_e4m3fn), v_amax.amax(dim=2) / V_FP8_MAX
+    return q8, q_scale, k8, k_scale, v8.to(torch.float8_e4m3fn), amax / V_FP8_MAX
 
 
