@@ -177,6 +177,11 @@ _PER_THREAD = 3  # the kernel's code for per-thread Q / K scales (sageattn's def
 _NO_KERNEL = ("prepared", "no Hopper kernel")  # refused_shapes()'s entry once the op found no kernel to call
 
 
+def padded_count(tokens: int, multiple: int) -> int:
+    """``tokens`` rounded up to a whole number of ``multiple``-token tiles."""
+    return -(-tokens // multiple) * multiple
+
+
 def _padded_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """(batch, tokens, heads, head dim) with zero tokens appended up to a multiple of ``multiple``."""
     pad = -x.shape[1] % multiple
@@ -313,8 +318,7 @@ def _reference_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 @sage_quantize.register_fake
 def _(query, key, value):
     b, queries, h, d = query.shape
-    keys = key.shape[1]
-    padded_queries, padded_keys = -(-queries // QUERY_TILE) * QUERY_TILE, -(-keys // KEY_TILE) * KEY_TILE
+    padded_queries, padded_keys = padded_count(queries, QUERY_TILE), padded_count(key.shape[1], KEY_TILE)
     f32 = torch.float32
     return (query.new_empty(query.shape, dtype=torch.int8),
             query.new_empty((b, h, padded_queries // _WARP_QUERIES * 8), dtype=f32),

@@ -28,12 +28,9 @@ import triton
 import triton.language as tl
 
 from .fused_triton import INTERPRETED, _launcher, _on_device
-
-KEY_TILE = 128  # the Hopper kernel's key tile; also the token chunk of the partial reductions
-QUERY_TILE = 64  # the Hopper kernel's query tile: Q's scales cover the tokens padded to it
-WARP_QUERIES = 16  # one warp's queries: eight pairs (t, t + 8) with a scale each
-INT8_MAX = 127.0
-V_FP8_MAX = 448.0
+# the Hopper kernel's tiles and V's e4m3 range, as the PyTorch expressions use them; the key tile is also the token
+# chunk of the partial reductions
+from .sage_attention import _WARP_QUERIES, KEY_TILE, QUERY_TILE, V_FP8_MAX, padded_count
 
 
 @triton.jit
@@ -109,10 +106,6 @@ def _values_kernel(v_ptr, inverse_ptr, v8_ptr, n, heads, v_sb, v_sn, v_sh, o_sb,
     tl.store(v8_ptr + b * o_sb + h * o_sh + cols[:, None] * o_sd + rows[None, :], v8)
 
 
-def _padded(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(q8, q_scale, k8, k_scale, v8, v_scale) as ``sage_attention.quantize_queries(query)``, ``quantize_keys(key)``
     and ``quantize_values(value)`` return them; inputs (batch, tokens, heads, D) 16-bit with D a power of two and
@@ -126,7 +119,7 @@ def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tup
     k_sum = torch.empty(b, h, chunks, d, dtype=torch.float32, device=device)
     v_amax = torch.empty(b, h, chunks, d, dtype=torch.float32, device=device)
     q8 = torch.empty(b, nq, h, d, dtype=torch.int8, device=device)
-    q_groups = _padded(nq, QUERY_TILE) // WARP_QUERIES
+    q_groups = padded_count(nq, QUERY_TILE) // _WARP_QUERIES
     q_scale = torch.empty(b, h, q_groups * 8, dtype=torch.float32, device=device)
     k8 = torch.empty(b, nk, h, d, dtype=torch.int8, device=device)
     k_scale = torch.empty(b, h, chunks * 4, dtype=torch.float32, device=device)
@@ -143,9 +136,9 @@ def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tup
             query, q8, q_scale, nq, h, q_groups, *query.stride()[:3], *q8.stride()[:3], D=d, num_warps=2)
         # the partials finished once per (batch, head) by PyTorch (b x h x D values), with the reference's own
         # expressions for V's inverse scale, so every tile loads D floats
-        mean = (k_sum.sum(dim=2) / nk).contiguous()
+        mean = k_sum.sum(dim=2) / nk
         amax = v_amax.amax(dim=2)
-        inverse = torch.where(amax > 0, V_FP8_MAX / amax, 0.0).contiguous()
+        inverse = torch.where(amax > 0, V_FP8_MAX / amax, 0.0)
         _launcher(_keys_kernel, device)[(b * h, chunks)](
             key, mean, k8, k_scale, nk, h, chunks, ks[0], ks[1], ks[2], *k8.stride()[:3], D=d, num_warps=8)
         _launcher(_values_kernel, device)[(b * h, chunks)](
