@@ -187,10 +187,7 @@ def int8_epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps
     rows = []
 
     def check(out) -> dict:
-        q, scale = out
-        return {"max_int8_diff": int((q.int() - want_q.int()).abs().max()),
-                "frac_int8_equal": round(float((q == want_q).float().mean()), 6),
-                "max_scale_rel_err": float(((scale - want_scale).abs() / want_scale).max())}
+        return int8_errors(out, want_q, want_scale)
 
     def record(way: str, fn, **extra):
         entry = {"case": "concat_gelu_int8", "way": way, "shape": [tokens, dim + mlp], **extra}
@@ -206,11 +203,13 @@ def int8_epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps
     a3 = attn.reshape(tokens, 1, dim)
     record("bf16_then_inductor",
            lambda: quantize(epilogue_triton.concat_gelu(a3, None, h, bias, None, torch.bfloat16)))
-    for warps in (4, 8, 16):
-        record("triton_int8_one_pass", lambda w=warps: epilogue_triton.concat_gelu_int8(
-            a3, None, h, bias, torch.bfloat16, row_warps=w), warps=warps)
-        if interpreted:
-            break
+    for warps, gelu_tanh, reciprocal in ((4, False, False), (8, False, False), (16, False, False), (8, False, True),
+                                         (8, True, False), (8, True, True), (16, True, True)):
+        if interpreted and (warps != 8 or gelu_tanh != reciprocal):  # the interpreter: the two ends only
+            continue
+        record("triton_int8_one_pass", lambda w=warps, t=gelu_tanh, r=reciprocal: epilogue_triton.concat_gelu_int8(
+            a3, None, h, bias, torch.bfloat16, row_warps=w, gelu_tanh=t, reciprocal=r),
+            warps=warps, gelu_tanh=gelu_tanh, reciprocal=reciprocal)
     for tile in ((1, 1024, 1024, 4), (1, 512, 512, 4), (2, 1024, 1024, 8), (1, 1024, 2048, 8), (4, 256, 256, 4)):
         if max(tile[1], tile[2]) > dim:
             continue
@@ -218,6 +217,70 @@ def int8_epilogue_rows(device, tokens: int, dim: int, mlp: int, iters: int, reps
                                                                               tile=t),
                rows=tile[0], a_block=tile[1], h_block=tile[2], warps=tile[3])
         if interpreted:
+            break
+    rows += gelu_int8_rows(device, tokens - 512 if tokens > 512 else tokens, mlp, iters, reps, interpreted)
+    return rows
+
+
+def gelu_int8_rows(device, tokens: int, mlp: int, iters: int, reps: int, interpreted: bool) -> list[dict]:
+    """The dual-stream blocks' feed-forward epilogue (image stream): gelu(h + bias) quantized per row for the int8
+    ``ff.net.2``, no first input (``concat_gelu_int8`` with ``a=None``), with and without the hardware's tanh and
+    the reciprocal scale."""
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.int8 import quantize_rows_int8
+
+    gen = torch.Generator("cpu").manual_seed(2)
+    h = (torch.randn(tokens, mlp, generator=gen) * 2).to(device, torch.bfloat16)
+    bias = (torch.randn(mlp, generator=gen) * 0.1).to(device, torch.bfloat16)
+    want_q, want_scale = quantize_rows_int8(epilogue_exact(h[:, :0], None, h, bias, None).to(torch.bfloat16))
+    moved = h.numel() * 2 + mlp * 2 + tokens * mlp + tokens * 4
+    rows: list[dict] = []
+    for gelu_tanh, reciprocal in ((False, False), (False, True), (True, True)):
+        if interpreted and gelu_tanh != reciprocal:
+            continue
+        entry = {"case": "gelu_int8", "way": "triton_int8_one_pass", "shape": [tokens, mlp], "gelu_tanh": gelu_tanh,
+                 "reciprocal": reciprocal}
+        measure(rows, entry, lambda t=gelu_tanh, r=reciprocal: epilogue_triton.concat_gelu_int8(
+            None, None, h, bias, torch.bfloat16, gelu_tanh=t, reciprocal=r),
+            lambda out: int8_errors(out, want_q, want_scale), moved, device, iters, reps)
+        if interpreted and gelu_tanh:
+            break
+    return rows
+
+
+def int8_errors(out, want_q, want_scale) -> dict:
+    """An int8 kernel's (values, row scales) against the reference's: largest difference in int8 steps, the share of
+    equal values, the largest relative scale error."""
+    q, scale = out
+    return {"max_int8_diff": int((q.int() - want_q.int()).abs().max()),
+            "frac_int8_equal": round(float((q == want_q).float().mean()), 6),
+            "max_scale_rel_err": float(((scale - want_scale).abs() / want_scale).max())}
+
+
+# ------------------------------------------------------------------ 1d. AdaLN LayerNorm + modulate -> int8 rows
+def layernorm_int8_rows(device, text: int, image: int, dim: int, iters: int, reps: int,
+                        interpreted: bool) -> list[dict]:
+    """A dual-stream block's AdaLN for the int8 linears: LayerNorm + modulate of the text then image rows, quantized
+    per row (``epilogue_triton.layernorm_modulate_int8``), over tiles (rows per program, warps) and with the
+    reciprocal scale. Errors against ``layernorm_modulate_int8_reference``."""
+    from omni_accel.kernels import epilogue_triton
+    from omni_accel.kernels.epilogue_fusion import layernorm_modulate_int8_reference
+
+    gen = torch.Generator("cpu").manual_seed(3)
+    a = (torch.randn(text, dim, generator=gen) * 2).to(device, torch.bfloat16)
+    b = (torch.randn(image, dim, generator=gen) * 2).to(device, torch.bfloat16)
+    scale, shift = ((torch.randn(dim, generator=gen) * 0.3).to(device, torch.bfloat16) for _ in range(2))
+    want_q, want_scale = layernorm_modulate_int8_reference(a, b, scale, shift, 1e-6, torch.bfloat16)
+    moved = (text + image) * dim * 3 + (text + image) * 4
+    rows: list[dict] = []
+    for tile, reciprocal in (((2, 8), False), ((2, 8), True), ((1, 4), True), ((2, 4), True), ((4, 8), True),
+                             ((4, 4), True), ((8, 8), True), ((1, 8), True)):
+        entry = {"case": "layernorm_int8", "way": "triton_int8", "shape": [text + image, dim], "rows": tile[0],
+                 "warps": tile[1], "reciprocal": reciprocal}
+        measure(rows, entry, lambda t=tile, r=reciprocal: epilogue_triton.layernorm_modulate_int8(
+            a, b, scale, shift, 1e-6, torch.bfloat16, reciprocal=r, tile=t),
+            lambda out: int8_errors(out, want_q, want_scale), moved, device, iters, reps)
+        if interpreted and reciprocal:
             break
     return rows
 
@@ -235,14 +298,16 @@ def qk_graph(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):
     return static_cast(q, inv_q), static_cast(k.float() - k_mean, inv_k)
 
 
-def qk_triton(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):
-    """The library's kernel (what compile=True's graph pass puts there), once for q and once for k."""
+def qk_triton(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int, share_rotary: bool | None = None):
+    """The library's kernel (what compile=True's graph pass puts there), once for q and once for k;
+    ``share_rotary``: see ``epilogue_triton.qk_norm_rope``."""
     from omni_accel.kernels import epilogue_triton
 
     dim = qkv.shape[-1] // 3
     shape = (1, qkv.shape[0], heads, dim // heads)
-    q8 = epilogue_triton.qk_norm_rope(qkv, bias, 0, heads, wq, 1e-6, cos, sin, None, inv_q)
-    k8 = epilogue_triton.qk_norm_rope(qkv, bias, dim, heads, wk, 1e-6, cos, sin, k_mean, inv_k)
+    q8 = epilogue_triton.qk_norm_rope(qkv, bias, 0, heads, wq, 1e-6, cos, sin, None, inv_q, share_rotary=share_rotary)
+    k8 = epilogue_triton.qk_norm_rope(qkv, bias, dim, heads, wk, 1e-6, cos, sin, k_mean, inv_k,
+                                      share_rotary=share_rotary)
     return q8.reshape(shape), k8.reshape(shape)
 
 
@@ -278,6 +343,8 @@ def qk_rows(device, tokens: int, heads: int, d: int, iters: int, reps: int, inte
     compiled = torch.compile(qk_graph, dynamic=False, options=base)
     record("inductor", lambda: compiled(*args), options=base)
     record("triton", lambda: qk_triton(*args))
+    record("triton_shared_rotary", lambda: qk_triton(*args, share_rotary=True))  # a token's cos / sin loaded once
+    record("triton_rotary_per_row", lambda: qk_triton(*args, share_rotary=False))
     return rows
 
 
@@ -325,7 +392,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--cases", default="epilogue,int8,qk,gemm")
+    parser.add_argument("--cases", default="epilogue,int8,layernorm_int8,qk,gemm")
     parser.add_argument("--log-clocks", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -349,6 +416,10 @@ def main(argv=None) -> int:
         write_result(args.out, result)
     if "int8" in cases:
         result["rows"] += int8_epilogue_rows(device, tokens, dim, mlp, args.iters, args.reps, interpreted)
+        write_result(args.out, result)
+    if "layernorm_int8" in cases:
+        result["rows"] += layernorm_int8_rows(device, *((16, 48) if args.tiny else (512, 4096)), dim, args.iters,
+                                              args.reps, interpreted)
         write_result(args.out, result)
     if "qk" in cases:
         result["rows"] += qk_rows(device, tokens, *((4, 64) if args.tiny else (24, 128)), args.iters, args.reps,

@@ -151,6 +151,9 @@ class Row:
     int8_few_rows_tile: str = "128x128x128"  # kernels.int8_gemm_triton.FEW_ROWS_TILE (int8 GEMM tile, <= 1,024 rows)
     gemv_kernel: str = "reduce"  # kernels.int8_gemm_triton.GEMV_KERNEL (with triton_gemv: the first GEMV kernel)
     sage_prep_kernels: bool = False  # kernels.sage_attention.PREP_KERNELS (True: Q / K / V quantized by Triton kernels)
+    int8_gelu_tanh: bool = False  # kernels.epilogue_fusion.INT8_GELU_TANH (True: the int8 epilogues' GELU by tanh)
+    int8_reciprocal: bool = False  # kernels.epilogue_fusion.INT8_RECIPROCAL (True: values times the reciprocal scale)
+    qk_shared_rotary: bool = False  # kernels.epilogue_triton.QK_SHARED_ROTARY (True: a token's cos / sin loaded once)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -174,7 +177,10 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.int8", "TRITON_GEMV", "triton_gemv"),
             ("kernels.int8_gemm_triton", "FEW_ROWS_TILE", "int8_few_rows_tile"),
             ("kernels.int8_gemm_triton", "GEMV_KERNEL", "gemv_kernel"),
-            ("kernels.sage_attention", "PREP_KERNELS", "sage_prep_kernels"))
+            ("kernels.sage_attention", "PREP_KERNELS", "sage_prep_kernels"),
+            ("kernels.epilogue_fusion", "INT8_GELU_TANH", "int8_gelu_tanh"),
+            ("kernels.epilogue_fusion", "INT8_RECIPROCAL", "int8_reciprocal"),
+            ("kernels.epilogue_triton", "QK_SHARED_ROTARY", "qk_shared_rotary"))
 
 
 @contextlib.contextmanager
@@ -613,6 +619,16 @@ ROWS["ours_int8_modint8_gemv"] = _switched("ours_int8_modint8", "gemv", "the mod
 ROWS["ours_int8_modint8_gemvreduce"] = _switched("ours_int8_modint8", "gemvreduce", "the modulation GEMVs in "
                                                  "omni_accel's reduction Triton kernel", triton_gemv=True,
                                                  gemv_kernel="reduce")
+ROWS["ours_int8_recip"] = _switched("ours_int8", "recip", "the int8 epilogue kernels multiplying by each row's "
+                                    "reciprocal scale instead of dividing", int8_reciprocal=True)
+ROWS["ours_int8_fastepi"] = _switched("ours_int8", "fastepi", "the int8 epilogue kernels' GELU by the hardware's "
+                                      "tanh and values times the reciprocal scale", int8_gelu_tanh=True,
+                                      int8_reciprocal=True)
+ROWS["ours_int8_fastepi_rot"] = _switched("ours_int8_fastepi", "rot", "the q / k kernel loading a token's cos / sin "
+                                          "once for its heads", qk_shared_rotary=True)
+ROWS["ours_int8_auto_fastepi"] = _switched("ours_int8_auto", "fastepi", "the int8 epilogue kernels' GELU by the "
+                                           "hardware's tanh and values times the reciprocal scale",
+                                           int8_gelu_tanh=True, int8_reciprocal=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

@@ -10,6 +10,7 @@ a float64 computation of the same formula; each pipeline case runs ``accelerate(
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -284,6 +285,7 @@ def concat_gelu_cases() -> dict:
     return results
 
 
+CONCAT_GELU_INT8_WAYS = ("one-pass", "two-pass", "one-pass-tanh-reciprocal", "two-pass-tanh-reciprocal")
 CONCAT_GELU_INT8_CASES = ("bf16-bias", "bf16-strided-heads", "fp16-rows17", "bf16-no-first-input", "fp8-attention",
                           "bf16-narrow-no-first-input")
 
@@ -320,21 +322,25 @@ def concat_gelu_int8_cases() -> dict:
                 a = (torch.randn(rows, 1, 48, generator=gen) * 3).to(dtype)
             args = (a, a_scale, h, bias, dtype)
             q_ref, scale_ref = concat_gelu_int8_reference(*args)
-            for one_pass in (True, False):  # the one-pass kernel (rows this narrow) and the two-pass one
-                q, scale = epilogue_triton.concat_gelu_int8(*args, one_pass=one_pass)
+            # the one-pass kernel (rows this narrow) and the two-pass one, each also with the GELU by tanh and the
+            # reciprocal scale (the GPU's approximate tanh is PTX; the interpreter evaluates the same formula)
+            for one_pass, fast in itertools.product((True, False), (False, True)):
+                q, scale = epilogue_triton.concat_gelu_int8(*args, one_pass=one_pass, gelu_tanh=fast, reciprocal=fast)
                 diff = (q.int() - q_ref.int()).abs()
-                results[f"{case}/{'one' if one_pass else 'two'}-pass"] = {
+                results[f"{case}/{'one' if one_pass else 'two'}-pass{'-tanh-reciprocal' if fast else ''}"] = {
                     "dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
                     "scale_shape": list(scale.shape), "int8_max_diff": diff.max().item(),
                     "int8_frac_equal": (diff == 0).float().mean().item(),
                     "scale_max_rel_err": ((scale - scale_ref).abs() / scale_ref).max().item()}
         except Exception:
-            results[f"{case}/one-pass"] = results[f"{case}/two-pass"] = {"error": traceback.format_exc()}
+            for way in CONCAT_GELU_INT8_WAYS:
+                results[f"{case}/{way}"] = {"error": traceback.format_exc()}
     return results
 
 
 QK_NORM_ROPE_CASES = ("q-bias", "k-bias-mean", "k-batch2-nobias", "q-bias-bf16", "k-batch2-nobias-fp16",
-                      "k-two-streams-bias-mean", "q-two-streams-batch2-nobias-bf16")
+                      "k-two-streams-bias-mean", "q-two-streams-batch2-nobias-bf16",
+                      "k-heads16-batch2-bias-mean", "q-two-streams-heads16-bias-bf16")
 
 
 def qk_norm_rope_cases() -> dict:
@@ -347,9 +353,11 @@ def qk_norm_rope_cases() -> dict:
     from omni_accel.kernels.epilogue_fusion import qk_norm_rope_reference
 
     results = {}
-    heads, d, seq = 3, 16, 7
+    d, seq = 16, 7
     for case in QK_NORM_ROPE_CASES:
         try:
+            # 16 heads: the kernel's 8-row programs hold heads of one token, which load its cos / sin once
+            heads = 16 if "heads16" in case else 3
             gen = torch.Generator().manual_seed(len(case) + 11)
             batch = 2 if "batch2" in case else 1
             src = torch.randn(batch * seq, 3 * heads * d, generator=gen).to(torch.bfloat16)
@@ -372,7 +380,7 @@ def qk_norm_rope_cases() -> dict:
                 weight2 = (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
                 args = (text, bias, first_col, heads, weight, 1e-6, cos, sin, k_mean, inverse)
                 extra["second"] = (image, bias2, first_col + heads * d, weight2, 3)
-            results[case] = agreement(epilogue_triton.qk_norm_rope(*args, **extra),
+            results[case] = agreement(epilogue_triton.qk_norm_rope(*args, **extra, share_rotary="heads16" in case),
                                       qk_norm_rope_reference(*args, **extra), 2.0 ** -6)
         except Exception:
             results[case] = {"error": traceback.format_exc()}
@@ -428,15 +436,17 @@ def layernorm_int8_cases() -> dict:
             b = torch.randn(11, 48, generator=gen).to(dtype) if case.startswith("two") else None
             scale, shift = ((torch.randn(48, generator=gen) * 0.2).to(dtype) for _ in range(2))
             args = (a, b, scale, shift, 1e-6, dtype)
-            (q, row_scale), (q_ref, scale_ref) = (epilogue_triton.layernorm_modulate_int8(*args),
-                                                  layernorm_modulate_int8_reference(*args))
-            diff = (q.int() - q_ref.int()).abs()
-            results[case] = {"dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
-                             "scale_shape": list(row_scale.shape), "int8_max_diff": diff.max().item(),
-                             "int8_frac_equal": (diff == 0).float().mean().item(),
-                             "scale_max_rel_err": ((row_scale - scale_ref).abs() / scale_ref).max().item()}
+            q_ref, scale_ref = layernorm_modulate_int8_reference(*args)
+            for reciprocal in (False, True):
+                q, row_scale = epilogue_triton.layernorm_modulate_int8(*args, reciprocal=reciprocal)
+                diff = (q.int() - q_ref.int()).abs()
+                results[f"{case}{'-reciprocal' if reciprocal else ''}"] = {
+                    "dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
+                    "scale_shape": list(row_scale.shape), "int8_max_diff": diff.max().item(),
+                    "int8_frac_equal": (diff == 0).float().mean().item(),
+                    "scale_max_rel_err": ((row_scale - scale_ref).abs() / scale_ref).max().item()}
         except Exception:
-            results[case] = {"error": traceback.format_exc()}
+            results[case] = results[f"{case}-reciprocal"] = {"error": traceback.format_exc()}
     return results
 
 

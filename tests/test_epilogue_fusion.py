@@ -713,23 +713,35 @@ def test_the_pdl_decision_reaches_every_operation_the_pass_puts_in(monkeypatch, 
                                                                       "layernorm_modulate_int8", "qk_norm_rope")}
 
 
-def test_the_one_pass_int8_kernel_has_a_switch(monkeypatch):
-    """The operation hands the switch to the kernel launcher: the one-pass kernel by default, the two-pass kernel with
-    ``INT8_ONE_PASS`` off."""
+def test_the_int8_epilogue_kernels_take_their_switches(monkeypatch):
+    """The operations hand the module switches to the kernel launchers: the one-pass kernel by default (the two-pass
+    one with ``INT8_ONE_PASS`` off), the GELU by tanh and the reciprocal scale only when ``INT8_GELU_TANH`` /
+    ``INT8_RECIPROCAL`` are on (they are off by default), for the AdaLN kernel too."""
     from omni_accel.kernels import epilogue_triton
 
     assert epilogue_fusion.INT8_ONE_PASS is True
-    monkeypatch.setattr(epilogue_fusion, "INT8_ONE_PASS", False)
+    assert epilogue_fusion.INT8_GELU_TANH is False and epilogue_fusion.INT8_RECIPROCAL is False
     seen = []
 
-    def launcher(a, a_scale, h, bias, dtype, pdl=False, one_pass=True):
-        seen.append(one_pass)
+    def gelu_launcher(a, a_scale, h, bias, dtype, pdl=False, one_pass=True, gelu_tanh=False, reciprocal=False):
+        seen.append(("gelu", one_pass, gelu_tanh, reciprocal))
         return epilogue_fusion.concat_gelu_int8_reference(a, a_scale, h, bias, dtype)
 
+    def norm_launcher(a, b, scale, shift, eps, dtype, pdl=False, reciprocal=False):
+        seen.append(("norm", reciprocal))
+        return epilogue_fusion.layernorm_modulate_int8_reference(a, b, scale, shift, eps, dtype)
+
     monkeypatch.setattr(epilogue_fusion, "_use_triton", lambda device: True)
-    monkeypatch.setattr(epilogue_triton, "concat_gelu_int8", launcher)
+    monkeypatch.setattr(epilogue_triton, "concat_gelu_int8", gelu_launcher)
+    monkeypatch.setattr(epilogue_triton, "layernorm_modulate_int8", norm_launcher)
     a, h = torch.randn(3, 2, 16).to(BF16), torch.randn(3, 64).to(BF16)
-    torch.ops.omni_accel.concat_gelu_int8(a, None, h, None, BF16)
-    monkeypatch.setattr(epilogue_fusion, "INT8_ONE_PASS", True)
-    torch.ops.omni_accel.concat_gelu_int8(a, None, h, None, BF16)
-    assert seen == [False, True]
+    x, mod = torch.randn(4, 32).to(BF16), torch.randn(32).to(BF16)
+    for one_pass, tanh, reciprocal in ((False, False, False), (True, False, False), (True, True, False),
+                                       (True, False, True)):
+        monkeypatch.setattr(epilogue_fusion, "INT8_ONE_PASS", one_pass)
+        monkeypatch.setattr(epilogue_fusion, "INT8_GELU_TANH", tanh)
+        monkeypatch.setattr(epilogue_fusion, "INT8_RECIPROCAL", reciprocal)
+        torch.ops.omni_accel.concat_gelu_int8(a, None, h, None, BF16)
+        torch.ops.omni_accel.layernorm_modulate_int8(x, None, mod, mod, 1e-6, BF16)
+    assert seen == [("gelu", False, False, False), ("norm", False), ("gelu", True, False, False), ("norm", False),
+                    ("gelu", True, True, False), ("norm", False), ("gelu", True, False, True), ("norm", True)]

@@ -99,12 +99,12 @@ def test_concat_gelu_kernel_matches_its_formula(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
-@pytest.mark.parametrize("way", ["one-pass", "two-pass"])
+@pytest.mark.parametrize("way", WORKER.CONCAT_GELU_INT8_WAYS)
 @pytest.mark.parametrize("case", WORKER.CONCAT_GELU_INT8_CASES)
 def test_concat_gelu_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpreted, case, way):
-    """The int8 epilogue kernels (one pass with the row in registers, two passes over blocks): the int8 values and
-    per-row scales of ``quantize_rows_int8`` applied to the 16-bit concatenation, a GELU value at a bf16 rounding
-    tie aside (one int8 step)."""
+    """The int8 epilogue kernels (one pass with the row in registers, two passes over blocks; each also with the
+    GELU through tanh and values multiplied by the row's reciprocal scale): the int8 values and per-row scales of
+    ``quantize_rows_int8`` applied to the 16-bit concatenation, a value at a rounding tie aside (one int8 step)."""
     r = interpreted["concat_gelu_int8"][f"{case}/{way}"]
     assert "error" not in r, r.get("error")
     assert r["dtype"] == "torch.int8" and r["shape"] == r["ref_shape"] and r["scale_shape"] == [r["shape"][0], 1]
@@ -112,11 +112,13 @@ def test_concat_gelu_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpre
     assert r["scale_max_rel_err"] <= 2.0 ** -8, r
 
 
+@pytest.mark.parametrize("reciprocal", ["", "-reciprocal"])
 @pytest.mark.parametrize("case", WORKER.LAYERNORM_INT8_CASES)
-def test_layernorm_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpreted, case):
-    """The AdaLN kernel's int8 form: the int8 values and per-row scales of ``quantize_rows_int8`` applied to the
-    modulated rows rounded to 16 bits, a value at a rounding tie aside (one int8 step)."""
-    r = interpreted["layernorm_int8"][case]
+def test_layernorm_int8_kernel_quantizes_rows_as_the_int8_linear_does(interpreted, case, reciprocal):
+    """The AdaLN kernel's int8 form (dividing by the row's scale, or multiplying by its reciprocal): the int8 values
+    and per-row scales of ``quantize_rows_int8`` applied to the modulated rows rounded to 16 bits, a value at a
+    rounding tie aside (one int8 step)."""
+    r = interpreted["layernorm_int8"][case + reciprocal]
     assert "error" not in r, r.get("error")
     assert r["dtype"] == "torch.int8" and r["shape"] == r["ref_shape"] and r["scale_shape"] == [r["shape"][0], 1]
     assert r["int8_max_diff"] <= 1 and r["int8_frac_equal"] > 0.99, r
@@ -479,7 +481,7 @@ def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
         (et._qk_norm_rope_kernel, dict(src_ptr="*bf16", bias_ptr="*bf16", w_ptr="*bf16", src2_ptr="*bf16",
                                        bias2_ptr="*bf16", w2_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
                                        k_mean_ptr="*fp32", inverse_ptr="*fp32", out_ptr="*bf16"),
-         dict(HEADS=24, D=128, HAS_BIAS=True, HAS_MEAN=False, CAST=False, TWO=True, ROWS=8), 4),
+         dict(HEADS=24, D=128, HAS_BIAS=True, HAS_MEAN=False, CAST=False, TWO=True, ROWS=8, SHARED_TOKEN=True), 4),
         (et._layernorm_modulate_cast_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16",
                                                   inverse0_ptr="*fp32", inverse1_ptr="*fp32", inverse2_ptr="*fp32",
                                                   out_ptr="*fp8e4nv"),
@@ -500,6 +502,50 @@ def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
         ptx = _compile_for_hopper(kernel, pointers, {**consts, "PDL": pdl}, {"num_warps": warps}).asm["ptx"]
         for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
             assert (instruction in ptx) == pdl, (kernel.__name__, instruction)
+
+
+def test_int8_epilogue_kernels_spare_special_function_instructions_when_asked():
+    """With the GELU through the hardware's tanh and the reciprocal row scale, the one-pass int8 epilogue kernel at
+    FLUX's single-block width issues one special-function instruction per value (tanh.approx) where it issued three
+    (ex2, rcp and the division), divides once per row, and still fits its registers (no spills); the AdaLN kernel
+    drops its per-value division too."""
+    from omni_accel.kernels import epilogue_triton as et
+
+    gelu_pointers = dict(a_ptr="*bf16", a_scale_ptr="*fp32", h_ptr="*bf16", bias_ptr="*bf16", out_ptr="*i8",
+                         scale_ptr="*fp32")
+    gelu_consts = dict(A_COLS=3072, A_HEAD=128, H_COLS=12288, A_SCALED=False, HAS_BIAS=True, APPROX=True, BF16=True,
+                       WIDTH=16384, PDL=True)
+    per_thread = 16384 // 256  # values of the row per thread at 8 warps
+    counts = {}
+    for fast in (False, True):
+        ptx = _compile_for_hopper(et._concat_gelu_int8_row_kernel, gelu_pointers,
+                                  {**gelu_consts, "GELU_TANH": fast, "RECIPROCAL": fast}, {"num_warps": 8},
+                                  aligned=True).asm["ptx"]
+        counts[fast] = {op: ptx.count(op + " ") for op in ("ex2.approx.ftz.f32", "rcp.approx.ftz.f32",
+                                                          "div.full.f32", "div.rn.f32", "tanh.approx.f32")}
+        if fast:
+            assert "spill" not in _ptxas_report(ptx).replace("0 bytes spill", "")
+    assert counts[False]["ex2.approx.ftz.f32"] == counts[False]["rcp.approx.ftz.f32"] == per_thread, counts
+    assert counts[False]["div.full.f32"] >= per_thread and counts[False]["tanh.approx.f32"] == 0, counts
+    assert counts[True]["tanh.approx.f32"] == per_thread, counts
+    assert counts[True]["ex2.approx.ftz.f32"] == counts[True]["rcp.approx.ftz.f32"] == 0, counts
+    assert counts[True]["div.full.f32"] + counts[True]["div.rn.f32"] <= 2, counts  # the row's scale and reciprocal
+    norm_pointers = dict(a_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16", out_ptr="*i8",
+                         row_scale_ptr="*fp32")
+    norm_consts = dict(C=3072, BLOCK=4096, ROWS=2, SPLIT=True, BF16=True, APPROX=True, PDL=True)
+    divisions = [_compile_for_hopper(et._layernorm_modulate_int8_kernel, norm_pointers,
+                                     {**norm_consts, "RECIPROCAL": r}, {"num_warps": 8}).asm["ptx"].count("div.full.f32 ")
+                 for r in (False, True)]
+    assert divisions[0] - divisions[1] == 2 * 4096 // 256, divisions  # one per value of the program's two rows
+
+
+def test_layernorm_int8_refuses_a_tile_that_splits_a_stream():
+    from omni_accel.kernels import epilogue_triton as et
+
+    a, b = torch.zeros(6, 8), torch.zeros(5, 8)
+    with pytest.raises(ValueError, match=r"^layernorm_modulate_int8: tile rows 4 must divide the first stream's 6 "
+                                         r"rows \(a program reads one stream\); pick a divisor$"):
+        et.layernorm_modulate_int8(a, b, torch.zeros(8), torch.zeros(8), 1e-6, torch.bfloat16, tile=(4, 4))
 
 
 # ---------------------------------------------------------------------------- eager fallback vs diffusers' layers

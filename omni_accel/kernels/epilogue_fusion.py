@@ -93,6 +93,15 @@ GELU_INT8 = True
 # against 134-142 for the two-pass kernel; the int8 FLUX step 93.2 -> 91.0 ms
 # (benchmarks/results/bench_peers_h100_flux_newkernels_ab1_20261205.json). Benchmarks' A/B rows set it.
 INT8_ONE_PASS = True
+# Whether the int8 concatenation + GELU kernels take the GELU's tanh from the hardware's approximate tanh (one
+# special-function instruction per value where the sigmoid form takes two; its error is a small fraction of an int8
+# step: epilogue_triton._int8_gelu), and whether the int8 kernels multiply each value by its row's reciprocal scale
+# instead of dividing by the scale (the GPU's division is another special-function instruction per value). The
+# one-pass kernel evaluates the GELU on every value of its row, so at FLUX's 4608 x 15360 these instructions alone
+# need about as long as the row's bytes. Off until timed (benchmarks/bench_fp8_epilogues.py --cases
+# int8,layernorm_int8); benchmarks' A/B rows set them.
+INT8_GELU_TANH = False
+INT8_RECIPROCAL = False
 # Whether, with INT8, AdaLN's LayerNorm + modulate feeding int8 linears becomes one operation that writes the int8
 # rows and their scales (else inductor's norm + quantization kernels). The int8 FLUX step on an H100: 93.2 -> 92.7
 # ms, output error 0.0146 -> 0.0104 (same file). Benchmarks' A/B rows set it.
@@ -171,7 +180,8 @@ def concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=False):
 
         a_cols, a_head = (a.shape[1] * a.shape[2], a.shape[2]) if a is not None else (0, 0)
         if epilogue_triton.int8_supported(a_cols, a_head, h.shape[1]):
-            return epilogue_triton.concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=pdl, one_pass=INT8_ONE_PASS)
+            return epilogue_triton.concat_gelu_int8(a, a_scale, h, bias, dtype, pdl=pdl, one_pass=INT8_ONE_PASS,
+                                                    gelu_tanh=INT8_GELU_TANH, reciprocal=INT8_RECIPROCAL)
     return concat_gelu_int8_reference(a, a_scale, h, bias, dtype)
 
 
@@ -324,7 +334,8 @@ def layernorm_modulate_int8(a, b, scale, shift, eps, dtype, pdl=False):
         from . import epilogue_triton
 
         if b is None or epilogue_triton.layernorm_modulate_rows(a.shape[0]) is not None:
-            return epilogue_triton.layernorm_modulate_int8(a, b, scale, shift, eps, dtype, pdl=pdl)
+            return epilogue_triton.layernorm_modulate_int8(a, b, scale, shift, eps, dtype, pdl=pdl,
+                                                           reciprocal=INT8_RECIPROCAL)
     return layernorm_modulate_int8_reference(a, b, scale, shift, eps, dtype)
 
 

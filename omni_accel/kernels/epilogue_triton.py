@@ -62,12 +62,13 @@ def _first_input_block(a_ptr, a_scale_ptr, rows, row_ok, first, cols, stride_a_r
 
 
 @triton.jit
-def _gelu_block(h_ptr, bias_ptr, rows, row_ok, c, stride_h_row, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr):
-    """gelu_tanh(h + bias) of columns ``c`` of h, float32."""
+def _gelu_block(h_ptr, bias_ptr, rows, row_ok, c, stride_h_row, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr,
+                TANH: tl.constexpr = False):
+    """gelu_tanh(h + bias) of columns ``c`` of h, float32 (``TANH``: see ``_int8_gelu``)."""
     h = tl.load(h_ptr + rows * stride_h_row + c, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(bias_ptr + c).to(tl.float32)
-    return _sigmoid_gelu(h, APPROX)
+    return _int8_gelu(h, APPROX, TANH)
 
 
 @triton.jit
@@ -80,6 +81,28 @@ def _sigmoid_gelu(h, APPROX: tl.constexpr):
                                           dtype=tl.float32, is_pure=True, pack=1)
     else:  # the interpreter runs no PTX
         y = h / (1.0 + e)
+    return y
+
+
+@triton.jit
+def _int8_gelu(h, APPROX: tl.constexpr, TANH: tl.constexpr):
+    """gelu_tanh(h) for float32 h. ``TANH``: as 0.5 h (1 + tanh(u)) with the hardware's tanh (``tanh.approx.f32``,
+    one special-function instruction where the sigmoid form takes two). Its error (about 2^-11 relative to tanh)
+    stays absolute in 1 + tanh, so a small negative GELU value (tanh near -1) can lose its leading digits: this form
+    is only for values quantized to int8 per row, where the error, at most 0.5 |h| 2^-11, is measured against the
+    row's int8 step (its largest value / 127; benchmarks/bench_fp8_epilogues.py reports the int8 values it moves).
+    The interpreter (no PTX) evaluates the same expression with an exact tanh."""
+    if TANH:
+        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) (h + 0.044715 h^3)
+        if APPROX:
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+        else:
+            e = tl.exp(-2.0 * tl.abs(u))  # tanh(|u|) = (1 - e^-2|u|) / (1 + e^-2|u|), no overflow
+            t = tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+        y = 0.5 * h * (1.0 + t)
+    else:
+        y = _sigmoid_gelu(h, APPROX)
     return y
 
 
@@ -167,11 +190,17 @@ def _as_16_bit(y, BF16: tl.constexpr, BIT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _to_int8(y, scale):
+def _to_int8(y, scale, RECIPROCAL: tl.constexpr = False):
     """round(y / scale) clamped to +-127; the rounding (to nearest even) by adding and removing 1.5 * 2^23, which
     the interpreter runs too (libdevice's rint is PTX only). Clamping first is the same as clamping after: the
-    bounds are integers."""
-    q = tl.minimum(tl.maximum(y / scale, -127.0), 127.0)
+    bounds are integers. ``RECIPROCAL``: y times the row's correctly rounded 1 / scale, where ``/`` is the GPU's
+    approximate division (a special-function instruction per value); both are within an ulp or two of the exact
+    quotient, so an int8 value differs only at a rounding tie."""
+    if RECIPROCAL:
+        q = y * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    else:
+        q = y / scale
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     return ((q + 12582912.0) - 12582912.0).to(tl.int8)
 
 
@@ -182,6 +211,7 @@ def _concat_gelu_int8_kernel(
     A_COLS: tl.constexpr, A_HEAD: tl.constexpr, H_COLS: tl.constexpr,
     A_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr, BF16: tl.constexpr,
     ROWS: tl.constexpr, A_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    GELU_TANH: tl.constexpr = False, RECIPROCAL: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -197,7 +227,7 @@ def _concat_gelu_int8_kernel(
                                A_HEAD, A_SCALED)
         amax = tl.maximum(amax, tl.max(tl.abs(_as_16_bit(y, BF16, not APPROX)), axis=1))
     for first in tl.range(0, H_COLS, H_BLOCK):
-        y = _gelu_block(h_ptr, bias_ptr, rows, row_ok, first + h_cols, stride_h_row, HAS_BIAS, APPROX)
+        y = _gelu_block(h_ptr, bias_ptr, rows, row_ok, first + h_cols, stride_h_row, HAS_BIAS, APPROX, GELU_TANH)
         amax = tl.maximum(amax, tl.max(tl.abs(_as_16_bit(y, BF16, not APPROX)), axis=1))
     scale = tl.maximum(amax, 1e-12) / 127.0
     tl.store(scale_ptr + row_ids, scale, mask=row_ids < n_rows)
@@ -207,10 +237,11 @@ def _concat_gelu_int8_kernel(
     for first in tl.range(0, A_COLS, A_BLOCK):
         y = _first_input_block(a_ptr, a_scale_ptr, rows, row_ok, first, a_cols, stride_a_row, stride_a_head,
                                A_HEAD, A_SCALED)
-        tl.store(out + first + a_cols, _to_int8(_as_16_bit(y, BF16, not APPROX), scale), mask=row_ok)
+        tl.store(out + first + a_cols, _to_int8(_as_16_bit(y, BF16, not APPROX), scale, RECIPROCAL), mask=row_ok)
     for first in tl.range(0, H_COLS, H_BLOCK):
-        y = _gelu_block(h_ptr, bias_ptr, rows, row_ok, first + h_cols, stride_h_row, HAS_BIAS, APPROX)
-        tl.store(out + A_COLS + first + h_cols, _to_int8(_as_16_bit(y, BF16, not APPROX), scale), mask=row_ok)
+        y = _gelu_block(h_ptr, bias_ptr, rows, row_ok, first + h_cols, stride_h_row, HAS_BIAS, APPROX, GELU_TANH)
+        y = _to_int8(_as_16_bit(y, BF16, not APPROX), scale, RECIPROCAL)
+        tl.store(out + A_COLS + first + h_cols, y, mask=row_ok)
     if PDL:  # at the end: launched earlier, the next kernel's waiting programs would share the SMs with pass 2
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -221,7 +252,7 @@ def _concat_gelu_int8_row_kernel(
     stride_a_row, stride_a_head, stride_h_row,
     A_COLS: tl.constexpr, A_HEAD: tl.constexpr, H_COLS: tl.constexpr,
     A_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr, BF16: tl.constexpr,
-    WIDTH: tl.constexpr, PDL: tl.constexpr,
+    WIDTH: tl.constexpr, PDL: tl.constexpr, GELU_TANH: tl.constexpr = False, RECIPROCAL: tl.constexpr = False,
 ):
     """``_concat_gelu_int8_kernel`` in one pass: a program holds its whole row (``WIDTH``, the power of two at or
     above A + H) in registers, so each input is read once from memory and the GELU computed once."""
@@ -242,10 +273,10 @@ def _concat_gelu_int8_row_kernel(
         h += tl.load(bias_ptr + h_col, mask=in_h, other=0.0).to(tl.float32)
     if PDL:  # every input is read: the next kernel may launch
         tl.extra.cuda.gdc_launch_dependents()
-    y = _as_16_bit(tl.where(in_a, a, _sigmoid_gelu(h, APPROX)), BF16, not APPROX)
+    y = _as_16_bit(tl.where(in_a, a, _int8_gelu(h, APPROX, GELU_TANH)), BF16, not APPROX)
     scale = tl.maximum(tl.max(tl.abs(tl.where(in_a | in_h, y, 0.0)), axis=0), 1e-12) / 127.0
     tl.store(scale_ptr + row, scale)
-    tl.store(out_ptr + row * (A_COLS + H_COLS) + col, _to_int8(y, scale), mask=in_a | in_h)
+    tl.store(out_ptr + row * (A_COLS + H_COLS) + col, _to_int8(y, scale, RECIPROCAL), mask=in_a | in_h)
 
 
 # The widest row the one-pass kernel holds in registers (64 float32 values per thread at 8 warps). At FLUX's
@@ -283,15 +314,17 @@ def int8_supported(a_cols: int, a_head: int, h_cols: int) -> bool:
 
 def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor, bias: torch.Tensor | None,
                      dtype: torch.dtype, tile: tuple[int, int, int, int] | None = None,
-                     pdl: bool = False, one_pass: bool = True,
-                     row_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     pdl: bool = False, one_pass: bool = True, row_warps: int | None = None,
+                     gelu_tanh: bool = False, reciprocal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``concat_gelu`` in ``dtype`` (bf16 / fp16), then each row to int8 with its own scale (kernels/int8.py's
     ``quantize_rows_int8``) in the same kernel: (int8 (rows, A + H), scale (rows, 1) float32). The 16-bit row is
     never written. Rows up to ``ROW_KERNEL_MAX_WIDTH`` wide go to the one-pass kernel, which reads each input once
     (with ``one_pass`` False, only those whose widths the two-pass kernel cannot tile); the others (or a ``tile``:
     (rows, first input's block, GELU block, warps)) to the two-pass kernel, which reads them twice, for the row's
     largest value and then for the cast. ``row_warps``: the
-    one-pass kernel's warps instead of ``_row_kernel_launch``'s choice (the benchmark's sweep)."""
+    one-pass kernel's warps instead of ``_row_kernel_launch``'s choice (the benchmark's sweep). ``gelu_tanh``: the
+    GELU by the hardware's tanh (``_int8_gelu``); ``reciprocal``: values times each row's 1 / scale instead of
+    divided by it (``_to_int8``); both spare special-function instructions."""
     n_rows, h_cols = h.shape
     heads, a_head = a.shape[1:] if a is not None else (0, 0)
     a_cols = heads * a_head
@@ -310,7 +343,7 @@ def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: to
                 out, scale, a.stride(0) if a is not None else 0, a.stride(1) if a is not None else 0, h.stride(0),
                 A_COLS=a_cols, A_HEAD=max(a_head, 1), H_COLS=h_cols, A_SCALED=a_scale is not None,
                 HAS_BIAS=bias is not None, APPROX=not INTERPRETED, BF16=dtype == torch.bfloat16, WIDTH=width,
-                num_warps=warps, **_pdl_launch(pdl),
+                GELU_TANH=gelu_tanh, RECIPROCAL=reciprocal, num_warps=warps, **_pdl_launch(pdl),
             )
         return out, scale
     rows, a_block, h_block, warps = tile or _int8_tile(a_cols, a_head, h_cols)
@@ -320,7 +353,8 @@ def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: to
             out, scale, n_rows, a.stride(0) if a is not None else 0, a.stride(1) if a is not None else 0,
             h.stride(0), A_COLS=a_cols, A_HEAD=max(a_head, 1), H_COLS=h_cols, A_SCALED=a_scale is not None,
             HAS_BIAS=bias is not None, APPROX=not INTERPRETED, BF16=dtype == torch.bfloat16, ROWS=rows,
-            A_BLOCK=a_block, H_BLOCK=h_block, num_warps=warps, **_pdl_launch(pdl),
+            A_BLOCK=a_block, H_BLOCK=h_block, GELU_TANH=gelu_tanh, RECIPROCAL=reciprocal, num_warps=warps,
+            **_pdl_launch(pdl),
         )
     return out, scale
 
@@ -330,7 +364,7 @@ def _qk_norm_rope_kernel(
     src_ptr, bias_ptr, w_ptr, src2_ptr, bias2_ptr, w2_ptr, cos_ptr, sin_ptr, k_mean_ptr, inverse_ptr, out_ptr,
     n_rows, seq, stride_src, first_col, stride_src2, first_col2, tokens_a, eps,
     HEADS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MEAN: tl.constexpr, CAST: tl.constexpr,
-    TWO: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+    TWO: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, SHARED_TOKEN: tl.constexpr = False,
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -365,8 +399,13 @@ def _qk_norm_rope_kernel(
     # the rotary embedding on interleaved pairs: y * cos + swap(y) * sin * (-1, +1, ...), the swap in registers
     even, odd = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
     swapped = tl.reshape(tl.join(odd, even), (ROWS, D))
-    c = tl.load(cos_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
+    if SHARED_TOKEN:  # ROWS divides HEADS: the program's rows are heads of one token, which share cos and sin
+        first = ((tl.program_id(0) * ROWS) // HEADS).to(tl.int64) % seq
+        c = tl.broadcast_to(tl.load(cos_ptr + first * D + d).to(tl.float32), (ROWS, D))
+        s = tl.broadcast_to(tl.load(sin_ptr + first * D + d).to(tl.float32), (ROWS, D))
+    else:
+        c = tl.load(cos_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
     out = y * c + swapped * (s * ((d % 2) * 2 - 1).to(tl.float32))
     if HAS_MEAN:
         out -= tl.load(k_mean_ptr + head * D + d)
@@ -377,6 +416,12 @@ def _qk_norm_rope_kernel(
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + d, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# Whether qk_norm_rope's programs load a token's cos / sin once for its heads (a broadcast across the program's rows)
+# rather than once per row (vector loads that hit the cache after the first). Off until timed
+# (benchmarks/bench_fp8_epilogues.py --cases qk: rows triton_shared_rotary and triton_rotary_per_row).
+QK_SHARED_ROTARY = False
+
+
 def qk_norm_rope_supported(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0  # tl.arange needs a power of two
 
@@ -384,12 +429,16 @@ def qk_norm_rope_supported(head_dim: int) -> bool:
 def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, heads: int, weight: torch.Tensor,
                  eps: float, cos: torch.Tensor, sin: torch.Tensor, k_mean: torch.Tensor | None,
                  inverse: torch.Tensor | None, pdl: bool = False,
-                 out_dtype: torch.dtype = torch.float8_e4m3fn, second: tuple | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float8_e4m3fn, second: tuple | None = None,
+                 share_rotary: bool | None = None) -> torch.Tensor:
     """src (rows, C) with stride(-1) == 1, columns [first_col, first_col + heads * D) of it -> (rows, heads, D):
     RMSNorm per head, interleaved rotary embedding with cos / sin (S, D) (row r is token r % S), K's mean
     subtracted, static cast to e4m3 with ``inverse``; without it, the float32 result rounded to ``out_dtype``.
     ``second``: (src2, bias2, first_col2, weight2, tokens_a): each sample's first tokens_a tokens are src's rows, its
-    other S - tokens_a tokens src2's, normalized with weight2 (a joint block's two streams)."""
+    other S - tokens_a tokens src2's, normalized with weight2 (a joint block's two streams). ``share_rotary``
+    (default ``QK_SHARED_ROTARY``): where a program's rows are heads of one token (its row count divides the heads),
+    load that token's cos / sin once and broadcast them instead of loading them for every row."""
+    share_rotary = QK_SHARED_ROTARY if share_rotary is None else share_rotary
     d = weight.numel()
     if second is not None and (bias is None) != (second[1] is None):  # the kernel has one bias switch for both
         raise ValueError("qk_norm_rope: give both streams a bias or neither")
@@ -407,7 +456,8 @@ def qk_norm_rope(src: torch.Tensor, bias: torch.Tensor | None, first_col: int, h
                 cos, sin, k_mean if k_mean is not None else cos, inverse if cast else cos, out, n_rows, cos.shape[0],
                 src.stride(0), first_col, src2.stride(0), first_col2, tokens_a, float(eps),
                 HEADS=heads, D=d, HAS_BIAS=bias is not None, HAS_MEAN=k_mean is not None, CAST=cast,
-                TWO=second is not None, ROWS=rows, num_warps=4, **_pdl_launch(pdl),
+                TWO=second is not None, ROWS=rows, SHARED_TOKEN=share_rotary and heads % rows == 0, num_warps=4,
+                **_pdl_launch(pdl),
             )
     return out.to(out_dtype) if store_dtype != out_dtype else out
 
@@ -465,7 +515,7 @@ def _layernorm_modulate_int8_kernel(
     a_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, row_scale_ptr,
     n_rows, rows_a, eps,
     C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, BF16: tl.constexpr,
-    APPROX: tl.constexpr, PDL: tl.constexpr,
+    APPROX: tl.constexpr, PDL: tl.constexpr, RECIPROCAL: tl.constexpr = False,
 ):
     """The int8 form: each row rounded to the 16-bit dtype, then to int8 with its own scale (the int8 linears'
     per-token activation quantization), the row's largest value taken in registers."""
@@ -474,7 +524,7 @@ def _layernorm_modulate_int8_kernel(
     y = _as_16_bit(y, BF16, not APPROX)
     row_scale = tl.maximum(tl.max(tl.abs(tl.where(mask, y, 0.0)), axis=1), 1e-12) / 127.0
     tl.store(row_scale_ptr + rows64, row_scale[:, None], mask=rows64 < n_rows)
-    tl.store(out_ptr + rows64 * C + cols[None, :], _to_int8(y, row_scale[:, None]), mask=mask)
+    tl.store(out_ptr + rows64 * C + cols[None, :], _to_int8(y, row_scale[:, None], RECIPROCAL), mask=mask)
 
 
 def layernorm_modulate_rows(rows_a: int) -> int | None:
@@ -502,19 +552,24 @@ def layernorm_modulate_cast(a: torch.Tensor, b: torch.Tensor | None, scale: torc
 
 
 def layernorm_modulate_int8(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
-                            eps: float, dtype: torch.dtype, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, dtype: torch.dtype, pdl: bool = False, reciprocal: bool = False,
+                            tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``layernorm_modulate_cast``'s rows rounded to ``dtype`` and quantized to int8 per row (kernels/int8.py's
-    ``quantize_rows_int8``): (int8 (rows, C), scale (rows, 1) float32)."""
+    ``quantize_rows_int8``): (int8 (rows, C), scale (rows, 1) float32). ``reciprocal``: see ``_to_int8``; ``tile``:
+    (rows per program, warps) instead of the default (the benchmark's sweep); its rows must divide a's."""
     c = a.shape[-1]
     n_rows = a.shape[0] + (b.shape[0] if b is not None else 0)
     out = torch.empty(n_rows, c, dtype=torch.int8, device=a.device)
     row_scale = torch.empty(n_rows, 1, dtype=torch.float32, device=a.device)
-    rows = layernorm_modulate_rows(a.shape[0]) if b is not None else 2
+    rows, warps = tile or (layernorm_modulate_rows(a.shape[0]) if b is not None else 2, 8)
+    if b is not None and a.shape[0] % rows:
+        raise ValueError(f"layernorm_modulate_int8: tile rows {rows} must divide the first stream's {a.shape[0]} "
+                         "rows (a program reads one stream); pick a divisor")
     if n_rows:
         with _on_device(a):
             _launcher(_layernorm_modulate_int8_kernel, a.device)[(triton.cdiv(n_rows, rows),)](
                 a, b if b is not None else a, scale, shift, out, row_scale, n_rows, a.shape[0], float(eps), C=c,
                 BLOCK=triton.next_power_of_2(c), ROWS=rows, SPLIT=b is not None, BF16=dtype == torch.bfloat16,
-                APPROX=not INTERPRETED, num_warps=8, **_pdl_launch(pdl),
+                APPROX=not INTERPRETED, RECIPROCAL=reciprocal, num_warps=warps, **_pdl_launch(pdl),
             )
     return out, row_scale
