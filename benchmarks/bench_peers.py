@@ -616,6 +616,9 @@ ROWS["ours_int8_modint8"] = replace(ROWS["ours_int8"], name="ours_int8_modint8",
     note="ours_int8 (today's kernels) with quant_config['modulation']='int8' (Inductor's reduction for the GEMVs)")
 ROWS["ours_int8_modint8_gemv"] = _switched("ours_int8_modint8", "gemv", "the modulation GEMVs in omni_accel's "
                                            "tensor-core Triton kernel", triton_gemv=True, gemv_kernel="dot_64x256")
+ROWS["ours_int8_modint8_gemv32"] = _switched("ours_int8_modint8", "gemv32", "the modulation GEMVs in omni_accel's "
+                                             "tensor-core Triton kernel, 32-row tiles (GEMV_KERNEL's default)",
+                                             triton_gemv=True, gemv_kernel="dot_32x256")
 ROWS["ours_int8_modint8_gemvreduce"] = _switched("ours_int8_modint8", "gemvreduce", "the modulation GEMVs in "
                                                  "omni_accel's reduction Triton kernel", triton_gemv=True,
                                                  gemv_kernel="reduce")

@@ -16,8 +16,11 @@ Each gets the relative error against SDPA on the new inputs; SageAttention's own
 kernel called through ``omni_accel::sage_attention_quantized``), plus ``prepared_vs_package``: its output against
 ``sageattn``'s on the same inputs (both quantize the same way, so this is the kernel reading our operands as its
 own), and ``prepared_vs_operands``: against the float32 attention of the operands it was given. ``prep_kernels_*``:
-the same with ``sage_attention.PREP_KERNELS`` (omni_accel's Triton kernels quantize), and how many of their operands
-equal the PyTorch expressions'. Usage::
+the same with ``sage_attention.PREP_KERNELS`` (omni_accel's Triton kernels quantize), how many of their operands
+equal the PyTorch expressions' (and the largest relative scale difference), the kernel's output on them against SDPA
+and against its output on the PyTorch operands with K's mean subtracted in float32 as the kernels do
+(``fp32_vs_bf16_smoothed_operands``: what that precision alone moves). Each compiled row starts from a reset
+compiler: the switches are read while tracing. Usage::
 
     python benchmarks/check_sage_graphs.py --out benchmarks/results/check_sage_graphs_h200.json
 """
@@ -80,6 +83,7 @@ def _prepared_rows(fresh, want, other, device) -> dict:
     graph on new inputs."""
     from omni_accel.kernels import sage_attention as sage
 
+    torch._dynamo.reset()  # a fresh trace: the module switches are read while tracing
     prepared = torch.compile(sage.prepared_attention, dynamic=False)
 
     def block(q, k, v):
@@ -90,6 +94,7 @@ def _prepared_rows(fresh, want, other, device) -> dict:
     kernel_out = sage.sage_attention_quantized(*operands, q.shape[-1] ** -0.5, q.dtype)
     q32, k32, v32 = sage.dequantized(*operands)
     rows = {"prepared_eager": rel_err(block(*fresh), want),
+            "prepared_direct_vs_sdpa": rel_err(kernel_out * 2.0, want),
             "prepared_vs_package": rel_err(kernel_out, sage._sage_call(q, k, v, None, False)),
             "prepared_vs_operands": rel_err(kernel_out, sdpa(q32, k32, v32))}
     rows["prepared_host_step"], _, rows["prepared_graph_stats"] = _graphed_error(block, other, fresh, want, device)
@@ -105,14 +110,26 @@ def _prep_kernel_rows(fresh, want, other, device) -> dict:
 
     q, k, v = fresh
     got = sage_prep_triton.quantize(q, k, v)
+    # the kernels subtract K's mean in float32; the PyTorch expressions on a bf16 K round K - mean to bf16 first
     ref = (*sage.quantize_queries(q), *sage.quantize_keys(k.float()), *sage.quantize_values(v))
     rows = {f"prep_kernels_{name}_equal_frac": (x.float() == y.float()).float().mean().item()
             for name, x, y in zip(("q8", "q_scale", "k8", "k_scale", "v8", "v_scale"), got, ref)}
-    kernel_out = sage.sage_attention_quantized(*got, q.shape[-1] ** -0.5, q.dtype)
+    rows["prep_kernels_scale_max_rel_diff"] = max(float(((x - y).abs() / y.abs().clamp(min=1e-30)).max())
+                                                  for x, y in ((got[1], ref[1]), (got[3], ref[3]), (got[5], ref[5])))
+
+    def attend(operands):
+        return sage.sage_attention_quantized(*operands, q.shape[-1] ** -0.5, q.dtype)
+
+    kernel_out = attend(got)
+    bf16_smoothed = attend((*sage.quantize_queries(q), *sage.quantize_keys(k), *sage.quantize_values(v)))
     rows["prep_kernels_vs_package"] = rel_err(kernel_out, sage._sage_call(q, k, v, None, False))
+    rows["prep_kernels_direct_vs_sdpa"] = rel_err(kernel_out * 2.0, want)
+    rows["prep_kernels_vs_fp32_smoothed_operands"] = rel_err(kernel_out, attend(ref))
+    rows["fp32_vs_bf16_smoothed_operands"] = rel_err(attend(ref), bf16_smoothed)
     saved = sage.PREP_KERNELS
     sage.PREP_KERNELS = True
     try:
+        torch._dynamo.reset()  # else the trace made with the switch off is reused
         prepared = torch.compile(sage.prepared_attention, dynamic=False)
 
         def block(q, k, v):

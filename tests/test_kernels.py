@@ -534,8 +534,8 @@ def test_int8_epilogue_kernels_spare_special_function_instructions_when_asked():
                          row_scale_ptr="*fp32")
     norm_consts = dict(C=3072, BLOCK=4096, ROWS=2, SPLIT=True, BF16=True, APPROX=True, PDL=True)
     divisions = [_compile_for_hopper(et._layernorm_modulate_int8_kernel, norm_pointers,
-                                     {**norm_consts, "RECIPROCAL": r}, {"num_warps": 8}).asm["ptx"].count("div.full.f32 ")
-                 for r in (False, True)]
+                                     {**norm_consts, "RECIPROCAL": r}, {"num_warps": 8}).asm["ptx"]
+                 .count("div.full.f32 ") for r in (False, True)]
     assert divisions[0] - divisions[1] == 2 * 4096 // 256, divisions  # one per value of the program's two rows
 
 

@@ -407,8 +407,12 @@ GEMV_BLOCK_N = 16  # weight rows per program: FLUX's 9,216-18,432 output channel
 GEMV_DOT_TILES = {"dot_64x256": (64, 256, 4, 4), "dot_32x256": (32, 256, 4, 4), "dot_64x128": (64, 128, 4, 4),
                   "dot_128x128": (128, 128, 4, 4)}
 # Which GEMV kernel ``int8_gemv`` launches: a tile of the tensor-core kernel, or "reduce" (the broadcast product
-# summed in registers, the first one built: 0.43-0.53x cuBLAS's bf16 GEMV on an H100, its loads not pipelined)
-GEMV_KERNEL = "dot_64x256"
+# summed in registers, the first one built: 0.43-0.53x cuBLAS's bf16 GEMV on an H100, its loads not pipelined).
+# dot_32x256 by the per-kernel figures, each replayed from a CUDA graph over weight copies larger than L2, on an H200
+# (benchmarks/results/bench_fp8_gemm_h200_gemv_20261206.json): 1.29x cuBLAS's bf16 GEMV at FLUX's 1 x 3072 x 18432
+# (25.2 against 32.5 us) and 1.25x at 9216 outputs (16.0 against 20.0); dot_64x256 0.96x / 0.86x, "reduce" 0.56x /
+# 0.60x. Twice as many programs as dot_64x256 keep more weight loads in flight.
+GEMV_KERNEL = "dot_32x256"
 GEMV_KERNELS = (*GEMV_DOT_TILES, "reduce")
 
 
