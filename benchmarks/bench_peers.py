@@ -928,6 +928,57 @@ def ordered(names: list[str]) -> list[str]:
     return [n for n in names if not ROWS[n].destructive] + [n for n in names if ROWS[n].destructive]
 
 
+def run_order(names: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, config) in run order: the configs forward in even rounds and backward in odd ones (A B, B A, A B ...),
+    so a clock or temperature drift over the run lands on every config alike instead of on the later ones."""
+    return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+
+
+def combine_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (model, config) from rows timed over several rounds: the first round's row (its first call, profile
+    and errors: the cold one) with the timings replaced by their medians over the rounds, and each round's in
+    ``*_rounds``. Rows timed once pass through unchanged."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["config"]), []).append(row)
+    combined = []
+    for group in groups.values():
+        first = dict(group[0])
+        timed = [r for r in group if "ms" in r]
+        if len(group) > 1 and timed:
+            for key in ("ms", "ms_loop", "ms_per_step", "ms_per_step_loop"):
+                values = [r[key] for r in timed if key in r]
+                if values:
+                    first[key] = round(statistics.median(values), 3)
+                    first[f"{key}_rounds"] = values
+            first.pop("round", None)
+            first["rounds"] = len(group)
+        combined.append(first)
+    return combined
+
+
+def paired_ratios(rows: list[dict], baseline: str) -> dict:
+    """Per model and config: ``baseline``'s ms over the config's ms within each round (each pair timed close together),
+    and their median -- an A/B that a drift between rounds does not move. Also for the loop timings."""
+    out: dict[str, dict] = {}
+    by_round = {(r["model"], r.get("round", 0), r["config"]): r for r in rows if "ms" in r}
+    for (model, round_index, config), row in sorted(by_round.items()):
+        base = by_round.get((model, round_index, baseline))
+        if base is None or config == baseline:
+            continue
+        entry = out.setdefault(model, {"baseline": baseline}).setdefault(config, {"ratios": [], "loop_ratios": []})
+        entry["ratios"].append(round(base["ms"] / row["ms"], 4))
+        if "ms_loop" in base and "ms_loop" in row:
+            entry["loop_ratios"].append(round(base["ms_loop"] / row["ms_loop"], 4))
+    for model_entry in out.values():
+        for config, entry in model_entry.items():
+            if config != "baseline":
+                for key in ("ratios", "loop_ratios"):
+                    if entry[key]:
+                        entry[f"median_{key[:-1]}"] = round(statistics.median(entry[key]), 4)
+    return out
+
+
 def summarize(rows: list[dict]) -> dict:
     """Speed-up ratios per model: ours' best lossless vs diffusers' best, ours' best FP8 vs torchao's FP8 and vs
     diffusers' best, ours' best int8 vs torchao's int8, each from rows of the same run (a format against the same
@@ -1087,6 +1138,11 @@ def parse_args(argv):
     ap.add_argument("--loop-forwards", type=int, default=0,
                     help="also time N forwards launched back to back, as a denoising loop runs them (3 groups): "
                          "ms_loop / ms_per_step_loop per row, beside the per-forward timing; 0 = off")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every config this many times, in alternating order (A B, B A, ...): rows carry the "
+                         "median and each round's figure, and 'paired' holds each config's speed-up over the first "
+                         "config within each round (an A/B that drift over the run does not move); profiles are "
+                         "taken in the first round only")
     ap.add_argument("--out", default="benchmarks/results/bench_peers.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--table-from", default=None,
@@ -1101,6 +1157,8 @@ def parse_args(argv):
         ap.error(f"--loop-forwards {args.loop_forwards}: give a number of forwards (>= 1), or 0 for none")
     if args.blocks < 0:
         ap.error(f"--blocks {args.blocks}: give the number of blocks to keep per stack (>= 1), or 0 for all")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give the number of times to time each config (>= 1)")
     if args.check and not args.readme:
         ap.error("--check compares a markdown file's peers-table blocks with their result files: give it with "
                  "--readme FILE")
@@ -1129,6 +1187,10 @@ def main(argv=None) -> int:
         print(f"error: --configs has {len(destructive)} rows that change the weights in place ({destructive}); the "
               "second would quantize the first one's weights. Run each in its own invocation.", file=sys.stderr)
         return 2
+    if destructive and args.rounds > 1:
+        print(f"error: --rounds {args.rounds} would run {destructive[0]} (it changes the weights in place) before "
+              "other rows of a later round; time it with --rounds 1 in its own invocation.", file=sys.stderr)
+        return 2
     args.iters = args.iters or (2 if args.tiny else 10)
     args.warmup = args.warmup or (1 if args.tiny else 3)
     t_start = time.perf_counter()
@@ -1156,7 +1218,13 @@ def main(argv=None) -> int:
     if args.deadline:
         arm_deadline(args.deadline - (time.perf_counter() - t_start))
 
+    timed_rows: list[dict] = []  # every round's rows; result["rows"] holds one per config
+
     def write() -> None:
+        result["rows"] = combine_rounds(timed_rows)
+        if args.rounds > 1:
+            result["round_rows"] = timed_rows
+            result["paired"] = paired_ratios(timed_rows, configs[0])
         result["summary"] = summarize(result["rows"])
         result["total_s"] = round(time.perf_counter() - t_start, 1)
         write_result(args.out, result)
@@ -1174,19 +1242,26 @@ def main(argv=None) -> int:
         inputs = make_inputs(spec, device, transformer.dtype)
         reference = eager_reference(transformer, inputs)
         sync(device)
-        for name in ordered(configs):
+        for round_index, name in run_order(ordered(configs), args.rounds):
             row = ROWS[name]
             reason = skip_reason(row, device)
             if reason is None and time.perf_counter() - t_start > args.time_budget:
                 reason = f"time budget of {args.time_budget:.0f} s spent"
             if reason is not None:
-                result["skipped"].append({"model": model, "config": name, "skipped": reason})
+                if round_index == 0 or reason.startswith("time budget"):  # a missing package: once
+                    result["skipped"].append({"model": model, "config": name, "skipped": reason,
+                                              **({"round": round_index} if args.rounds > 1 else {})})
                 log(f"{model} {name}: skipped ({reason})")
                 write()
                 continue
-            log(f"{model} {name} ...")
-            entry = run_row(row, spec, pipe, inputs, reference, device, args, clocks, flops)
-            result["rows"].append(entry)
+            log(f"{model} {name} ..." + (f" (round {round_index + 1} of {args.rounds})" if args.rounds > 1 else ""))
+            # later rounds time the row again; its profile (minutes of tracing) comes from the first
+            row_args = args if round_index == 0 else argparse.Namespace(**{**vars(args), "profile": False,
+                                                                            "host_profile": False})
+            entry = run_row(row, spec, pipe, inputs, reference, device, row_args, clocks, flops)
+            if args.rounds > 1:
+                entry["round"] = round_index
+            timed_rows.append(entry)
             if entry.get("deadline_passed"):
                 log(f"{model} {name}: deadline passed; ending the run")
                 write()
@@ -1198,7 +1273,7 @@ def main(argv=None) -> int:
             write()
         del pipe, transformer, inputs, reference
         gc.collect()
-        if any(r.get("deadline_passed") for r in result["rows"]):
+        if any(r.get("deadline_passed") for r in timed_rows):
             break
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -1214,6 +1289,9 @@ def main(argv=None) -> int:
     write()
     print(markdown_table(result))
     print(result["summary"])
+    if "paired" in result:
+        print({model: {config: entry.get("median_ratio") for config, entry in by_config.items() if config != "baseline"}
+               for model, by_config in result["paired"].items()})
     try:
         plot(result, args.plot or os.path.splitext(args.out)[0] + ".png")
     except Exception as exc:  # noqa: BLE001 -- no matplotlib: the JSON is what matters

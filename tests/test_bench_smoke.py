@@ -157,6 +157,43 @@ def test_peers_bench_tiny_cpu_rows_summary_and_table(bench_peers, tmp_path, caps
     assert "--loop-forwards -1: give a number of forwards (>= 1), or 0 for none" in capsys.readouterr().err
 
 
+def test_peers_bench_rounds_alternate_the_order_and_pair_the_ratios(bench_peers, tmp_path, capsys):
+    """--rounds 3 times each config three times in the order A B, B A, A B: one row per config with the median of its
+    rounds (and each round's figure), every round's row kept, and each config's speed-up over the first config
+    within each round; a row that changes the weights in place is refused with rounds, and so is --rounds 0."""
+    out = tmp_path / "peers.json"
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
+                             "diffusers_eager,ours_bf16", "--rounds", "3", "--loop-forwards", "2",
+                             "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["round"], r["config"]) for r in result["round_rows"]] == [
+        (0, "diffusers_eager"), (0, "ours_bf16"), (1, "ours_bf16"), (1, "diffusers_eager"), (2, "diffusers_eager"),
+        (2, "ours_bf16")]
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"diffusers_eager", "ours_bf16"}
+    ours_rounds = [r for r in result["round_rows"] if r["config"] == "ours_bf16"]
+    assert rows["ours_bf16"]["ms_rounds"] == [r["ms"] for r in ours_rounds]
+    assert rows["ours_bf16"]["ms"] == round(sorted(r["ms"] for r in ours_rounds)[1], 3)
+    assert rows["ours_bf16"]["rounds"] == 3 and rows["ours_bf16"]["first_call_s"] == ours_rounds[0]["first_call_s"]
+    eager_rounds = [r for r in result["round_rows"] if r["config"] == "diffusers_eager"]
+    paired = result["paired"]["flux"]
+    assert paired["baseline"] == "diffusers_eager" and set(paired) == {"baseline", "ours_bf16"}
+    assert paired["ours_bf16"]["ratios"] == [round(e["ms"] / o["ms"], 4) for e, o in zip(eager_rounds, ours_rounds)]
+    assert paired["ours_bf16"]["median_ratio"] == round(sorted(paired["ours_bf16"]["ratios"])[1], 4)
+    assert len(paired["ours_bf16"]["loop_ratios"]) == 3
+    assert result["summary"]["flux"]["lossless_vs_diffusers_eager"] == round(
+        rows["diffusers_eager"]["ms"] / rows["ours_bf16"]["ms"], 3)
+    capsys.readouterr()
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--configs", "ours_bf16,torchao_int8", "--rounds", "2",
+                             "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err == ("error: --rounds 2 would run torchao_int8 (it changes the weights in place) "
+                                       "before other rows of a later round; time it with --rounds 1 in its own "
+                                       "invocation.\n")
+    with pytest.raises(SystemExit):
+        bench_peers.main(["--rounds", "0", "--out", str(tmp_path / "x.json")])
+    assert "--rounds 0: give the number of times to time each config (>= 1)" in capsys.readouterr().err
+
+
 def test_peers_bench_static_attention_scales_row_on_the_cpu(bench_peers, tmp_path, monkeypatch, cudnn_fp8_on_cpu):
     """The three configs of the static-attention-scales GPU run, on a tiny FLUX with cuDNN's FP8 arithmetic emulated:
     the static row calibrates and freezes every attention module, the per-call row attaches none, both stay lossy
