@@ -936,23 +936,40 @@ def run_order(names: list[str], rounds: int) -> list[tuple[int, str]]:
 
 def combine_rounds(rows: list[dict]) -> list[dict]:
     """One row per (model, config) from rows timed over several rounds: the first round's row (its first call, profile
-    and errors: the cold one) with the timings replaced by their medians over the rounds, and each round's in
-    ``*_rounds``. Rows timed once pass through unchanged."""
+    and errors: the cold one) with the timings replaced by their medians over the rounds that timed it (each round's
+    in ``*_rounds``), ``ms_min`` / ``ms_max`` over all of them, TFLOP/s and energy per forward rescaled to the median,
+    ``rounds`` the number of rounds that timed it, and any round's error or passed deadline carried over. Rows of a
+    run without rounds pass through unchanged."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["model"], row["config"]), []).append(row)
     combined = []
     for group in groups.values():
-        first = dict(group[0])
+        if "round" not in group[0]:
+            combined.extend(group)
+            continue
+        first = {k: v for k, v in group[0].items() if k != "round"}
         timed = [r for r in group if "ms" in r]
-        if len(group) > 1 and timed:
+        if timed:
+            base = timed[0]
+            first.update({k: v for k, v in base.items() if k not in first and k != "round"})  # round 0 may have failed
             for key in ("ms", "ms_loop", "ms_per_step", "ms_per_step_loop"):
                 values = [r[key] for r in timed if key in r]
                 if values:
                     first[key] = round(statistics.median(values), 3)
                     first[f"{key}_rounds"] = values
-            first.pop("round", None)
-            first["rounds"] = len(group)
+            first["ms_min"] = min(r["ms_min"] for r in timed)
+            first["ms_max"] = max(r["ms_max"] for r in timed)
+            scale = base["ms"] / first["ms"]  # figures inverse or proportional to the time, at the median
+            first["tflops"] = round(base["tflops"] * scale, 1)
+            if "energy_j_per_forward" in base:
+                first["energy_j_per_forward"] = round(base["energy_j_per_forward"] / scale, 2)
+        first["rounds"] = len(timed)
+        errors = [f"round {r['round']}: {r['error']}" for r in group if "error" in r]
+        if errors:
+            first["error"] = "; ".join(errors)[:2000]
+        if any(r.get("deadline_passed") for r in group):
+            first["deadline_passed"] = True
         combined.append(first)
     return combined
 

@@ -175,6 +175,9 @@ def test_peers_bench_rounds_alternate_the_order_and_pair_the_ratios(bench_peers,
     assert rows["ours_bf16"]["ms_rounds"] == [r["ms"] for r in ours_rounds]
     assert rows["ours_bf16"]["ms"] == round(sorted(r["ms"] for r in ours_rounds)[1], 3)
     assert rows["ours_bf16"]["rounds"] == 3 and rows["ours_bf16"]["first_call_s"] == ours_rounds[0]["first_call_s"]
+    assert rows["ours_bf16"]["ms_min"] == min(r["ms_min"] for r in ours_rounds) and "round" not in rows["ours_bf16"]
+    assert rows["ours_bf16"]["tflops"] == round(ours_rounds[0]["tflops"] * ours_rounds[0]["ms"]
+                                                / rows["ours_bf16"]["ms"], 1)
     eager_rounds = [r for r in result["round_rows"] if r["config"] == "diffusers_eager"]
     paired = result["paired"]["flux"]
     assert paired["baseline"] == "diffusers_eager" and set(paired) == {"baseline", "ours_bf16"}
@@ -192,6 +195,25 @@ def test_peers_bench_rounds_alternate_the_order_and_pair_the_ratios(bench_peers,
     with pytest.raises(SystemExit):
         bench_peers.main(["--rounds", "0", "--out", str(tmp_path / "x.json")])
     assert "--rounds 0: give the number of times to time each config (>= 1)" in capsys.readouterr().err
+
+
+def test_peers_rounds_carry_errors_deadlines_and_partly_timed_configs(bench_peers):
+    """combine_rounds: a config timed in one round of two counts one round and drops its round number; a failed round
+    leaves the timed one's figures and names its error; a deadline passed in a later round stays on the row."""
+    def timed(config, round_index, ms, **extra):
+        return {"model": "flux", "config": config, "round": round_index, "ms": ms, "ms_min": ms - 1,
+                "ms_max": ms + 1, "tflops": 100.0, **extra}
+
+    rows = bench_peers.combine_rounds([
+        timed("a", 0, 10.0), {"model": "flux", "config": "b", "round": 0, "error": "boom"}, timed("b", 1, 20.0),
+        timed("a", 1, 12.0, deadline_passed=True), timed("c", 0, 5.0)])
+    by = {r["config"]: r for r in rows}
+    assert by["a"]["ms"] == 11.0 and by["a"]["ms_rounds"] == [10.0, 12.0] and by["a"]["deadline_passed"]
+    assert by["a"]["ms_min"] == 9.0 and by["a"]["ms_max"] == 13.0 and by["a"]["tflops"] == round(100 * 10 / 11, 1)
+    assert by["b"]["ms"] == 20.0 and by["b"]["rounds"] == 1 and by["b"]["error"] == "round 0: boom"
+    assert by["c"]["rounds"] == 1 and "round" not in by["c"] and "round" not in by["b"]
+    plain = [{"model": "flux", "config": "a", "ms": 1.0}]
+    assert bench_peers.combine_rounds(plain) == plain
 
 
 def test_peers_bench_static_attention_scales_row_on_the_cpu(bench_peers, tmp_path, monkeypatch, cudnn_fp8_on_cpu):

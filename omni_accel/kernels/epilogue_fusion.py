@@ -94,12 +94,13 @@ GELU_INT8 = True
 # (benchmarks/results/bench_peers_h100_flux_newkernels_ab1_20261205.json). Benchmarks' A/B rows set it.
 INT8_ONE_PASS = True
 # Whether the int8 concatenation + GELU kernels take the GELU's tanh from the hardware's approximate tanh (one
-# special-function instruction per value where the sigmoid form takes two; its error is a small fraction of an int8
-# step: epilogue_triton._int8_gelu), and whether the int8 kernels multiply each value by its row's reciprocal scale
-# instead of dividing by the scale (the GPU's division is another special-function instruction per value). The
-# one-pass kernel evaluates the GELU on every value of its row, so at FLUX's 4608 x 15360 these instructions alone
-# need about as long as the row's bytes. Off until timed (benchmarks/bench_fp8_epilogues.py --cases
-# int8,layernorm_int8); benchmarks' A/B rows set them.
+# special-function instruction per value where the sigmoid form takes two; its error, up to 0.5 |h| 2^-11, is under
+# half an int8 step unless a row's negative inputs exceed about 16x its largest output: epilogue_triton._int8_gelu),
+# and whether the int8 kernels multiply each value by its row's reciprocal scale instead of dividing by the scale
+# (the GPU's division is another special-function instruction per value). Off: on an H200 both cut the kernel of
+# FLUX's single blocks, alone, from 96.7 to 81.5 us but made the FLUX step no faster (90.6 against 89.8 ms;
+# benchmarks/results/bench_fp8_epilogues_h200_int8_diet_20261206.json, bench_peers_h200_flux_int8_ab_20261206.json).
+# Benchmarks' A/B rows set them.
 INT8_GELU_TANH = False
 INT8_RECIPROCAL = False
 # Whether, with INT8, AdaLN's LayerNorm + modulate feeding int8 linears becomes one operation that writes the int8

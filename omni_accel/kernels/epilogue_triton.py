@@ -417,8 +417,9 @@ def _qk_norm_rope_kernel(
 
 
 # Whether qk_norm_rope's programs load a token's cos / sin once for its heads (a broadcast across the program's rows)
-# rather than once per row (vector loads that hit the cache after the first). Off until timed
-# (benchmarks/bench_fp8_epilogues.py --cases qk: rows triton_shared_rotary and triton_rotary_per_row).
+# rather than once per row (vector loads that hit the cache after the first). Off: slower in the FLUX forward on an
+# H200, the kernel's profiled time 3.21 against 2.69 ms per step (bench_peers_h200_flux_int8_ab_20261206.json); the
+# broadcast lowers to scalar loads and a layout change.
 QK_SHARED_ROTARY = False
 
 
