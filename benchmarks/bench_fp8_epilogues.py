@@ -29,7 +29,9 @@
 2. The FP8 GEMMs' scaling: ``torch._scaled_mm`` with row-wise scales (a per-token activation scale, what the library
    passes today even for a static scale) against per-tensor scales, at every FLUX linear shape.
 
-Timing: CUDA events around ``--reps`` back-to-back calls (median of ``--iters`` such groups); the rows' clocks and power
+Timing: CUDA events around ``--reps`` back-to-back calls (median of ``--iters`` such groups: ``us``), and on a GPU
+the same calls replayed from one CUDA graph (``us_graph``: no host launch in the figure, which a kernel shorter than
+its launch needs; the AdaLN and q / k cases cycle through input copies larger than L2); the rows' clocks and power
 come from nvidia-smi (``--log-clocks``). ``max_abs_err`` of every way is against the float32 formula.
 """
 
@@ -46,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_transformer import ClockLog, log  # noqa: E402
-from benchmarks.timing import back_to_back_ms, write_result  # noqa: E402
+from benchmarks.timing import back_to_back_ms, graph_ms, rotation_copies, write_result  # noqa: E402
 
 from diffusers.models import embeddings  # noqa: E402
 
@@ -65,12 +67,22 @@ def timed_ms(fn, device: torch.device, iters: int, reps: int) -> dict:
     return {"us": round(statistics.median(groups) * 1e3, 2), "us_min": round(min(groups) * 1e3, 2)}
 
 
-def measure(rows: list, entry: dict, fn, check, moved: int, device, iters: int, reps: int) -> None:
-    """Run ``fn`` once for ``check(output) -> {error figures}``, time it, append ``entry`` (an error costs its row)."""
+def measure(rows: list, entry: dict, fn, check, moved: int, device, iters: int, reps: int,
+            graph_calls: list | None = None) -> None:
+    """Run ``fn`` once for ``check(output) -> {error figures}``, time it, append ``entry`` (an error costs its row).
+    ``us`` is a call among ``reps`` launched back to back, which for a kernel shorter than its launch times the
+    host; on a GPU, ``us_graph`` is a call replayed from one CUDA graph of ``graph_calls`` (default: ``fn`` ``reps``
+    times; give calls on input copies that together exceed L2 where one input would fit in it)."""
     try:
         entry.update(check(fn()))
         entry.update(timed_ms(fn, device, iters, reps))
         entry["gb_per_s"] = round(moved / (entry["us"] * 1e-6) / 1e9, 1)
+        if device.type == "cuda":
+            try:
+                entry["us_graph"] = round(graph_ms(graph_calls or [fn] * reps, iters) * 1e3, 2)
+                entry["gb_per_s_graph"] = round(moved / (entry["us_graph"] * 1e-6) / 1e9, 1)
+            except Exception as exc:  # noqa: BLE001 -- a way that cannot be captured keeps its launched timing
+                entry["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
     except Exception as exc:  # noqa: BLE001 -- one failing way costs its row only
         entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
     log(str(entry))
@@ -272,14 +284,18 @@ def layernorm_int8_rows(device, text: int, image: int, dim: int, iters: int, rep
     scale, shift = ((torch.randn(dim, generator=gen) * 0.3).to(device, torch.bfloat16) for _ in range(2))
     want_q, want_scale = layernorm_modulate_int8_reference(a, b, scale, shift, 1e-6, torch.bfloat16)
     moved = (text + image) * dim * 3 + (text + image) * 4
+    # the graph timing cycles through copies of the rows (28 MB of bf16 at FLUX's size fits in L2)
+    copies = [(a, b)] + [(a.clone(), b.clone()) for _ in range(rotation_copies(moved) - 1)] if device.type == "cuda" \
+        else [(a, b)]
     rows: list[dict] = []
     for tile, reciprocal in (((2, 8), False), ((2, 8), True), ((1, 4), True), ((2, 4), True), ((4, 8), True),
                              ((4, 4), True), ((8, 8), True), ((1, 8), True)):
         entry = {"case": "layernorm_int8", "way": "triton_int8", "shape": [text + image, dim], "rows": tile[0],
                  "warps": tile[1], "reciprocal": reciprocal}
-        measure(rows, entry, lambda t=tile, r=reciprocal: epilogue_triton.layernorm_modulate_int8(
-            a, b, scale, shift, 1e-6, torch.bfloat16, reciprocal=r, tile=t),
-            lambda out: int8_errors(out, want_q, want_scale), moved, device, iters, reps)
+        calls = [lambda a=a, b=b, t=tile, r=reciprocal: epilogue_triton.layernorm_modulate_int8(
+            a, b, scale, shift, 1e-6, torch.bfloat16, reciprocal=r, tile=t) for a, b in copies]
+        measure(rows, entry, calls[0], lambda out: int8_errors(out, want_q, want_scale), moved, device, iters, reps,
+                graph_calls=calls)
         if interpreted and reciprocal:
             break
     return rows
@@ -334,17 +350,25 @@ def qk_rows(device, tokens: int, heads: int, d: int, iters: int, reps: int, inte
                 "frac_bytes_equal": round(float(((q8.float() == ref_q).float().mean()
                                                  + (k8.float() == ref_k).float().mean()) / 2), 5)}
 
-    def record(way, fn, **extra):
+    def record(way, fn, graph_calls=None, **extra):
         entry = {"case": "qk_norm_rope_fp8", "way": way, "shape": [tokens, heads, d], **extra}
-        measure(rows, entry, fn, check, moved, device, iters, reps)
+        measure(rows, entry, fn, check, moved, device, iters, reps, graph_calls=graph_calls)
 
     base = inductor_options(device)
     torch._dynamo.reset()
     compiled = torch.compile(qk_graph, dynamic=False, options=base)
+    # the graph timing cycles through copies of the projection's output (85 MB at FLUX's size)
+    sources = [qkv] + [qkv.clone() for _ in range(rotation_copies(moved) - 1)] if device.type == "cuda" else [qkv]
+
+    def on_copies(fn, **kwargs) -> list:
+        return [lambda s=s: fn(s, *args[1:], **kwargs) for s in sources]
+
     record("inductor", lambda: compiled(*args), options=base)
-    record("triton", lambda: qk_triton(*args))
-    record("triton_shared_rotary", lambda: qk_triton(*args, share_rotary=True))  # a token's cos / sin loaded once
-    record("triton_rotary_per_row", lambda: qk_triton(*args, share_rotary=False))
+    record("triton", lambda: qk_triton(*args), graph_calls=on_copies(qk_triton))
+    record("triton_shared_rotary", lambda: qk_triton(*args, share_rotary=True),  # a token's cos / sin loaded once
+           graph_calls=on_copies(qk_triton, share_rotary=True))
+    record("triton_rotary_per_row", lambda: qk_triton(*args, share_rotary=False),
+           graph_calls=on_copies(qk_triton, share_rotary=False))
     return rows
 
 

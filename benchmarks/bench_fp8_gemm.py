@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import back_to_back_ms, sample_ms, write_result  # noqa: E402
+from benchmarks.timing import back_to_back_ms, graph_ms, rotation_copies, sample_ms, write_result  # noqa: E402
 from benchmarks.bench_transformer import ClockLog  # noqa: E402
 from omni_accel.kernels import fp8, int8  # noqa: E402
 
@@ -194,25 +194,6 @@ def gemv_row(name, m, k, n, device, iters) -> dict:
     return row
 
 
-def graph_ms(calls: list, iters: int) -> float:
-    """ms per call of ``calls`` (callables) replayed from one CUDA graph of all of them (no host launch cost in the
-    figure: what a compiled forward's graph pays), median of ``iters`` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:3]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return statistics.median(sample_ms(graph.replay, torch.device("cuda"), iters)) / len(calls)
-
-
-L2_ROTATION_BYTES = 256 * 2**20  # weights cycled through per graph: several times an H100 / H200's 50-60 MiB of L2
-
-
 def gemv_kernel_rows(x, linear, layer, exact, weight_bytes: int, iters: int) -> dict:
     """cuBLAS's bf16 GEMV against each of omni_accel's int8 GEMV kernels (int8_gemm_triton.GEMV_KERNELS: the
     tensor-core kernel's tiles and the reduction kernel), each replayed from a CUDA graph. Each graph cycles through
@@ -220,7 +201,7 @@ def gemv_kernel_rows(x, linear, layer, exact, weight_bytes: int, iters: int) -> 
     weight read 20 times would be served from L2 (an int8 3072 x 9216 weight fits, its bf16 original does not)."""
     from omni_accel.kernels import int8_gemm_triton as g
 
-    copies = max(2, -(-L2_ROTATION_BYTES // weight_bytes))  # int8 bytes; the bf16 copies are twice as large
+    copies = rotation_copies(weight_bytes)  # int8 bytes; the bf16 copies are twice as large
     weights = [linear.weight.clone() for _ in range(copies)]
     bf16_ms = graph_ms([lambda w=w: torch.nn.functional.linear(x, w, linear.bias) for w in weights], iters)
     del weights

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from typing import Callable
 
@@ -49,6 +50,32 @@ def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, 
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / calls)
     return times
+
+
+# Bytes of inputs a graph of calls cycles through: several times an H100 / H200's 50-60 MiB of L2, so that a kernel
+# replayed on the same small input is not served from the cache
+L2_ROTATION_BYTES = 256 * 2**20
+
+
+def rotation_copies(nbytes: int) -> int:
+    """How many copies of an input of ``nbytes`` a graph cycles through to exceed ``L2_ROTATION_BYTES`` (at least 2)."""
+    return max(2, -(-L2_ROTATION_BYTES // nbytes)) if nbytes > 0 else 2
+
+
+def graph_ms(calls: list[Callable[[], object]], iters: int) -> float:
+    """ms per call of ``calls`` replayed from one CUDA graph of all of them (no host launch cost in the figure: what a
+    compiled forward's graph pays), median of ``iters`` replays. Warm-up calls run on a side stream first."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:3]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return statistics.median(sample_ms(graph.replay, torch.device("cuda"), iters)) / len(calls)
 
 
 def write_result(path: str, result: dict) -> None:

@@ -197,6 +197,14 @@ def test_peers_bench_rounds_alternate_the_order_and_pair_the_ratios(bench_peers,
     assert "--rounds 0: give the number of times to time each config (>= 1)" in capsys.readouterr().err
 
 
+def test_graph_timings_cycle_through_enough_input_copies_to_miss_l2():
+    """timing.rotation_copies: enough copies of an input to pass 256 MiB (several GPUs' L2), never fewer than two."""
+    from benchmarks import timing
+
+    assert timing.rotation_copies(28 * 2**20) == 10 and timing.rotation_copies(100 * 2**20) == 3
+    assert timing.rotation_copies(2**30) == 2 and timing.rotation_copies(0) == 2
+
+
 def test_peers_rounds_carry_errors_deadlines_and_partly_timed_configs(bench_peers):
     """combine_rounds: a config timed in one round of two counts one round and drops its round number; a failed round
     leaves the timed one's figures and names its error; a deadline passed in a later round stays on the row."""
