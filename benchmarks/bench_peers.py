@@ -154,6 +154,8 @@ class Row:
     int8_gelu_tanh: bool = False  # kernels.epilogue_fusion.INT8_GELU_TANH (True: the int8 epilogues' GELU by tanh)
     int8_reciprocal: bool = False  # kernels.epilogue_fusion.INT8_RECIPROCAL (True: values times the reciprocal scale)
     qk_shared_rotary: bool = False  # kernels.epilogue_triton.QK_SHARED_ROTARY (True: a token's cos / sin loaded once)
+    sage_kv_subtile: int = 128  # kernels.sage_prep_triton.KV_SUBTILE (tokens per loop step of the partial reductions)
+    sage_kv_stages: int = 1  # kernels.sage_prep_triton.KV_STAGES (that loop's pipeline stages)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -180,7 +182,9 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.sage_attention", "PREP_KERNELS", "sage_prep_kernels"),
             ("kernels.epilogue_fusion", "INT8_GELU_TANH", "int8_gelu_tanh"),
             ("kernels.epilogue_fusion", "INT8_RECIPROCAL", "int8_reciprocal"),
-            ("kernels.epilogue_triton", "QK_SHARED_ROTARY", "qk_shared_rotary"))
+            ("kernels.epilogue_triton", "QK_SHARED_ROTARY", "qk_shared_rotary"),
+            ("kernels.sage_prep_triton", "KV_SUBTILE", "sage_kv_subtile"),
+            ("kernels.sage_prep_triton", "KV_STAGES", "sage_kv_stages"))
 
 
 @contextlib.contextmanager
@@ -611,6 +615,10 @@ ROWS["ours_int8_sage_prepk"] = _switched("ours_int8_sage", "prepk", "Q / K / V q
                                          "kernels (one op) instead of inductor's", sage_prep_kernels=True)
 ROWS["ours_int8_auto_prepk"] = _switched("ours_int8_auto", "prepk", "the SageAttention calls' Q / K / V quantized "
                                          "by omni_accel's Triton kernels (one op)", sage_prep_kernels=True)
+ROWS["ours_int8_sage_prepk_sub32"] = _switched("ours_int8_sage_prepk", "sub32", "the partial reductions read 32 "
+                                               "tokens per loop step, 3 stages", sage_kv_subtile=32, sage_kv_stages=3)
+ROWS["ours_int8_auto_prepk_sub32"] = _switched("ours_int8_auto_prepk", "sub32", "the partial reductions read 32 "
+                                               "tokens per loop step, 3 stages", sage_kv_subtile=32, sage_kv_stages=3)
 ROWS["ours_int8_modint8"] = replace(ROWS["ours_int8"], name="ours_int8_modint8", setup=_ours(
     attention="cudnn", quant="int8", quant_config={"modulation": "int8"}, fuse_if_supported=True, compile=True),
     note="ours_int8 (today's kernels) with quant_config['modulation']='int8' (Inductor's reduction for the GEMVs)")

@@ -581,6 +581,8 @@ def fp8_attention_pipeline_case() -> dict:
 # SageAttention's operand preparation (batch, queries, keys, heads, head dim): tokens short of a tile, several tiles
 SAGE_PREP_SHAPES = ((1, 100, 130, 2, 64), (2, 64, 256, 3, 128), (1, 17, 300, 1, 64))
 SAGE_PREP_CASES = tuple("sage_prep-" + "x".join(map(str, shape)) for shape in SAGE_PREP_SHAPES)
+# the partial reductions read 32 tokens per loop step (sage_prep_triton.KV_SUBTILE) instead of the whole chunk
+SAGE_PREP_SUBTILE_CASES = tuple(case + "-sub32" for case in SAGE_PREP_CASES)
 
 
 def sage_prep_cases() -> dict:
@@ -592,7 +594,10 @@ def sage_prep_cases() -> dict:
     from omni_accel.kernels import sage_prep_triton
 
     results = {}
-    for (b, nq, nk, h, d), key in zip(SAGE_PREP_SHAPES, SAGE_PREP_CASES):
+    cases = [(shape, key, 128) for shape, key in zip(SAGE_PREP_SHAPES, SAGE_PREP_CASES)]
+    cases += [(shape, key, 32) for shape, key in zip(SAGE_PREP_SHAPES, SAGE_PREP_SUBTILE_CASES)]
+    for (b, nq, nk, h, d), key, subtile in cases:
+        sage_prep_triton.KV_SUBTILE = subtile
         try:
             gen = torch.Generator().manual_seed(nq + nk + d)
             q = (torch.randn(b, nq, h, d, generator=gen) * 3).to(torch.bfloat16)
@@ -611,6 +616,7 @@ def sage_prep_cases() -> dict:
             results[key] = entry
         except Exception:  # noqa: BLE001 -- recorded per case
             results[key] = {"error": traceback.format_exc()[-2000:]}
+    sage_prep_triton.KV_SUBTILE = 128
     return results
 
 

@@ -284,10 +284,10 @@ def test_int8_gemv_kernel_compiles_for_hopper_without_spills():
         assert "ld.global" in compiled.asm["ptx"] and ".local" not in compiled.asm["ptx"], rows
 
 
-@pytest.mark.parametrize("case", WORKER.SAGE_PREP_CASES)
+@pytest.mark.parametrize("case", WORKER.SAGE_PREP_CASES + WORKER.SAGE_PREP_SUBTILE_CASES)
 def test_sage_prep_kernels_give_the_packages_operands(interpreted, case):
     """The four SageAttention preparation kernels: int8 Q and K, V's e4m3 values and every scale bit for bit what
-    the PyTorch expressions (the package's layouts) give."""
+    the PyTorch expressions (the package's layouts) give; also with the partial reductions read in 32-token steps."""
     r = interpreted["sage_prep"][case]
     assert "error" not in r, r.get("error")
     assert all(r[f"{name}_equal"] for name in ("q8", "q_scale", "k8", "k_scale", "v8", "v_scale")), r
@@ -300,7 +300,9 @@ def test_sage_prep_kernels_compile_for_hopper_without_spills():
     for d in (64, 128):
         cases = [
             (sp._kv_partials_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_sum_ptr="*fp32", v_amax_ptr="*fp32"),
-             dict(TOKENS=128, D=d), 8),
+             dict(TOKENS=128, D=d, SUB=128, STAGES=1), 8),
+            (sp._kv_partials_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_sum_ptr="*fp32", v_amax_ptr="*fp32"),
+             dict(TOKENS=128, D=d, SUB=32, STAGES=3), 4),
             (sp._queries_kernel, dict(q_ptr="*bf16", q8_ptr="*i8", scale_ptr="*fp32"), dict(D=d), 2),
             (sp._keys_kernel, dict(k_ptr="*bf16", mean_ptr="*fp32", k8_ptr="*i8", scale_ptr="*fp32"), dict(D=d), 8),
             (sp._values_kernel, dict(v_ptr="*bf16", inverse_ptr="*fp32", v8_ptr="*fp8e4nv"), dict(D=d), 8),

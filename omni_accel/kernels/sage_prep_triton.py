@@ -50,15 +50,23 @@ def _program_tile(heads, TOKENS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _kv_partials_kernel(k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, n, heads, chunks, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh,
-                        TOKENS: tl.constexpr, D: tl.constexpr):
-    bh, b, h, rows, cols = _program_tile(heads, TOKENS, D)
+                        TOKENS: tl.constexpr, D: tl.constexpr, SUB: tl.constexpr = 128, STAGES: tl.constexpr = 1):
+    """Per TOKENS tokens and head: K's column sums and V's column maxima, read SUB tokens at a time (a loop the
+    compiler may pipeline over STAGES; SUB == TOKENS reads the tile at once)."""
+    bh, b, h, _, cols = _program_tile(heads, TOKENS, D)
     chunk = tl.program_id(1)
-    inside = (rows < n)[:, None]
-    k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_sn + cols[None, :], mask=inside, other=0.0)
-    v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_sn + cols[None, :], mask=inside, other=0.0)
+    k_sum = tl.zeros((D,), tl.float32)
+    v_amax = tl.zeros((D,), tl.float32)
+    for start in tl.range(0, TOKENS, SUB, num_stages=STAGES):
+        rows = chunk * TOKENS + start + tl.arange(0, SUB)
+        inside = (rows < n)[:, None]
+        k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_sn + cols[None, :], mask=inside, other=0.0)
+        v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_sn + cols[None, :], mask=inside, other=0.0)
+        k_sum += tl.sum(k.to(tl.float32), axis=0)
+        v_amax = tl.maximum(v_amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
     out = (bh * chunks + chunk) * D + cols
-    tl.store(k_sum_ptr + out, tl.sum(k.to(tl.float32), axis=0))
-    tl.store(v_amax_ptr + out, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+    tl.store(k_sum_ptr + out, k_sum)
+    tl.store(v_amax_ptr + out, v_amax)
 
 
 @triton.jit
@@ -106,6 +114,15 @@ def _values_kernel(v_ptr, inverse_ptr, v8_ptr, n, heads, v_sb, v_sn, v_sh, o_sb,
     tl.store(v8_ptr + b * o_sb + h * o_sh + cols[:, None] * o_sd + rows[None, :], v8)
 
 
+# Launch settings of the four kernels: warps per program, and the partial-reduction kernel's sub-tile (tokens read per
+# loop step of its 128-token chunk) and pipeline stages. The defaults are what was timed on an H200 (5.1 ms per FLUX
+# step for the four kernels, about twice what their bytes need: docs/kernels.md, "SageAttention"); the others are for
+# benchmarks' A/B rows, not yet timed. A sub-tile changes the order of K's float32 sums, so K's mean may differ in its
+# last bits (and with it an int8 K value at a rounding boundary).
+PREP_WARPS = {"kv_partials": 8, "queries": 2, "keys": 8, "values": 8}
+KV_SUBTILE, KV_STAGES = 128, 1
+
+
 def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(q8, q_scale, k8, k_scale, v8, v_scale) as ``sage_attention.quantize_queries(query)``, ``quantize_keys(key)``
     and ``quantize_values(value)`` return them; inputs (batch, tokens, heads, D) 16-bit with D a power of two and
@@ -131,19 +148,21 @@ def quantize(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tup
     with _on_device(query):
         _launcher(_kv_partials_kernel, device)[(b * h, chunks)](
             key, value, k_sum, v_amax, nk, h, chunks, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            TOKENS=KEY_TILE, D=d, num_warps=8)
+            TOKENS=KEY_TILE, D=d, SUB=KV_SUBTILE, STAGES=KV_STAGES, num_warps=PREP_WARPS["kv_partials"])
         _launcher(_queries_kernel, device)[(b * h, q_groups)](
-            query, q8, q_scale, nq, h, q_groups, *query.stride()[:3], *q8.stride()[:3], D=d, num_warps=2)
+            query, q8, q_scale, nq, h, q_groups, *query.stride()[:3], *q8.stride()[:3], D=d,
+            num_warps=PREP_WARPS["queries"])
         # the partials finished once per (batch, head) by PyTorch (b x h x D values), with the reference's own
         # expressions for V's inverse scale, so every tile loads D floats
         mean = k_sum.sum(dim=2) / nk
         amax = v_amax.amax(dim=2)
         inverse = torch.where(amax > 0, V_FP8_MAX / amax, 0.0)
         _launcher(_keys_kernel, device)[(b * h, chunks)](
-            key, mean, k8, k_scale, nk, h, chunks, ks[0], ks[1], ks[2], *k8.stride()[:3], D=d, num_warps=8)
+            key, mean, k8, k_scale, nk, h, chunks, ks[0], ks[1], ks[2], *k8.stride()[:3], D=d,
+            num_warps=PREP_WARPS["keys"])
         _launcher(_values_kernel, device)[(b * h, chunks)](
             value, inverse, v8, nk, h, vs[0], vs[1], vs[2], v8.stride(0), v8.stride(1), v8.stride(2), D=d,
-            num_warps=8)
+            num_warps=PREP_WARPS["values"])
     return q8, q_scale, k8, k_scale, v8.to(torch.float8_e4m3fn), amax / V_FP8_MAX
 
 
