@@ -115,10 +115,10 @@ def _values_kernel(v_ptr, inverse_ptr, v8_ptr, n, heads, v_sb, v_sn, v_sh, o_sb,
 
 
 # Launch settings of the four kernels: warps per program, and the partial-reduction kernel's sub-tile (tokens read per
-# loop step of its 128-token chunk) and pipeline stages. The defaults are what was timed on an H200 (5.1 ms per FLUX
-# step for the four kernels, about twice what their bytes need: docs/kernels.md, "SageAttention"); the others are for
-# benchmarks' A/B rows, not yet timed. A sub-tile changes the order of K's float32 sums, so K's mean may differ in its
-# last bits (and with it an int8 K value at a rounding boundary).
+# loop step of its 128-token chunk) and pipeline stages. The defaults read the chunk in one step, as the kernels timed
+# on an H200 did (5.1 ms per FLUX step for the four, about twice what their bytes need: docs/kernels.md,
+# "SageAttention"); the others are for benchmarks' A/B rows, not yet timed. A sub-tile changes the order of K's
+# float32 sums, so K's mean may differ in its last bits (and with it an int8 K value at a rounding boundary).
 PREP_WARPS = {"kv_partials": 8, "queries": 2, "keys": 8, "values": 8}
 KV_SUBTILE, KV_STAGES = 128, 1
 
