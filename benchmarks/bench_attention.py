@@ -153,7 +153,7 @@ def _omni_sage_prepared(kernel_only: bool) -> Callable:
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         if key not in cache:
             cache.clear()
-            cache[key] = (*sage.quantize_queries(q), *sage.quantize_keys(k), *sage.quantize_values(v))
+            cache[key] = sage._reference_operands(q, k, v)
         return sage.sage_attention_quantized(*cache[key], q.shape[-1] ** -0.5, q.dtype)
 
     return call

@@ -78,9 +78,10 @@ def _graphed_error(block, captured_in, fresh, want, device) -> tuple[float, obje
     return err, graphed, dict(graphed.stats)
 
 
-def _prepared_rows(fresh, want, other, device) -> dict:
-    """The PREP_IN_GRAPH path: eager, against the package and against its own operands, and under the whole-forward
-    graph on new inputs."""
+def _compiled_route_rows(prefix: str, fresh, want, other, device) -> dict:
+    """The compiled route (``sage_attention.prepared_attention`` under the module switches as they are now) between
+    kernels, as in a block: ``{prefix}_eager`` and, under the whole-forward graph on new inputs,
+    ``{prefix}_host_step`` / ``{prefix}_graph_stats``."""
     from omni_accel.kernels import sage_attention as sage
 
     torch._dynamo.reset()  # a fresh trace: the module switches are read while tracing
@@ -89,16 +90,24 @@ def _prepared_rows(fresh, want, other, device) -> dict:
     def block(q, k, v):
         return prepared(q * 1.0, k, v, None) * 2.0
 
+    rows = {f"{prefix}_eager": rel_err(block(*fresh), want)}
+    rows[f"{prefix}_host_step"], _, rows[f"{prefix}_graph_stats"] = _graphed_error(block, other, fresh, want, device)
+    return rows
+
+
+def _prepared_rows(fresh, want, other, device) -> dict:
+    """The PREP_IN_GRAPH path: eager, against the package and against its own operands, and under the whole-forward
+    graph on new inputs."""
+    from omni_accel.kernels import sage_attention as sage
+
     q, k, v = fresh
-    operands = (*sage.quantize_queries(q), *sage.quantize_keys(k), *sage.quantize_values(v))
+    operands = sage._reference_operands(q, k, v)
     kernel_out = sage.sage_attention_quantized(*operands, q.shape[-1] ** -0.5, q.dtype)
     q32, k32, v32 = sage.dequantized(*operands)
-    rows = {"prepared_eager": rel_err(block(*fresh), want),
-            "prepared_direct_vs_sdpa": rel_err(kernel_out * 2.0, want),
+    rows = {"prepared_direct_vs_sdpa": rel_err(kernel_out * 2.0, want),
             "prepared_vs_package": rel_err(kernel_out, sage._sage_call(q, k, v, None, False)),
             "prepared_vs_operands": rel_err(kernel_out, sdpa(q32, k32, v32))}
-    rows["prepared_host_step"], _, rows["prepared_graph_stats"] = _graphed_error(block, other, fresh, want, device)
-    return rows
+    return {**_compiled_route_rows("prepared", fresh, want, other, device), **rows}
 
 
 def _prep_kernel_rows(fresh, want, other, device) -> dict:
@@ -111,7 +120,7 @@ def _prep_kernel_rows(fresh, want, other, device) -> dict:
     q, k, v = fresh
     got = sage_prep_triton.quantize(q, k, v)
     # the kernels subtract K's mean in float32; the PyTorch expressions on a bf16 K round K - mean to bf16 first
-    ref = (*sage.quantize_queries(q), *sage.quantize_keys(k.float()), *sage.quantize_values(v))
+    ref = sage._reference_operands(q, k.float(), v)
     rows = {f"prep_kernels_{name}_equal_frac": (x.float() == y.float()).float().mean().item()
             for name, x, y in zip(("q8", "q_scale", "k8", "k_scale", "v8", "v_scale"), got, ref)}
     rows["prep_kernels_scale_max_rel_diff"] = max(float(((x - y).abs() / y.abs().clamp(min=1e-30)).max())
@@ -121,7 +130,7 @@ def _prep_kernel_rows(fresh, want, other, device) -> dict:
         return sage.sage_attention_quantized(*operands, q.shape[-1] ** -0.5, q.dtype)
 
     kernel_out = attend(got)
-    bf16_smoothed = attend((*sage.quantize_queries(q), *sage.quantize_keys(k), *sage.quantize_values(v)))
+    bf16_smoothed = attend(sage._reference_operands(q, k, v))
     rows["prep_kernels_vs_package"] = rel_err(kernel_out, sage._sage_call(q, k, v, None, False))
     rows["prep_kernels_direct_vs_sdpa"] = rel_err(kernel_out * 2.0, want)
     rows["prep_kernels_vs_fp32_smoothed_operands"] = rel_err(kernel_out, attend(ref))
@@ -129,15 +138,7 @@ def _prep_kernel_rows(fresh, want, other, device) -> dict:
     saved = sage.PREP_KERNELS
     sage.PREP_KERNELS = True
     try:
-        torch._dynamo.reset()  # else the trace made with the switch off is reused
-        prepared = torch.compile(sage.prepared_attention, dynamic=False)
-
-        def block(q, k, v):
-            return prepared(q * 1.0, k, v, None) * 2.0
-
-        rows["prep_kernels_eager"] = rel_err(block(*fresh), want)
-        rows["prep_kernels_host_step"], _, rows["prep_kernels_graph_stats"] = _graphed_error(block, other, fresh, want,
-                                                                                           device)
+        rows.update(_compiled_route_rows("prep_kernels", fresh, want, other, device))
     finally:
         sage.PREP_KERNELS = saved
     return rows

@@ -285,6 +285,17 @@ def concat_gelu_cases() -> dict:
     return results
 
 
+def int8_rows_agreement(got: tuple, want: tuple) -> dict:
+    """An int8 kernel's (values, row scales) against the reference's: dtype and shapes, the largest difference in int8
+    steps, the share of equal values, the largest relative scale error."""
+    (q, scale), (q_ref, scale_ref) = got, want
+    diff = (q.int() - q_ref.int()).abs()
+    return {"dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
+            "scale_shape": list(scale.shape), "int8_max_diff": diff.max().item(),
+            "int8_frac_equal": (diff == 0).float().mean().item(),
+            "scale_max_rel_err": ((scale - scale_ref).abs() / scale_ref).max().item()}
+
+
 CONCAT_GELU_INT8_WAYS = ("one-pass", "two-pass", "one-pass-tanh-reciprocal", "two-pass-tanh-reciprocal")
 CONCAT_GELU_INT8_CASES = ("bf16-bias", "bf16-strided-heads", "fp16-rows17", "bf16-no-first-input", "fp8-attention",
                           "bf16-narrow-no-first-input")
@@ -321,17 +332,13 @@ def concat_gelu_int8_cases() -> dict:
             else:
                 a = (torch.randn(rows, 1, 48, generator=gen) * 3).to(dtype)
             args = (a, a_scale, h, bias, dtype)
-            q_ref, scale_ref = concat_gelu_int8_reference(*args)
+            want = concat_gelu_int8_reference(*args)
             # the one-pass kernel (rows this narrow) and the two-pass one, each also with the GELU by tanh and the
             # reciprocal scale (the GPU's approximate tanh is PTX; the interpreter evaluates the same formula)
             for one_pass, fast in itertools.product((True, False), (False, True)):
-                q, scale = epilogue_triton.concat_gelu_int8(*args, one_pass=one_pass, gelu_tanh=fast, reciprocal=fast)
-                diff = (q.int() - q_ref.int()).abs()
-                results[f"{case}/{'one' if one_pass else 'two'}-pass{'-tanh-reciprocal' if fast else ''}"] = {
-                    "dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
-                    "scale_shape": list(scale.shape), "int8_max_diff": diff.max().item(),
-                    "int8_frac_equal": (diff == 0).float().mean().item(),
-                    "scale_max_rel_err": ((scale - scale_ref).abs() / scale_ref).max().item()}
+                got = epilogue_triton.concat_gelu_int8(*args, one_pass=one_pass, gelu_tanh=fast, reciprocal=fast)
+                results[f"{case}/{'one' if one_pass else 'two'}-pass{'-tanh-reciprocal' if fast else ''}"] = \
+                    int8_rows_agreement(got, want)
         except Exception:
             for way in CONCAT_GELU_INT8_WAYS:
                 results[f"{case}/{way}"] = {"error": traceback.format_exc()}
@@ -436,15 +443,10 @@ def layernorm_int8_cases() -> dict:
             b = torch.randn(11, 48, generator=gen).to(dtype) if case.startswith("two") else None
             scale, shift = ((torch.randn(48, generator=gen) * 0.2).to(dtype) for _ in range(2))
             args = (a, b, scale, shift, 1e-6, dtype)
-            q_ref, scale_ref = layernorm_modulate_int8_reference(*args)
+            want = layernorm_modulate_int8_reference(*args)
             for reciprocal in (False, True):
-                q, row_scale = epilogue_triton.layernorm_modulate_int8(*args, reciprocal=reciprocal)
-                diff = (q.int() - q_ref.int()).abs()
-                results[f"{case}{'-reciprocal' if reciprocal else ''}"] = {
-                    "dtype": str(q.dtype), "shape": list(q.shape), "ref_shape": list(q_ref.shape),
-                    "scale_shape": list(row_scale.shape), "int8_max_diff": diff.max().item(),
-                    "int8_frac_equal": (diff == 0).float().mean().item(),
-                    "scale_max_rel_err": ((row_scale - scale_ref).abs() / scale_ref).max().item()}
+                results[f"{case}{'-reciprocal' if reciprocal else ''}"] = int8_rows_agreement(
+                    epilogue_triton.layernorm_modulate_int8(*args, reciprocal=reciprocal), want)
         except Exception:
             results[case] = results[f"{case}-reciprocal"] = {"error": traceback.format_exc()}
     return results

@@ -95,7 +95,7 @@ GELU_INT8 = True
 INT8_ONE_PASS = True
 # Whether the int8 concatenation + GELU kernels take the GELU's tanh from the hardware's approximate tanh (one
 # special-function instruction per value where the sigmoid form takes two; its error, up to 0.5 |h| 2^-11, is under
-# half an int8 step unless a row's negative inputs exceed about 16x its largest output: epilogue_triton._int8_gelu),
+# half an int8 step unless a row's negative inputs exceed about 16x its largest output: epilogue_triton._gelu),
 # and whether the int8 kernels multiply each value by its row's reciprocal scale instead of dividing by the scale
 # (the GPU's division is another special-function instruction per value). Off: on an H200 both cut the kernel of
 # FLUX's single blocks, alone, from 96.7 to 81.5 us but made the FLUX step no faster (90.6 against 89.8 ms;

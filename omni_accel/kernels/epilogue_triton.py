@@ -64,11 +64,11 @@ def _first_input_block(a_ptr, a_scale_ptr, rows, row_ok, first, cols, stride_a_r
 @triton.jit
 def _gelu_block(h_ptr, bias_ptr, rows, row_ok, c, stride_h_row, HAS_BIAS: tl.constexpr, APPROX: tl.constexpr,
                 TANH: tl.constexpr = False):
-    """gelu_tanh(h + bias) of columns ``c`` of h, float32 (``TANH``: see ``_int8_gelu``)."""
+    """gelu_tanh(h + bias) of columns ``c`` of h, float32 (``TANH``: see ``_gelu``)."""
     h = tl.load(h_ptr + rows * stride_h_row + c, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(bias_ptr + c).to(tl.float32)
-    return _int8_gelu(h, APPROX, TANH)
+    return _gelu(h, APPROX, TANH)
 
 
 @triton.jit
@@ -85,12 +85,13 @@ def _sigmoid_gelu(h, APPROX: tl.constexpr):
 
 
 @triton.jit
-def _int8_gelu(h, APPROX: tl.constexpr, TANH: tl.constexpr):
-    """gelu_tanh(h) for float32 h. ``TANH``: as 0.5 h (1 + tanh(u)) with the hardware's tanh (``tanh.approx.f32``,
-    one special-function instruction where the sigmoid form takes two). Its error (about 2^-11 relative to tanh)
-    stays absolute in 1 + tanh, so a small negative GELU value (tanh near -1) can lose its leading digits: this form
-    is only for values quantized to int8 per row, where the error, at most 0.5 |h| 2^-11, is measured against the
-    row's int8 step (its largest value / 127; benchmarks/bench_fp8_epilogues.py reports the int8 values it moves).
+def _gelu(h, APPROX: tl.constexpr, TANH: tl.constexpr):
+    """gelu_tanh(h) for float32 h: the sigmoid form, or with ``TANH`` (int8 outputs only) 0.5 h (1 + tanh(u)) with
+    the hardware's tanh (``tanh.approx.f32``, one special-function instruction where the sigmoid form takes two). Its
+    error (about 2^-11 relative to tanh) stays absolute in 1 + tanh, so a small negative GELU value (tanh near -1) can
+    lose its leading digits: this form is only for values quantized to int8 per row, where the error, at most
+    0.5 |h| 2^-11, is measured against the row's int8 step (its largest value / 127; benchmarks/bench_fp8_epilogues.py
+    reports the int8 values it moves).
     The interpreter (no PTX) evaluates the same expression with an exact tanh."""
     if TANH:
         u = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) (h + 0.044715 h^3)
@@ -273,7 +274,7 @@ def _concat_gelu_int8_row_kernel(
         h += tl.load(bias_ptr + h_col, mask=in_h, other=0.0).to(tl.float32)
     if PDL:  # every input is read: the next kernel may launch
         tl.extra.cuda.gdc_launch_dependents()
-    y = _as_16_bit(tl.where(in_a, a, _int8_gelu(h, APPROX, GELU_TANH)), BF16, not APPROX)
+    y = _as_16_bit(tl.where(in_a, a, _gelu(h, APPROX, GELU_TANH)), BF16, not APPROX)
     scale = tl.maximum(tl.max(tl.abs(tl.where(in_a | in_h, y, 0.0)), axis=0), 1e-12) / 127.0
     tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * (A_COLS + H_COLS) + col, _to_int8(y, scale, RECIPROCAL), mask=in_a | in_h)
@@ -323,7 +324,7 @@ def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: to
     (rows, first input's block, GELU block, warps)) to the two-pass kernel, which reads them twice, for the row's
     largest value and then for the cast. ``row_warps``: the
     one-pass kernel's warps instead of ``_row_kernel_launch``'s choice (the benchmark's sweep). ``gelu_tanh``: the
-    GELU by the hardware's tanh (``_int8_gelu``); ``reciprocal``: values times each row's 1 / scale instead of
+    GELU by the hardware's tanh (``_gelu``); ``reciprocal``: values times each row's 1 / scale instead of
     divided by it (``_to_int8``); both spare special-function instructions."""
     n_rows, h_cols = h.shape
     heads, a_head = a.shape[1:] if a is not None else (0, 0)
