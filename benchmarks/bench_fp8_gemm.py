@@ -12,7 +12,8 @@ then the AdaLN modulation linears' matrix-vector products, bf16 against int8 wei
 Shapes: M = 4608 tokens (4096 image + 512 text) for the single-stream blocks, M = 4096 / 512 for the two streams of
 the dual blocks; (K, N) of every distinct block linear. Timing: CUDA events, median of ``--iters`` after warm-up.
 ``quant_bytes_equal`` is the fraction of e4m3 bytes the Triton kernel writes identically to the PyTorch expression
-(they should be all: both compute x / scale in fp32 and round to nearest even).
+(they should be all: both compute x / scale in fp32 and round to nearest even). Each warp-specialized int8 tile is
+also timed with ``int8_gemm_triton.SPLIT_TAIL`` (rows ``..._splittail``) on the shapes whose last wave it splits.
 """
 
 from __future__ import annotations
@@ -141,20 +142,44 @@ def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters, co
     out["int8_gemm_rescale_b2b_ms"] = round(statistics.median(back_to_back_ms(cublas, device, 20, 5)), 4)
     from omni_accel.kernels import int8_gemm_triton
 
-    for config in configs or (*int8_gemm_triton.CONFIGS, *int8_gemm_triton.TMA_CONFIGS, *int8_gemm_triton.WS_CONFIGS):
-        def fused(c=config):
-            return int8_gemm_triton.int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, None, torch.bfloat16, c)
+    configs = configs or (*int8_gemm_triton.CONFIGS, *int8_gemm_triton.TMA_CONFIGS, *int8_gemm_triton.WS_CONFIGS)
+    # each warp-specialized tile also with its last partial wave split along K (SPLIT_TAIL), where that splits
+    runs = [(config, config, False) for config in configs]
+    runs += [(f"{config}_splittail", config, True) for config in configs
+             if config in int8_gemm_triton.WS_CONFIGS and _tail_splits(x_int8, w_int8, config) > 1]
+    for label, config, split_tail in runs:
+        def fused(c=config, split=split_tail):
+            saved, int8_gemm_triton.SPLIT_TAIL = int8_gemm_triton.SPLIT_TAIL, split
+            try:
+                return int8_gemm_triton.int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, None, torch.bfloat16, c)
+            finally:
+                int8_gemm_triton.SPLIT_TAIL = saved
         try:
             same = bool(torch.equal(fused(), reference))
             ms = timed(fused, device, iters)
         except Exception as exc:  # noqa: BLE001 -- a tile that does not fit this GPU must not lose the others
-            out[f"int8_triton_{config}_error"] = repr(exc)[:300]
+            out[f"int8_triton_{label}_error"] = repr(exc)[:300]
             continue
         b2b_ms = statistics.median(back_to_back_ms(fused, device, 20, 5))
-        out.update({f"int8_triton_{config}_ms": round(ms, 4), f"int8_triton_{config}_tops": round(flops / ms / 1e9, 1),
-                    f"int8_triton_{config}_b2b_ms": round(b2b_ms, 4),
-                    f"int8_triton_{config}_b2b_tops": round(flops / b2b_ms / 1e9, 1), f"int8_triton_{config}_equal": same})
+        out.update({f"int8_triton_{label}_ms": round(ms, 4), f"int8_triton_{label}_tops": round(flops / ms / 1e9, 1),
+                    f"int8_triton_{label}_b2b_ms": round(b2b_ms, 4),
+                    f"int8_triton_{label}_b2b_tops": round(flops / b2b_ms / 1e9, 1),
+                    f"int8_triton_{label}_equal": same})
     return out
+
+
+def _tail_splits(x_int8, w_int8, config: str) -> int:
+    """How many ways SPLIT_TAIL would split the last wave of this warp-specialized tile's GEMM (1: not at all)."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    block_m, block_n, block_k = g.WS_CONFIGS[config][:3]
+    (m, k), n = x_int8.shape, w_int8.shape[0]
+    saved, g.SPLIT_TAIL = g.SPLIT_TAIL, True
+    try:
+        tiles = -(-m // block_m) * -(-n // block_n)
+        return g.split_tail_plan(tiles, g._persistent_programs(x_int8, m, n, block_m, block_n), -(-k // block_k))[1]
+    finally:
+        g.SPLIT_TAIL = saved
 
 
 def gemv_row(name, m, k, n, device, iters) -> dict:

@@ -156,6 +156,7 @@ class Row:
     qk_shared_rotary: bool = False  # kernels.epilogue_triton.QK_SHARED_ROTARY (True: a token's cos / sin loaded once)
     sage_kv_subtile: int = 128  # kernels.sage_prep_triton.KV_SUBTILE (tokens per loop step of the partial reductions)
     sage_kv_stages: int = 1  # kernels.sage_prep_triton.KV_STAGES (that loop's pipeline stages)
+    int8_split_tail: bool = False  # kernels.int8_gemm_triton.SPLIT_TAIL (True: a short last wave split along K)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -184,7 +185,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "INT8_RECIPROCAL", "int8_reciprocal"),
             ("kernels.epilogue_triton", "QK_SHARED_ROTARY", "qk_shared_rotary"),
             ("kernels.sage_prep_triton", "KV_SUBTILE", "sage_kv_subtile"),
-            ("kernels.sage_prep_triton", "KV_STAGES", "sage_kv_stages"))
+            ("kernels.sage_prep_triton", "KV_STAGES", "sage_kv_stages"),
+            ("kernels.int8_gemm_triton", "SPLIT_TAIL", "int8_split_tail"))
 
 
 @contextlib.contextmanager
@@ -640,6 +642,8 @@ ROWS["ours_int8_fastepi_rot"] = _switched("ours_int8_fastepi", "rot", "the q / k
 ROWS["ours_int8_auto_fastepi"] = _switched("ours_int8_auto", "fastepi", "the int8 epilogue kernels' GELU by the "
                                            "hardware's tanh and values times the reciprocal scale",
                                            int8_gelu_tanh=True, int8_reciprocal=True)
+ROWS["ours_int8_splittail"] = _switched("ours_int8", "splittail", "the int8 GEMMs' short last wave split along K over "
+                                       "the idle SMs", int8_split_tail=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -69,12 +70,35 @@ def test_triton_kernel_matches_float64(interpreted, case):
         assert r["max_err_over_ref"] <= BOUND[r["dtype"]], r
 
 
-@pytest.mark.parametrize("case", WORKER.INT8_GEMM_CASES + WORKER.INT8_TMA_CASES + WORKER.INT8_WS_CASES)
+@pytest.mark.parametrize("case", WORKER.INT8_GEMM_CASES + WORKER.INT8_TMA_CASES + WORKER.INT8_WS_CASES
+                         + WORKER.INT8_SPLIT_TAIL_CASES)
 def test_int8_gemm_kernel_equals_int_mm_and_the_rescale(interpreted, case):
-    """Exact int32 sums either way, then the same fp32 rescale and one rounding: the outputs are equal."""
+    """Exact int32 sums either way, then the same fp32 rescale and one rounding: the outputs are equal (with the
+    last wave split along K too: integer partial sums, added in any order)."""
     r = interpreted["int8_gemm"][case]
     assert "error" not in r, r.get("error")
     assert r["equal"], r
+    if case.startswith("int8_split_tail"):  # the split path ran: (tiles computed whole, splits of the rest)
+        assert tuple(r["plan"]) == {"int8_split_tail-64x96x224-bias-bfloat16": (12, 2),
+                                    "int8_split_tail-400x176x24-nobias-bfloat16": (12, 4),
+                                    "int8_split_tail-400x160x40-bias-float16": (24, 2)}[case], r
+
+
+def test_split_tail_plan_fills_the_idle_programs_of_a_short_last_wave(monkeypatch):
+    """FLUX's GEMMs on 132 SMs with 128 x 256 tiles: 432 tiles (4,608 x 3,072 outputs) leave 36 for a last wave, split
+    3 ways; 1,728 (x 12,288) leave 12, split at most TAIL_MAX_SPLITS ways; 1,296 (x 9,216) leave 108, more than
+    half: not split. One wave or less, an even division, or the switch off: nothing split."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    monkeypatch.setattr(g, "SPLIT_TAIL", True)
+    assert g.split_tail_plan(432, 132, 120) == (396, 3)
+    assert g.split_tail_plan(1728, 132, 24) == (1716, g.TAIL_MAX_SPLITS)
+    assert g.split_tail_plan(1296, 132, 24) == (1296, 1)
+    assert g.split_tail_plan(100, 132, 24) == (100, 1)
+    assert g.split_tail_plan(264, 132, 24) == (264, 1)
+    assert g.split_tail_plan(133, 132, 2) == (132, 2)  # no more splits than K steps
+    monkeypatch.setattr(g, "SPLIT_TAIL", False)
+    assert g.split_tail_plan(432, 132, 120) == (432, 1)
 
 
 @pytest.mark.parametrize("case", WORKER.FP8_QUANT_CASES)
@@ -409,6 +433,27 @@ def test_warp_specialized_int8_gemm_compiles_to_producer_and_consumer_partitions
         assert "cp.async.bulk.tensor" in ptx and "wgmma" in ptx and ".s8" in ptx, name
         assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
         assert "0 bytes spill stores" in _ptxas_report(ptx), name
+
+
+def test_split_tail_kernel_compiles_to_hopper_int8_mmas_and_a_released_arrival():
+    """The split-tail kernel lowers for sm_90 with the warp-specialized kernel's tile: s8 warp-group MMAs, no spills
+    (the partial tile is stored before the epilogue re-reads it in chunks), the arrival counter an acq_rel atomic,
+    the partials read through L2."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    block_m, block_n, block_k, group_m, _, _ = g.WS_CONFIGS[g.WS_TILE]
+    warps, stages = g.TAIL_LAUNCH
+    pointers = dict(x_ptr="*i8", w_ptr="*i8", out_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                    bias_ptr="*bf16", partial_ptr="*i32", arrivals_ptr="*i32")
+    consts = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, EVEN_K=True,
+                  CHUNK_N=64)
+    compiled = _compile_for_hopper(g._int8_gemm_split_tail_kernel, pointers, consts,
+                                   {"num_warps": warps, "num_stages": stages}, floats=(), aligned=True)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma" in ptx and ".s8" in ptx
+    assert re.search(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add", ptx), "the arrival: one thread's acq_rel atomic"
+    assert "ld.global.cg" in ptx
+    assert "0 bytes spill stores" in _ptxas_report(ptx)
 
 
 def test_the_scratch_allocator_is_set_where_none_is_and_a_callers_own_is_kept():

@@ -103,6 +103,14 @@ PERSISTENT_TMA = True
 # measured on; benchmarks' A/B rows set it). The FLUX forward on an H100: 93.4 against 99.7 ms per step.
 WARP_SPECIALIZE = True
 WS_TILE = "ws_128x256x128"
+# Whether the warp-specialized kernel leaves a last wave that would fill at most half the SMs to a second kernel that
+# splits each of its tiles along K over the idle SMs (integer partial sums, added by the tile's last program). Why:
+# FLUX's 4,608 x 3,072 outputs make 432 tiles of 128 x 256, 3.27 waves on 132 SMs, so a quarter of the time of its
+# longest GEMMs (K = 12,288-15,360) runs on 36 SMs. Off until timed (bench_fp8_gemm.py, bench_peers.py's
+# ours_int8_splittail).
+SPLIT_TAIL = False
+TAIL_MAX_SPLITS = 4  # the last program reads every split's partial tile: more splits, a longer epilogue
+TAIL_LAUNCH = (8, 3)  # the split-tail kernel's (warps, stages): the pointer kernel's for the same 128 x 256 tile
 
 
 def pick_config(rows: int, tma: bool = False, warp_specialize: bool = False) -> str:
@@ -167,17 +175,26 @@ def _int8_gemm_rescale_kernel(
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, 0, tl.cdiv(K, BLOCK_K),
+                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    _pointer_rescale_store(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, first_step, end_step,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The int32 sums of one output tile over K steps [first_step, end_step), operands loaded through pointers."""
     ks = tl.arange(0, BLOCK_K)
     # out-of-range rows / columns read a valid row (the last) and are masked at the store: loads stay unmasked
     rows_in = tl.minimum(rows, M - 1).to(tl.int64)
     cols_in = tl.minimum(cols, N - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows_in[:, None] * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + cols_in[None, :] * stride_wn + ks[:, None]  # (BLOCK_K, BLOCK_N) view of the (N, K) weight
+    x_ptrs = x_ptr + rows_in[:, None] * stride_xm + first_step * BLOCK_K + ks[None, :]
+    # (BLOCK_K, BLOCK_N) view of the (N, K) weight
+    w_ptrs = w_ptr + cols_in[None, :] * stride_wn + first_step * BLOCK_K + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(first_step, end_step):
         if EVEN_K:
             a = tl.load(x_ptrs)
             b = tl.load(w_ptrs)
@@ -188,6 +205,15 @@ def _int8_gemm_rescale_kernel(
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _pointer_rescale_store(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, rows, cols, M, N, stride_om,
+                           HAS_BIAS: tl.constexpr):
+    """Sums times the rows' and columns' scales (+ bias), stored to the rows and columns given (masked at M, N)."""
+    rows_in = tl.minimum(rows, M - 1).to(tl.int64)
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     x_scale = tl.load(x_scale_ptr + rows_in)
     w_scale = tl.load(w_scale_ptr + cols_in)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
@@ -196,6 +222,43 @@ def _int8_gemm_rescale_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def _int8_gemm_split_tail_kernel(
+    x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, partial_ptr, arrivals_ptr, M, N, K,
+    stride_xm, stride_wn, stride_om, first_tile, splits,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, CHUNK_N: tl.constexpr,
+):
+    # The tiles from first_tile on (the persistent kernel's last, partial wave), each split along K into `splits`
+    # programs. Each program stores its int32 partial sums; the last of a tile's programs to arrive (a counter per
+    # tile) adds them up, in integers (exact, in any order), and runs the epilogue in column chunks (the whole tile
+    # and a second one in registers would spill).
+    unit = tl.program_id(0)
+    slot = unit // splits
+    part = unit % splits
+    pid_m, pid_n = _tile_coords(first_tile + slot, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, splits)
+    first_step = part * per_split
+    acc = _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, first_step,
+                             tl.minimum(first_step + per_split, steps), BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_partials = partial_ptr + slot.to(tl.int64) * splits * BLOCK_M * BLOCK_N
+    tl.store(tile_partials + part * BLOCK_M * BLOCK_N + local, acc)
+    tl.debug_barrier()  # every thread's partial stored before the release below publishes them
+    if tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == splits - 1:
+        chunk = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, CHUNK_N)[None, :]
+        for first_col in tl.static_range(0, BLOCK_N, CHUNK_N):
+            sums = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.int32)
+            for other in range(0, splits):
+                # .cg: read through L2, where the other programs' stores are (never this SM's L1)
+                sums += tl.load(tile_partials + other * BLOCK_M * BLOCK_N + first_col + chunk, cache_modifier=".cg")
+            _pointer_rescale_store(sums, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, rows,
+                                   pid_n * BLOCK_N + first_col + tl.arange(0, CHUNK_N), M, N, stride_om, HAS_BIAS)
 
 
 @triton.jit
@@ -248,7 +311,7 @@ def _int8_gemm_rescale_tma_kernel(
 
 @triton.jit
 def _int8_gemm_rescale_ws_kernel(
-    x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_xm, stride_wn,
+    x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, stride_xm, stride_wn, tiles,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
@@ -256,14 +319,15 @@ def _int8_gemm_rescale_ws_kernel(
     # of shared-memory stages while two consumer warp groups (half the tile's rows each) multiply and run the
     # epilogue, so loads for the next tile start while this one's epilogue runs without the software pipeline's
     # register cost. The descriptors are built on the device, because Triton's Hopper partitioning rewrites them to
-    # the consumers' half tiles (host-built ones keep the whole tile and fail to lower).
+    # the consumers' half tiles (host-built ones keep the whole tile and fail to lower). It computes the first
+    # `tiles` output tiles (all of them, or all but a last partial wave that the split-tail kernel takes).
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, warp_specialize=True):
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, warp_specialize=True):
         pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
         _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
@@ -290,18 +354,45 @@ def _persistent_programs(x_int8, m: int, n: int, block_m: int, block_n: int) -> 
     return min(tiles, 4 if INTERPRETED else _sm_count(x_int8.device.index or 0))
 
 
+def split_tail_plan(tiles: int, programs: int, k_steps: int) -> tuple[int, int]:
+    """(tiles the persistent kernel computes whole, K splits of each remaining tile): with ``SPLIT_TAIL``, a last
+    wave that fills at most half the programs is split along K so that it fills them (at most
+    ``TAIL_MAX_SPLITS`` ways, each split at least one K step); else (tiles, 1)."""
+    tail = tiles % programs
+    if not SPLIT_TAIL or tiles <= programs or tail == 0:
+        return tiles, 1
+    splits = min(programs // tail, TAIL_MAX_SPLITS, k_steps)
+    return (tiles - tail, splits) if splits >= 2 else (tiles, 1)
+
+
 def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
     block_m, block_n, block_k, group_m, warps, stages = tile
     m, k = x_int8.shape
     n = w_int8.shape[0]
     programs = _persistent_programs(x_int8, m, n, block_m, block_n)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    whole, splits = split_tail_plan(tiles, programs, triton.cdiv(k, block_k))
     if not INTERPRETED:
         _ensure_scratch_allocator()
+    bias_arg = bias if bias is not None else out
     _launcher(_int8_gemm_rescale_ws_kernel, x_int8.device)[(programs,)](
-        x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out, m, n, k,
-        x_int8.stride(0), w_int8.stride(0),
+        x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias_arg, m, n, k,
+        x_int8.stride(0), w_int8.stride(0), whole,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         PROGRAMS=programs, num_warps=warps, num_stages=stages)
+    if whole == tiles:
+        return
+    units = (tiles - whole) * splits
+    # per call, not cached: a buffer shared between calls on two streams would mix their partials; the arrival
+    # counters start at zero (a memset), the partials need none (every one is written before it is read)
+    partials = torch.empty(units * block_m * block_n, dtype=torch.int32, device=x_int8.device)
+    arrivals = torch.zeros(tiles - whole, dtype=torch.int32, device=x_int8.device)
+    tail_warps, tail_stages = TAIL_LAUNCH if not INTERPRETED else (4, 1)
+    _launcher(_int8_gemm_split_tail_kernel, x_int8.device)[(units,)](
+        x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias_arg, partials, arrivals, m, n, k,
+        x_int8.stride(0), w_int8.stride(0), out.stride(0), whole, splits,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        EVEN_K=k % block_k == 0, CHUNK_N=min(block_n, 64), num_warps=tail_warps, num_stages=tail_stages)
 
 
 def _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
