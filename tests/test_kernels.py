@@ -78,10 +78,14 @@ def test_int8_gemm_kernel_equals_int_mm_and_the_rescale(interpreted, case):
     r = interpreted["int8_gemm"][case]
     assert "error" not in r, r.get("error")
     assert r["equal"], r
-    if case.startswith("int8_split_tail"):  # the split path ran: (tiles computed whole, splits of the rest)
-        assert tuple(r["plan"]) == {"int8_split_tail-64x96x224-bias-bfloat16": (12, 2),
-                                    "int8_split_tail-400x176x24-nobias-bfloat16": (12, 4),
-                                    "int8_split_tail-400x160x40-bias-float16": (24, 2)}[case], r
+    if case.startswith("int8_split_tail"):  # the split path ran: the persistent kernel, then tail tiles x splits
+        assert [tuple(launch) for launch in r["launched"]] == [
+            ("_int8_gemm_rescale_ws_kernel", 4), ("_int8_gemm_split_tail_kernel",
+                                                  {"int8_split_tail-64x96x224-bias-bfloat16": 2 * 2,
+                                                   "int8_split_tail-400x176x24-nobias-bfloat16": 1 * 4,
+                                                   "int8_split_tail-400x160x40-bias-float16": 2 * 2}[case])], r
+    elif case.startswith("int8_ws"):  # not asked for: one launch
+        assert [launch[0] for launch in r["launched"]] == ["_int8_gemm_rescale_ws_kernel"], r
 
 
 def test_split_tail_plan_fills_the_idle_programs_of_a_short_last_wave(monkeypatch):
@@ -437,8 +441,8 @@ def test_warp_specialized_int8_gemm_compiles_to_producer_and_consumer_partitions
 
 def test_split_tail_kernel_compiles_to_hopper_int8_mmas_and_a_released_arrival():
     """The split-tail kernel lowers for sm_90 with the warp-specialized kernel's tile: s8 warp-group MMAs, no spills
-    (the partial tile is stored before the epilogue re-reads it in chunks), the arrival counter an acq_rel atomic,
-    the partials read through L2."""
+    (the partial tile is stored before the epilogue re-reads it in chunks), the arrival counter one thread's acq_rel
+    atomic after a barrier (every thread's partial stored first), the partials read through L2."""
     from omni_accel.kernels import int8_gemm_triton as g
 
     block_m, block_n, block_k, group_m, _, _ = g.WS_CONFIGS[g.WS_TILE]
@@ -451,7 +455,8 @@ def test_split_tail_kernel_compiles_to_hopper_int8_mmas_and_a_released_arrival()
                                    {"num_warps": warps, "num_stages": stages}, floats=(), aligned=True)
     ptx = compiled.asm["ptx"]
     assert "wgmma" in ptx and ".s8" in ptx
-    assert re.search(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add", ptx), "the arrival: one thread's acq_rel atomic"
+    assert re.search(r"bar\.sync[^\n]*\n(?:(?!st\.global)[^\n]*\n)*?[^\n]*@%p\d+ atom\.global\.gpu\.acq_rel\.add",
+                     ptx), "the arrival: one thread's acq_rel atomic after a barrier, no store in between"
     assert "ld.global.cg" in ptx
     assert "0 bytes spill stores" in _ptxas_report(ptx)
 

@@ -104,13 +104,13 @@ PERSISTENT_TMA = True
 WARP_SPECIALIZE = True
 WS_TILE = "ws_128x256x128"
 # Whether the warp-specialized kernel leaves a last wave that would fill at most half the SMs to a second kernel that
-# splits each of its tiles along K over the idle SMs (integer partial sums, added by the tile's last program). Why:
-# FLUX's 4,608 x 3,072 outputs make 432 tiles of 128 x 256, 3.27 waves on 132 SMs, so a quarter of the time of its
-# longest GEMMs (K = 12,288-15,360) runs on 36 SMs. Off until timed (bench_fp8_gemm.py, bench_peers.py's
-# ours_int8_splittail).
+# splits each of its tiles along K over idle SMs (integer partial sums, added by the tile's last program). Why:
+# FLUX's 4,608 x 3,072 outputs (the single blocks' output projection, K = 15,360, and unfused q / k / v, K = 3,072)
+# make 432 tiles of 128 x 256, 3.27 waves on 132 SMs: the last quarter of those GEMMs runs on 36 SMs. Off until
+# timed (bench_fp8_gemm.py, bench_peers.py's ours_int8_splittail).
 SPLIT_TAIL = False
 TAIL_MAX_SPLITS = 4  # the last program reads every split's partial tile: more splits, a longer epilogue
-TAIL_LAUNCH = (8, 3)  # the split-tail kernel's (warps, stages): the pointer kernel's for the same 128 x 256 tile
+TAIL_LAUNCH = (8, 3)  # the split-tail kernel's (warps, stages): the pointer kernel's for the 128 x 256 x 128 tile
 
 
 def pick_config(rows: int, tma: bool = False, warp_specialize: bool = False) -> str:
@@ -241,11 +241,9 @@ def _int8_gemm_split_tail_kernel(
     pid_m, pid_n = _tile_coords(first_tile + slot, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, splits)
-    first_step = part * per_split
-    acc = _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, first_step,
-                             tl.minimum(first_step + per_split, steps), BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    steps = tl.cdiv(K, BLOCK_K)  # split as evenly as the steps allow: no split is left without one
+    acc = _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, part * steps // splits,
+                             (part + 1) * steps // splits, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tile_partials = partial_ptr + slot.to(tl.int64) * splits * BLOCK_M * BLOCK_N
     tl.store(tile_partials + part * BLOCK_M * BLOCK_N + local, acc)
@@ -392,7 +390,9 @@ def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
         x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias_arg, partials, arrivals, m, n, k,
         x_int8.stride(0), w_int8.stride(0), out.stride(0), whole, splits,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        EVEN_K=k % block_k == 0, CHUNK_N=min(block_n, 64), num_warps=tail_warps, num_stages=tail_stages)
+        # the interpreter's 32-column tile in two chunks, so that a test walks the chunk loop as a GPU's 4 do
+        EVEN_K=k % block_k == 0, CHUNK_N=block_n // 2 if INTERPRETED else min(block_n, 64), num_warps=tail_warps,
+        num_stages=tail_stages)
 
 
 def _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
