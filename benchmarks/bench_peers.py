@@ -644,6 +644,13 @@ ROWS["ours_int8_auto_fastepi"] = _switched("ours_int8_auto", "fastepi", "the int
                                            int8_gelu_tanh=True, int8_reciprocal=True)
 ROWS["ours_int8_splittail"] = _switched("ours_int8", "splittail", "the int8 GEMMs' short last wave split along K over "
                                        "the idle SMs", int8_split_tail=True)
+# SageAttention's preparation kernels became the default (sage_attention.PREP_KERNELS; Wan on an H200,
+# bench_peers_h200_wan81_prep_kernels_20261206.json): the rows of today's SageAttention stacks take them, every row
+# above keeps what it measured, and the _graphprep rows are the former default (the preparation traced into the graph)
+for _name in ("ours_int8_auto", "ours_int8_sage"):
+    ROWS[f"{_name}_graphprep"] = _switched(_name, "graphprep", "the SageAttention calls' Q / K / V quantized in the "
+                                           "compiled graph (the default before the preparation kernels)")
+    ROWS[_name] = replace(ROWS[_name], sage_prep_kernels=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
