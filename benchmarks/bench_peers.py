@@ -651,6 +651,7 @@ for _name in ("ours_int8_auto", "ours_int8_sage"):
     ROWS[f"{_name}_graphprep"] = _switched(_name, "graphprep", "the SageAttention calls' Q / K / V quantized in the "
                                            "compiled graph (the default before the preparation kernels)")
     ROWS[_name] = replace(ROWS[_name], sage_prep_kernels=True)
+ROWS["ours_int8_auto_fastepi"] = replace(ROWS["ours_int8_auto_fastepi"], sage_prep_kernels=True)  # one switch apart
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

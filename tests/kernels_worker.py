@@ -615,6 +615,8 @@ SAGE_PREP_SHAPES = ((1, 100, 130, 2, 64), (2, 64, 256, 3, 128), (1, 17, 300, 1, 
 SAGE_PREP_CASES = tuple("sage_prep-" + "x".join(map(str, shape)) for shape in SAGE_PREP_SHAPES)
 # the partial reductions read 32 tokens per loop step (sage_prep_triton.KV_SUBTILE) instead of the whole chunk
 SAGE_PREP_SUBTILE_CASES = tuple(case + "-sub32" for case in SAGE_PREP_CASES)
+# q, k and v as views of one fused projection (token stride 3 x heads x D, as a fused q / k / v linear leaves them)
+SAGE_PREP_FUSED_CASES = ("sage_prep-1x130x130x2x64-fusedview",)
 
 
 def sage_prep_cases() -> dict:
@@ -628,6 +630,7 @@ def sage_prep_cases() -> dict:
     results = {}
     cases = [(shape, key, 128) for shape, key in zip(SAGE_PREP_SHAPES, SAGE_PREP_CASES)]
     cases += [(shape, key, 32) for shape, key in zip(SAGE_PREP_SHAPES, SAGE_PREP_SUBTILE_CASES)]
+    cases += [((1, 130, 130, 2, 64), key, 128) for key in SAGE_PREP_FUSED_CASES]
     for (b, nq, nk, h, d), key, subtile in cases:
         sage_prep_triton.KV_SUBTILE = subtile
         try:
@@ -635,6 +638,8 @@ def sage_prep_cases() -> dict:
             q = (torch.randn(b, nq, h, d, generator=gen) * 3).to(torch.bfloat16)
             k = (torch.randn(b, nk, h, d, generator=gen) * 2 + 1).to(torch.bfloat16)  # a mean to smooth away
             v = torch.randn(b, nk, h, d, generator=gen).to(torch.bfloat16)
+            if key.endswith("fusedview"):
+                q, k, v = torch.stack((q, k, v), dim=2).unbind(dim=2)  # strided views of one (b, n, 3, h, d)
             got = sage_prep_triton.quantize(q, k, v)
             ref = (*sa.quantize_queries(q), *sa.quantize_keys(k.float()), *sa.quantize_values(v))
             names = ("q8", "q_scale", "k8", "k_scale", "v8", "v_scale")

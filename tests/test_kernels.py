@@ -312,10 +312,11 @@ def test_int8_gemv_kernel_compiles_for_hopper_without_spills():
         assert "ld.global" in compiled.asm["ptx"] and ".local" not in compiled.asm["ptx"], rows
 
 
-@pytest.mark.parametrize("case", WORKER.SAGE_PREP_CASES + WORKER.SAGE_PREP_SUBTILE_CASES)
+@pytest.mark.parametrize("case", WORKER.SAGE_PREP_CASES + WORKER.SAGE_PREP_SUBTILE_CASES + WORKER.SAGE_PREP_FUSED_CASES)
 def test_sage_prep_kernels_give_the_packages_operands(interpreted, case):
     """The four SageAttention preparation kernels: int8 Q and K, V's e4m3 values and every scale bit for bit what
-    the PyTorch expressions (the package's layouts) give; also with the partial reductions read in 32-token steps."""
+    the PyTorch expressions (the package's layouts) give; also with the partial reductions read in 32-token steps,
+    and from strided views of a fused q / k / v projection."""
     r = interpreted["sage_prep"][case]
     assert "error" not in r, r.get("error")
     assert all(r[f"{name}_equal"] for name in ("q8", "q_scale", "k8", "k_scale", "v8", "v_scale")), r

@@ -275,6 +275,15 @@ def test_the_quantized_op_off_hopper_computes_its_operands_attention(monkeypatch
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and 0 < err < 0.03, err
 
 
+@pytest.mark.parametrize("capability, runs", [((9, 0), True), ((8, 9), True), ((8, 6), False), ((8, 0), False)])
+def test_the_prep_kernels_run_only_where_triton_casts_to_e4m3(monkeypatch, capability, runs):
+    """The preparation kernels store V in e4m3, which Triton lowers from compute capability 8.9 on; an A100 or an
+    RTX 30xx (SageAttention serves them too) takes the PyTorch expressions instead; the CPU always does."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert sage.prep_kernels_run_on(torch.device("cuda", 0)) is runs
+    assert sage.prep_kernels_run_on(torch.device("cpu")) is False
+
+
 def test_the_quantized_ops_fake_implementation_gives_the_output_shape():
     with FakeTensorMode():
         q8 = torch.empty(1, 4608, 24, 128, dtype=torch.int8)

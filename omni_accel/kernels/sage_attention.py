@@ -306,13 +306,20 @@ PREP_KERNELS = True
 @torch.library.custom_op("omni_accel::sage_quantize", mutates_args=(), schema=(
     "(Tensor query, Tensor key, Tensor value) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def sage_quantize(query, key, value):
-    """``quantize_queries(query) + quantize_keys(key) + quantize_values(value)``: on a GPU in sage_prep_triton's
-    kernels (K's mean in float32), elsewhere the PyTorch expressions themselves."""
-    if query.is_cuda:
+    """``quantize_queries(query) + quantize_keys(key) + quantize_values(value)``: on a GPU with e4m3 in Triton in
+    sage_prep_triton's kernels (K's mean in float32), elsewhere the PyTorch expressions themselves."""
+    if prep_kernels_run_on(query.device):
         from . import sage_prep_triton
 
         return sage_prep_triton.quantize(*(t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)))
     return _reference_operands(query, key, value)
+
+
+def prep_kernels_run_on(device: torch.device) -> bool:
+    """Whether sage_prep_triton's kernels can run on ``device``: a CUDA GPU of compute capability 8.9 or newer, where
+    Triton casts to e4m3 (V's format; older GPUs, which SageAttention's non-Hopper kernels also serve, take the
+    PyTorch expressions)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _reference_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:

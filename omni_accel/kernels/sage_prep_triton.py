@@ -44,8 +44,11 @@ def _program_tile(heads, TOKENS: tl.constexpr, D: tl.constexpr):
     """This program's (batch * heads index, batch, head, token rows, head-dim columns): axis 0 walks batch x heads,
     axis 1 tiles of TOKENS tokens."""
     bh = tl.program_id(0)
-    b = (bh // heads).to(tl.int64)  # 64-bit offsets: a fused q / k / v view at 720p, batch 2, passes 2^31
-    return bh, b, bh % heads, tl.program_id(1) * TOKENS + tl.arange(0, TOKENS), tl.arange(0, D)
+    # 64-bit offsets: a fused q / k / v view at 720p, batch 2, passes 2^31 across the batch, and a token times its
+    # stride (3 x 5,120 in Wan's fused view) does from about 140,000 tokens
+    b = (bh // heads).to(tl.int64)
+    rows = (tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
+    return bh, b, bh % heads, rows, tl.arange(0, D)
 
 
 @triton.jit
@@ -58,7 +61,7 @@ def _kv_partials_kernel(k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, n, heads, chunks, k
     k_sum = tl.zeros((D,), tl.float32)
     v_amax = tl.zeros((D,), tl.float32)
     for start in tl.range(0, TOKENS, SUB, num_stages=STAGES):
-        rows = chunk * TOKENS + start + tl.arange(0, SUB)
+        rows = (chunk * TOKENS + start + tl.arange(0, SUB)).to(tl.int64)
         inside = (rows < n)[:, None]
         k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_sn + cols[None, :], mask=inside, other=0.0)
         v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_sn + cols[None, :], mask=inside, other=0.0)
@@ -117,7 +120,8 @@ def _values_kernel(v_ptr, inverse_ptr, v8_ptr, n, heads, v_sb, v_sn, v_sh, o_sb,
 # Launch settings of the four kernels: warps per program, and the partial-reduction kernel's sub-tile (tokens read per
 # loop step of its 128-token chunk) and pipeline stages. The defaults read the chunk in one step, as the kernels timed
 # on an H200 did (5.1 ms per FLUX step for the four, about twice what their bytes need: docs/kernels.md,
-# "SageAttention"); the others are for benchmarks' A/B rows, not yet timed. A sub-tile changes the order of K's
+# "SageAttention"); the others are for benchmarks' A/B rows (32-token steps over 3 stages were slower on Wan 81
+# frames, bench_peers_h100_wan81_prepk_sub32_20261206.json). A sub-tile changes the order of K's
 # float32 sums, so K's mean may differ in its last bits (and with it an int8 K value at a rounding boundary).
 PREP_WARPS = {"kv_partials": 8, "queries": 2, "keys": 8, "values": 8}
 KV_SUBTILE, KV_STAGES = 128, 1
