@@ -53,6 +53,7 @@ import sys
 import time
 import traceback
 from typing import Callable, NamedTuple
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -139,14 +140,19 @@ def _omni(mode: str, core_only: bool) -> Callable:
 
 def _omni_sage_prepared(kernel_only: bool) -> Callable:
     """omni_accel's SageAttention path with ``sage_attention.PREP_IN_GRAPH``: Q, K and V quantized by torch ops that
-    inductor compiles (here the quantization alone, in a compiled model fused into the kernels that produce Q, K,
-    V), then the package's Hopper kernel through ``omni_accel::sage_attention_quantized``. ``kernel_only`` times the
-    op alone on operands quantized once."""
+    inductor compiles (``PREP_KERNELS`` off; here the quantization alone, in a compiled model fused into the kernels
+    that produce Q, K, V), then the package's Hopper kernel through ``omni_accel::sage_attention_quantized``.
+    ``kernel_only`` times the op alone on operands quantized once."""
     from omni_accel.kernels import sage_attention as sage
 
     if not kernel_only:
         compiled = torch.compile(sage.prepared_attention, dynamic=False)
-        return lambda q, k, v: compiled(q, k, v, None)
+
+        def traced(q, k, v):
+            with mock.patch.object(sage, "PREP_KERNELS", False):  # read while tracing, guarded after
+                return compiled(q, k, v, None)
+
+        return traced
     cache: dict = {}
 
     def call(q, k, v):

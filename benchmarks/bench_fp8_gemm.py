@@ -145,8 +145,8 @@ def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters, co
     configs = configs or (*int8_gemm_triton.CONFIGS, *int8_gemm_triton.TMA_CONFIGS, *int8_gemm_triton.WS_CONFIGS)
     # each warp-specialized tile also with its last partial wave split along K (SPLIT_TAIL), where that splits
     runs = [(config, config, False) for config in configs]
-    runs += [(f"{config}_splittail", config, True) for config in configs
-             if config in int8_gemm_triton.WS_CONFIGS and _tail_splits(x_int8, w_int8, config) > 1]
+    runs += [(f"{config}_splittail", config, True) for config in configs if config in int8_gemm_triton.WS_CONFIGS
+             and int8_gemm_triton.ws_plan(x_int8, w_int8, int8_gemm_triton.WS_CONFIGS[config], split_tail=True)[3] > 1]
     for label, config, split_tail in runs:
         def fused(c=config, split=split_tail):
             saved, int8_gemm_triton.SPLIT_TAIL = int8_gemm_triton.SPLIT_TAIL, split
@@ -166,20 +166,6 @@ def int8_rescale_rows(x_int8, x_scale, w_int8, w_scale, flops, device, iters, co
                     f"int8_triton_{label}_b2b_tops": round(flops / b2b_ms / 1e9, 1),
                     f"int8_triton_{label}_equal": same})
     return out
-
-
-def _tail_splits(x_int8, w_int8, config: str) -> int:
-    """How many ways SPLIT_TAIL would split the last wave of this warp-specialized tile's GEMM (1: not at all)."""
-    from omni_accel.kernels import int8_gemm_triton as g
-
-    block_m, block_n, block_k = g.WS_CONFIGS[config][:3]
-    (m, k), n = x_int8.shape, w_int8.shape[0]
-    saved, g.SPLIT_TAIL = g.SPLIT_TAIL, True
-    try:
-        tiles = -(-m // block_m) * -(-n // block_n)
-        return g.split_tail_plan(tiles, g._persistent_programs(x_int8, m, n, block_m, block_n), -(-k // block_k))[1]
-    finally:
-        g.SPLIT_TAIL = saved
 
 
 def gemv_row(name, m, k, n, device, iters) -> dict:

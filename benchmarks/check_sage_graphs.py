@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +79,9 @@ def _graphed_error(block, captured_in, fresh, want, device) -> tuple[float, obje
     return err, graphed, dict(graphed.stats)
 
 
-def _compiled_route_rows(prefix: str, fresh, want, other, device) -> dict:
-    """The compiled route (``sage_attention.prepared_attention`` under the module switches as they are now) between
-    kernels, as in a block: ``{prefix}_eager`` and, under the whole-forward graph on new inputs,
+def _compiled_route_rows(prefix: str, prep_kernels: bool, fresh, want, other, device) -> dict:
+    """The compiled route (``sage_attention.prepared_attention`` with ``PREP_KERNELS`` set to ``prep_kernels``)
+    between kernels, as in a block: ``{prefix}_eager`` and, under the whole-forward graph on new inputs,
     ``{prefix}_host_step`` / ``{prefix}_graph_stats``."""
     from omni_accel.kernels import sage_attention as sage
 
@@ -90,14 +91,16 @@ def _compiled_route_rows(prefix: str, fresh, want, other, device) -> dict:
     def block(q, k, v):
         return prepared(q * 1.0, k, v, None) * 2.0
 
-    rows = {f"{prefix}_eager": rel_err(block(*fresh), want)}
-    rows[f"{prefix}_host_step"], _, rows[f"{prefix}_graph_stats"] = _graphed_error(block, other, fresh, want, device)
+    with mock.patch.object(sage, "PREP_KERNELS", prep_kernels):
+        rows = {f"{prefix}_eager": rel_err(block(*fresh), want)}
+        rows[f"{prefix}_host_step"], _, rows[f"{prefix}_graph_stats"] = _graphed_error(block, other, fresh, want,
+                                                                                     device)
     return rows
 
 
 def _prepared_rows(fresh, want, other, device) -> dict:
-    """The PREP_IN_GRAPH path: eager, against the package and against its own operands, and under the whole-forward
-    graph on new inputs."""
+    """The PREP_IN_GRAPH path with the quantization traced into the graph (``PREP_KERNELS`` off): eager, against the
+    package and against its own operands, and under the whole-forward graph on new inputs."""
     from omni_accel.kernels import sage_attention as sage
 
     q, k, v = fresh
@@ -107,7 +110,7 @@ def _prepared_rows(fresh, want, other, device) -> dict:
     rows = {"prepared_direct_vs_sdpa": rel_err(kernel_out * 2.0, want),
             "prepared_vs_package": rel_err(kernel_out, sage._sage_call(q, k, v, None, False)),
             "prepared_vs_operands": rel_err(kernel_out, sdpa(q32, k32, v32))}
-    return {**_compiled_route_rows("prepared", fresh, want, other, device), **rows}
+    return {**_compiled_route_rows("prepared", False, fresh, want, other, device), **rows}
 
 
 def _prep_kernel_rows(fresh, want, other, device) -> dict:
@@ -135,12 +138,7 @@ def _prep_kernel_rows(fresh, want, other, device) -> dict:
     rows["prep_kernels_direct_vs_sdpa"] = rel_err(kernel_out * 2.0, want)
     rows["prep_kernels_vs_fp32_smoothed_operands"] = rel_err(kernel_out, attend(ref))
     rows["fp32_vs_bf16_smoothed_operands"] = rel_err(attend(ref), bf16_smoothed)
-    saved = sage.PREP_KERNELS
-    sage.PREP_KERNELS = True
-    try:
-        rows.update(_compiled_route_rows("prep_kernels", fresh, want, other, device))
-    finally:
-        sage.PREP_KERNELS = saved
+    rows.update(_compiled_route_rows("prep_kernels", True, fresh, want, other, device))
     return rows
 
 

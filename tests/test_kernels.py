@@ -103,6 +103,7 @@ def test_split_tail_plan_fills_the_idle_programs_of_a_short_last_wave(monkeypatc
     assert g.split_tail_plan(133, 132, 2) == (132, 2)  # no more splits than K steps
     monkeypatch.setattr(g, "SPLIT_TAIL", False)
     assert g.split_tail_plan(432, 132, 120) == (432, 1)
+    assert g.split_tail_plan(432, 132, 120, enabled=True) == (396, 3)  # a benchmark asks without the switch
 
 
 @pytest.mark.parametrize("case", WORKER.FP8_QUANT_CASES)

@@ -352,24 +352,33 @@ def _persistent_programs(x_int8, m: int, n: int, block_m: int, block_n: int) -> 
     return min(tiles, 4 if INTERPRETED else _sm_count(x_int8.device.index or 0))
 
 
-def split_tail_plan(tiles: int, programs: int, k_steps: int) -> tuple[int, int]:
-    """(tiles the persistent kernel computes whole, K splits of each remaining tile): with ``SPLIT_TAIL``, a last
-    wave that fills at most half the programs is split along K so that it fills them (at most
-    ``TAIL_MAX_SPLITS`` ways, each split at least one K step); else (tiles, 1)."""
+def split_tail_plan(tiles: int, programs: int, k_steps: int, enabled: bool | None = None) -> tuple[int, int]:
+    """(tiles the persistent kernel computes whole, K splits of each remaining tile): with ``enabled`` (default
+    ``SPLIT_TAIL``), a last wave that fills at most half the programs is split along K so that it fills them (at
+    most ``TAIL_MAX_SPLITS`` ways, each split at least one K step); else (tiles, 1)."""
     tail = tiles % programs
-    if not SPLIT_TAIL or tiles <= programs or tail == 0:
+    if not (SPLIT_TAIL if enabled is None else enabled) or tiles <= programs or tail == 0:
         return tiles, 1
     splits = min(programs // tail, TAIL_MAX_SPLITS, k_steps)
     return (tiles - tail, splits) if splits >= 2 else (tiles, 1)
+
+
+def ws_plan(x_int8: torch.Tensor, w_int8: torch.Tensor, tile: tuple,
+            split_tail: bool | None = None) -> tuple[int, int, int, int]:
+    """(programs, tiles, tiles computed whole, K splits of the rest) of the warp-specialized kernel on these
+    operands with ``tile`` (a WS_CONFIGS value); ``split_tail`` as ``split_tail_plan``'s ``enabled``."""
+    block_m, block_n, block_k = tile[:3]
+    (m, k), n = x_int8.shape, w_int8.shape[0]
+    programs = _persistent_programs(x_int8, m, n, block_m, block_n)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return (programs, tiles, *split_tail_plan(tiles, programs, triton.cdiv(k, block_k), split_tail))
 
 
 def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
     block_m, block_n, block_k, group_m, warps, stages = tile
     m, k = x_int8.shape
     n = w_int8.shape[0]
-    programs = _persistent_programs(x_int8, m, n, block_m, block_n)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    whole, splits = split_tail_plan(tiles, programs, triton.cdiv(k, block_k))
+    programs, tiles, whole, splits = ws_plan(x_int8, w_int8, tile)
     if not INTERPRETED:
         _ensure_scratch_allocator()
     bias_arg = bias if bias is not None else out
