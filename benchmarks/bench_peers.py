@@ -157,6 +157,10 @@ class Row:
     sage_kv_subtile: int = 128  # kernels.sage_prep_triton.KV_SUBTILE (tokens per loop step of the partial reductions)
     sage_kv_stages: int = 1  # kernels.sage_prep_triton.KV_STAGES (that loop's pipeline stages)
     int8_split_tail: bool = False  # kernels.int8_gemm_triton.SPLIT_TAIL (True: a short last wave split along K)
+    int8_bias_in_gemm: bool = False  # kernels.int8.BIAS_IN_GEMM (True: the Triton int8 GEMM adds the bias)
+    sage_from_norms: bool = False  # kernels.epilogue_fusion.SAGE_FROM_NORMS (True: Q / K quantized from the q / k
+    # kernels' inputs)
+    sage_normed_heads: int = 1  # kernels.sage_prep_triton.NORMED_HEADS_PER_PROGRAM (with sage_from_norms)
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -186,7 +190,10 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_triton", "QK_SHARED_ROTARY", "qk_shared_rotary"),
             ("kernels.sage_prep_triton", "KV_SUBTILE", "sage_kv_subtile"),
             ("kernels.sage_prep_triton", "KV_STAGES", "sage_kv_stages"),
-            ("kernels.int8_gemm_triton", "SPLIT_TAIL", "int8_split_tail"))
+            ("kernels.int8_gemm_triton", "SPLIT_TAIL", "int8_split_tail"),
+            ("kernels.int8", "BIAS_IN_GEMM", "int8_bias_in_gemm"),
+            ("kernels.epilogue_fusion", "SAGE_FROM_NORMS", "sage_from_norms"),
+            ("kernels.sage_prep_triton", "NORMED_HEADS_PER_PROGRAM", "sage_normed_heads"))
 
 
 @contextlib.contextmanager
@@ -652,6 +659,20 @@ for _name in ("ours_int8_auto", "ours_int8_sage"):
                                            "compiled graph (the default before the preparation kernels)")
     ROWS[_name] = replace(ROWS[_name], sage_prep_kernels=True)
 ROWS["ours_int8_auto_fastepi"] = replace(ROWS["ours_int8_auto_fastepi"], sage_prep_kernels=True)  # one switch apart
+# The int8 linears' bias added in the Triton GEMM's epilogue (kernels.int8.BIAS_IN_GEMM) became the default: today's
+# int8 rows take it, every row above keeps what it measured, and the _graphbias rows are the former default (the bias
+# added in the compiled graph after the GEMM)
+for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
+    ROWS[f"{_name}_graphbias"] = _switched(_name, "graphbias", "the int8 linears' bias added in the compiled graph "
+                                           "after the GEMM (the default before the GEMM's epilogue took it)")
+    ROWS[_name] = replace(ROWS[_name], int8_bias_in_gemm=True)
+for _name in ("ours_int8_auto", "ours_int8_sage"):
+    ROWS[f"{_name}_fromnorms"] = _switched(_name, "fromnorms", "SageAttention's Q quantized where the q / k kernel "
+                                           "computes it, and K's column sums taken there", sage_from_norms=True)
+for _heads in (4, 8):
+    ROWS[f"ours_int8_sage_fromnorms_h{_heads}"] = _switched("ours_int8_sage_fromnorms", f"h{_heads}", f"{_heads} heads "
+                                                           "per program of the two normed kernels",
+                                                           sage_normed_heads=_heads)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

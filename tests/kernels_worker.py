@@ -657,6 +657,65 @@ def sage_prep_cases() -> dict:
     return results
 
 
+# the Q / K quantization from the q / k kernels' inputs (sage_prep_triton.quantize_normed): (batch, seq, heads, head
+# dim, second stream's tokens, bias, 16-bit dtype); a joint block's two streams, tokens short of a tile, batch 2
+SAGE_NORMED_SHAPES = ((1, 40, 2, 64, 0, True, "bfloat16"), (2, 70, 3, 128, 5, False, "bfloat16"),
+                      (1, 33, 2, 64, 7, True, "float16"))
+SAGE_NORMED_CASES = tuple("sage_normed-" + "x".join(map(str, shape[:4])) + f"-two{shape[4]}-bias{int(shape[5])}-"
+                          + shape[6] for shape in SAGE_NORMED_SHAPES)
+
+
+def sage_normed_cases() -> dict:
+    """sage_prep_triton.quantize_normed against the unfused path's formulas: qk_norm_rope_reference rounded to the
+    16-bit dtype, then sage_attention's PyTorch expressions (K's mean in float32): which operands are equal."""
+    import torch
+
+    from omni_accel.kernels import sage_attention as sa
+    from omni_accel.kernels import sage_prep_triton
+    from omni_accel.kernels.epilogue_fusion import qk_norm_rope_reference
+
+    results = {}
+    for (b, seq, h, d, tokens_a, with_bias, dtype_name), key in zip(SAGE_NORMED_SHAPES, SAGE_NORMED_CASES):
+        try:
+            dtype = getattr(torch, dtype_name)
+            gen = torch.Generator().manual_seed(seq + d)
+
+            def rand(*shape, scale=1.0, shift=0.0):
+                return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
+
+            # the first stream 3 parts wide (q, k, v), the second 4 (its q / k one part further along)
+            src = rand(b * (tokens_a or seq), 3 * h * d, scale=2.0, shift=0.5)
+            src2 = rand(b * (seq - tokens_a), 4 * h * d, scale=2.0, shift=0.5) if tokens_a else None
+            bias = rand(3 * h * d, scale=0.1) if with_bias else None
+            bias2 = rand(4 * h * d, scale=0.1) if with_bias and tokens_a else None
+            weights = [rand(d, scale=0.1, shift=1.0) for _ in range(4)]
+            angles = torch.rand(seq, d // 2, generator=gen) * 6.28
+            cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+            value = rand(b * seq, 3 * h * d).view(b, seq, 3, h, d)[:, :, 2]  # a strided view, as a fused projection
+            parts = []
+            for first, weight, weight2 in ((0, weights[0], weights[1]), (h * d, weights[2], weights[3])):
+                second = (src2, bias2, first + h * d, weight2) if tokens_a else (None, None, 0, None)
+                parts.append((src, bias, first, weight, *second))
+            got = sage_prep_triton.quantize_normed(*parts, h, 1e-6, cos, sin, tokens_a, dtype, value)
+            normed = []
+            for src_, bias_, first, weight, src2_, bias2_, first2, weight2 in parts:
+                second = (src2_, bias2_, first2, weight2, tokens_a) if tokens_a else None
+                rows = qk_norm_rope_reference(src_, bias_, first, h, weight, 1e-6, cos, sin, None, None, dtype,
+                                              second=second)
+                normed.append(rows.view(b, seq, h, d))
+            ref = (*sa.quantize_queries(normed[0]), *sa.quantize_keys(normed[1].float()), *sa.quantize_values(value))
+            names = ("q8", "q_scale", "k8", "k_scale", "v8", "v_scale")
+            entry = {f"{n}_equal": bool(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.float(), y.float()))
+                     for n, x, y in zip(names, got, ref)}
+            # K's mean is summed in another order (32-key partials): an int8 K value at a rounding tie may move one
+            k_diff = (got[2].float() - ref[2].float()).abs()
+            entry.update(k8_differ_frac=(k_diff > 0).float().mean().item(), k8_max_diff=k_diff.max().item())
+            results[key] = entry
+        except Exception:  # noqa: BLE001 -- recorded per case
+            results[key] = {"error": traceback.format_exc()[-2000:]}
+    return results
+
+
 def main(out_path: str) -> int:
     from omni_accel.kernels import fused
 
@@ -674,6 +733,7 @@ def main(out_path: str) -> int:
     result["fp8_attention"] = fp8_attention_cases()
     result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()
     result["sage_prep"] = sage_prep_cases()
+    result["sage_normed"] = sage_normed_cases()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -319,14 +319,8 @@ class _LoggedGraph:
         self.log.append(("replay", id(self)))
 
 
-def test_a_segmented_capture_replays_its_graphs_in_order_with_the_host_call_between(monkeypatch):
-    """The chain ``run_outside_graph`` makes of a capture: the graph before the call ends there, the call runs
-    between that graph's replay and the next one's, reading the captured inputs' memory and writing the tensor the
-    forward went on with; the capture that follows starts in the same pool. The CUDA calls are stand-ins that log;
-    the data flow through the host step is real."""
+def _log_cuda_graph_calls(monkeypatch) -> None:
     import contextlib
-
-    from omni_accel import cuda_graphs
 
     _LoggedGraph.log = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _LoggedGraph)
@@ -335,6 +329,53 @@ def test_a_segmented_capture_replays_its_graphs_in_order_with_the_host_call_betw
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def test_a_host_call_that_takes_its_output_buffer_writes_the_one_the_next_graph_reads(monkeypatch):
+    """``writes_out``: the host step hands the call the static output itself (``out=``), so nothing is copied
+    after it; with nothing captured the call allocates (``out=None``)."""
+    from omni_accel import cuda_graphs
+
+    _log_cuda_graph_calls(monkeypatch)
+    x = torch.randn(5)
+    given = []
+
+    def host_call(t, out=None):
+        given.append(out)
+        result = t + 1
+        return result if out is None else out.copy_(result)
+
+    assert torch.equal(cuda_graphs.run_outside_graph(host_call, (x,), (5,), x.dtype, writes_out=True), x + 1)
+    assert given == [None]
+    kept = []
+
+    def forward():
+        a = x * 2
+        kept.append(a)
+        out = cuda_graphs.run_outside_graph(host_call, (a,), (5,), a.dtype, writes_out=True)
+        kept.append(out)
+        return out
+
+    outputs, replay = cuda_graphs._SegmentedCapture(torch.device("cpu")).record(forward)
+    given.clear()
+    replay()
+    (buffer,) = given  # the call wrote the graph's output memory itself (an unowned alias of it)
+    assert buffer is not None and buffer.data_ptr() == outputs.data_ptr() and buffer.shape == outputs.shape
+    torch.testing.assert_close(outputs, x * 2 + 1)
+    x.mul_(-1)
+    kept[0].copy_(x * 2)  # new values where the first graph's replay would write them
+    replay()
+    torch.testing.assert_close(outputs, x * 2 + 1)
+
+
+def test_a_segmented_capture_replays_its_graphs_in_order_with_the_host_call_between(monkeypatch):
+    """The chain ``run_outside_graph`` makes of a capture: the graph before the call ends there, the call runs
+    between that graph's replay and the next one's, reading the captured inputs' memory and writing the tensor the
+    forward went on with; the capture that follows starts in the same pool. The CUDA calls are stand-ins that log;
+    the data flow through the host step is real."""
+    from omni_accel import cuda_graphs
+
+    _log_cuda_graph_calls(monkeypatch)
     x = torch.randn(5)
     kept = []  # the graphs' pool keeps captured tensors' memory; on the CPU a list stands in for it
 

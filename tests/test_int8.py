@@ -46,6 +46,38 @@ def test_int8_linear_is_the_exact_integer_product_rescaled():
     assert layer.weight_int8.dtype == torch.int8 and layer.weight_int8.shape == (48, 64)
 
 
+@pytest.mark.parametrize("in_gemm", [True, False])
+def test_triton_int8_linear_adds_its_bias_in_the_gemm_epilogue(monkeypatch, in_gemm):
+    """BIAS_IN_GEMM: the op gets the bias and rounds once (no add after it in the traced graph, so a fused q / k / v
+    projection's V leaves the GEMM final); off, the graph adds the bias to the rounded product."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(int8_mod, "BIAS_IN_GEMM", in_gemm)
+    lin = _linear(256, 96).to(torch.bfloat16)
+    layer = Int8Linear(lin, gemm="triton")
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    xq, xs = quantize_rows_int8(x)
+    operands = (xq, layer.weight_int8, xs, layer.weight_scale)
+    once = int8_mod.int8_mm_rescale_reference(*operands, layer.bias, torch.bfloat16)
+    twice = int8_mod.int8_mm_rescale_reference(*operands, None, torch.bfloat16) + layer.bias
+    assert not torch.equal(once, twice)  # the roundings differ somewhere: the comparison below can tell them apart
+    assert torch.equal(layer(x), once if in_gemm else twice)
+    graph = make_fx(layer)(x).graph
+    (gemm,) = [n for n in graph.nodes if n.target == torch.ops.omni_accel.int8_mm_rescale.default]
+    assert (gemm.args[4] is not None) == in_gemm
+    assert any(n.target == torch.ops.aten.add.Tensor and gemm in n.args for n in graph.nodes) != in_gemm
+
+
+def test_cublas_int8_linear_keeps_its_bias_in_the_graph():
+    """The cuBLAS path is traced: Inductor fuses the bias into the rescale kernel, so the switch leaves it alone."""
+    lin = _linear(64, 48).to(torch.bfloat16)
+    layer = Int8Linear(lin, gemm="cublas")
+    x = torch.randn(20, 64, dtype=torch.bfloat16)
+    xq, xs = quantize_rows_int8(x)
+    product = int8_mod.int8_mm_rescale_reference(xq, layer.weight_int8, xs, layer.weight_scale, None, torch.bfloat16)
+    assert int8_mod.BIAS_IN_GEMM and torch.equal(layer(x), product + layer.bias)
+
+
 def test_int8_is_more_precise_than_e4m3_on_gaussian_layers():
     """The reason the mode exists: 7 bits on each row's largest value against e4m3's 3 mantissa bits."""
     lin = _linear(256, 128).to(torch.bfloat16)

@@ -324,6 +324,18 @@ def test_sage_prep_kernels_give_the_packages_operands(interpreted, case):
     assert r["v8_shape_equal"] and r["v8_differ_frac"] == 0.0, r
 
 
+@pytest.mark.parametrize("case", WORKER.SAGE_NORMED_CASES)
+def test_sage_preparation_from_the_q_k_kernels_inputs_gives_the_unfused_operands(interpreted, case):
+    """sage_prep_triton.quantize_normed (Q quantized where it is normalized and rotated, K's column sums taken where
+    K is written): every operand bit for bit what the q / k kernel's 16-bit output quantized by the PyTorch
+    expressions gives, for one stream and a joint block's two, with and without a bias, bf16 and fp16; int8 K too
+    but for a value at a rounding tie, which K's mean summed in another order (32-key partials) may move by one."""
+    r = interpreted["sage_normed"][case]
+    assert "error" not in r, r.get("error")
+    assert all(r[f"{name}_equal"] for name in ("q8", "q_scale", "k_scale", "v8", "v_scale")), r
+    assert r["k8_equal"] or (r["k8_max_diff"] == 1 and r["k8_differ_frac"] < 1e-3), r
+
+
 def test_sage_prep_kernels_compile_for_hopper_without_spills():
     from omni_accel.kernels import sage_prep_triton as sp
 
@@ -336,10 +348,23 @@ def test_sage_prep_kernels_compile_for_hopper_without_spills():
             (sp._queries_kernel, dict(q_ptr="*bf16", q8_ptr="*i8", scale_ptr="*fp32"), dict(D=d), 2),
             (sp._keys_kernel, dict(k_ptr="*bf16", mean_ptr="*fp32", k8_ptr="*i8", scale_ptr="*fp32"), dict(D=d), 8),
             (sp._values_kernel, dict(v_ptr="*bf16", inverse_ptr="*fp32", v8_ptr="*fp8e4nv"), dict(D=d), 8),
+            (sp._kv_partials_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", k_sum_ptr="*fp32", v_amax_ptr="*fp32"),
+             dict(TOKENS=128, D=d, SUB=128, STAGES=1, HAS_K=False), 8),
         ]
+        normed = dict(src_ptr="*bf16", bias_ptr="*bf16", w_ptr="*bf16", src2_ptr="*bf16", bias2_ptr="*bf16",
+                      w2_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32")
+        for two in (False, True):
+            flags = dict(D=d, HAS_BIAS=True, TWO=two, BF16=True, BIT_ROUND=False,
+                         HEADS_PER_PROGRAM=sp._heads_per_program(24))
+            cases += [
+                (sp._normed_queries_kernel, {**normed, "q8_ptr": "*i8", "scale_ptr": "*fp32"}, flags,
+                 sp.PREP_WARPS["queries"]),
+                (sp._normed_keys_kernel, {**normed, "k_ptr": "*bf16", "k_sum_ptr": "*fp32"},
+                 {**flags, "TOKENS": sp.NORMED_KEY_TOKENS}, sp.PREP_WARPS["normed_keys"]),
+            ]
         for kernel, pointers, consts, warps in cases:
-            compiled = _compile_for_hopper(kernel, pointers, consts, {"num_warps": warps}, floats=(), aligned=True)
-            assert "0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"]), (kernel.__name__, d)
+            compiled = _compile_for_hopper(kernel, pointers, consts, {"num_warps": warps}, aligned=True)
+            assert "0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"]), (kernel.__name__, d, consts)
 
 
 def test_int8_gemv_refuses_more_rows_than_one_mma_tile_and_unknown_kernels():

@@ -137,8 +137,10 @@ class _RecordingCapture:
     def __init__(self):
         self.steps = []
 
-    def host_step(self, call, args, shape, dtype):
-        self.steps.append((call, args, shape, dtype))
+    def host_step(self, call, args, shape, dtype, writes_out=False):
+        self.steps.append((call, args, shape, dtype, writes_out))
+        if writes_out:  # the capture's static output, written by the call itself
+            return call(*args, out=torch.full(shape, float("nan"), dtype=dtype))
         return call(*args)
 
 
@@ -153,7 +155,8 @@ def test_under_a_graph_capture_the_op_asks_to_run_between_graphs_with_its_inputs
     capture = _RecordingCapture()
     monkeypatch.setattr(cuda_graphs._ACTIVE, "capture", capture, raising=False)
     out = sage.sage_attention(q, k, v, None)
-    [(_, args, shape, dtype)] = capture.steps
+    [(_, args, shape, dtype, writes_out)] = capture.steps
+    assert not writes_out  # the package allocates its output: the capture copies it
     assert all(a is b for a, b in zip(args, (q, k, v)))
     assert shape == (1, 16, 2, 24) and dtype == torch.float32 and out.shape == shape
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
@@ -304,9 +307,9 @@ def test_with_prep_in_the_graph_compiled_blocks_quantize_and_call_only_the_kerne
     quantized_calls, quantize_calls = [], []
     original, original_operands = sage._quantized_call, sage._reference_operands
 
-    def recording(q8, *rest):
+    def recording(q8, *rest, **out):
         quantized_calls.append((q8.dtype, tuple(q8.shape)))
-        return original(q8, *rest)
+        return original(q8, *rest, **out)
 
     def recording_operands(*qkv):
         quantize_calls.append(tuple(qkv[0].shape))
@@ -336,6 +339,58 @@ def test_under_a_graph_capture_the_quantized_op_runs_between_graphs_with_its_ope
     capture = _RecordingCapture()
     monkeypatch.setattr(cuda_graphs._ACTIVE, "capture", capture, raising=False)
     out = sage.sage_attention_quantized(*operands, 0.125, torch.float32)
-    [(_, args, shape, dtype)] = capture.steps
+    [(_, args, shape, dtype, writes_out)] = capture.steps
+    assert writes_out and not out.isnan().any()  # the kernel writes the capture's buffer, every element of it
     assert all(a is b for a, b in zip(args, operands)) and len(args) == 6
     assert shape == (1, 16, 2, 64) and dtype == torch.float32 and out.shape == shape
+
+
+@pytest.mark.parametrize("kind", ["single", "dual"])
+def test_the_preparation_takes_the_q_k_kernels_inputs_in_flux_blocks_with_the_same_operands(monkeypatch, kind):
+    """epilogue_fusion.SAGE_FROM_NORMS: in diffusers' FLUX blocks (bf16, head dim 64, the pair-swap rotary
+    compile=True installs, SageAttention's preparation as one op), the op whose q and k are the 16-bit q / k kernels'
+    outputs becomes one op that reads the kernels' inputs (both streams in the dual block); off the GPU it computes
+    the same operations, so the block's output equals the compile without the switch bit for bit. Off, nothing more
+    is replaced."""
+    from diffusers.models.transformers import transformer_flux
+
+    from omni_accel import compiler
+    from omni_accel.kernels import epilogue_fusion
+
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # the quantized op's float32 attention stands in
+    for name, value in (("PREP_IN_GRAPH", True), ("PREP_KERNELS", True), ("SMOOTH_KEYS_IN_GRAPH", False)):
+        monkeypatch.setattr(sage, name, value)
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_JOINT", True)
+    heads, head_dim = 2, 64  # a head dim the package's kernel takes unpadded (FLUX's is 128)
+    dim = heads * head_dim
+    kinds = {"single": transformer_flux.FluxSingleTransformerBlock, "dual": transformer_flux.FluxTransformerBlock}
+    torch.manual_seed(0)
+    block = kinds[kind](dim, heads, head_dim).to(torch.bfloat16).eval()
+    undo_rope = compiler.use_rotary_pair_swap(block)[1]
+    undo_route = route.route_transformer(block, "sage")
+    g = torch.Generator().manual_seed(21)
+    streams = [torch.randn(1, n, dim, generator=g).to(torch.bfloat16) for n in (16, 6)]
+    temb = torch.randn(1, dim, generator=g).to(torch.bfloat16)
+    angles = torch.rand(22, head_dim // 2, generator=g) * 6.28
+    rotary = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+
+    def compiled(fused: bool):
+        monkeypatch.setattr(epilogue_fusion, "SAGE_FROM_NORMS", fused)
+        torch._dynamo.reset()
+        before = dict(epilogue_fusion.REWRITES)
+        options = {"fx_graph_cache": False, compiler.POST_GRAD_PASS: epilogue_fusion.GRAPH_PASS}
+        with torch.no_grad():
+            out = torch.compile(block, options=options)(*streams, temb, image_rotary_emb=rotary)
+        return out, {k: v - before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items() if v != before.get(k, 0)}
+
+    try:
+        unfused, unfused_delta = compiled(False)
+        fused, fused_delta = compiled(True)
+    finally:
+        undo_route()
+        undo_rope()
+    assert unfused_delta == {"qk_norm_rope": 2}
+    assert fused_delta == {"qk_norm_rope": 2, "sage_quantize_normed": 1}
+    for f, u in zip(fused, unfused):
+        assert torch.equal(f, u)

@@ -110,6 +110,17 @@ LAYERNORM_INT8 = True
 # Whether the kernels it puts in take part in programmatic dependent launch where inductor's own kernels do
 # (``_pdl``); benchmarks' A/B rows set it.
 PDL = True
+# Whether SageAttention's operand preparation (omni_accel::sage_quantize, sage_attention.PREP_KERNELS) whose q and k
+# are the 16-bit q / k kernel's outputs takes that kernel's inputs instead (omni_accel::sage_quantize_normed): Q is
+# then quantized where it is normalized and rotated, never written in 16 bits, and K's column sums (its mean) are
+# taken where K is written, not read back for them. At FLUX's shape that is 28 MB of Q written and read, and 28 MB
+# of K read, less per attention call. The same operands (tests/test_kernels.py). Off: measured on FLUX with
+# attention="sage" on an H100, the fused kernels took as long as the ones they replace (Q 2.2 ms per step against
+# 1.4 + 1.0, K 2.4 + 1.2 against 1.4 + 2.0: these kernels are bound by their instructions, not their bytes), and the
+# step was no faster: as a fraction of the cuDNN row's speed in the same rounds, 0.997 and 0.990 with the switch,
+# 0.994 and 0.991 without (bench_peers_h100_flux_bias_sage_20261206.json,
+# bench_peers_h100_flux_fromnorms_20261206.json). Benchmarks' A/B rows (_fromnorms) set it.
+SAGE_FROM_NORMS = False
 
 
 # ---------------------------------------------------------------------------------------------- the operation
@@ -1055,8 +1066,78 @@ def _rewrite_norm_int8(graph: fx.Graph, c: _NormCandidate, cols: int) -> None:
         _replace_int8_rows(graph, fused, c.int8)
 
 
+# ------------------------------------------------------- SageAttention's operands from the q / k kernels' inputs
+def _is_op(node, name: str) -> bool:
+    """Whether ``node`` calls the op ``name`` ("namespace::op"): by name, for ops registered only where their module
+    was imported."""
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload) and node.target.name() == name)
+
+
+class _SageCandidate:
+    def __init__(self, node, q_norm, k_norm, value):
+        self.node, self.q_norm, self.k_norm, self.value = node, q_norm, k_norm, value
+
+
+def _normed_view_source(x):
+    """The 16-bit ``omni_accel::qk_norm_rope`` node that ``x`` views whole as (batch, seq, heads, D) and that nothing
+    else reads, or None."""
+    n = _up_views(x)
+    if not (_call(n, torch.ops.omni_accel.qk_norm_rope.default) and len(n.users) == 1):
+        return None
+    val, rows = _val(x), _val(n)
+    if val is None or val.dim() != 4 or not val.is_contiguous() or val.numel() != rows.numel():
+        return None
+    return n
+
+
+def _normed_parts(norm: fx.Node) -> tuple:
+    """A qk_norm_rope node's (src, bias, first column, weight, src2, bias2, first column 2, weight2) and the common
+    (heads, eps, cos, sin, dtype, tokens_a), its arguments as the op's schema orders them."""
+    args = dict(zip(("src", "bias", "first_col", "heads", "weight", "eps", "cos", "sin", "out_dtype", "pdl", "src2",
+                     "bias2", "first_col2", "weight2", "tokens_a"), norm.args))
+    args.update(norm.kwargs)
+    part = tuple(args.get(name, default) for name, default in (("src", None), ("bias", None), ("first_col", 0),
+                                                                ("weight", None), ("src2", None), ("bias2", None),
+                                                                ("first_col2", 0), ("weight2", None)))
+    common = tuple(args[name] for name in ("heads", "eps", "cos", "sin", "out_dtype")) + (args.get("tokens_a", 0),)
+    return part, common
+
+
+def _sage_candidate(node: fx.Node):
+    """``node`` = sage_quantize(q, k, v) with q and k views of two 16-bit q / k kernels that share the heads, eps,
+    rotary tables, dtype and stream split, and a head dim the kernels take."""
+    if not SAGE_FROM_NORMS:
+        return None
+    q, k, value = node.args[:3]
+    norms = [_normed_view_source(x) for x in (q, k)]
+    if None in norms or norms[0] is norms[1]:
+        return None
+    (_, q_common), (_, k_common) = (_normed_parts(n) for n in norms)
+    v = _val(value)
+    if q_common != k_common or v is None or v.dim() != 4 or _val(q).shape != v.shape or _val(k).shape != v.shape:
+        return None
+    if not _kernel_takes(v, lambda kernels: kernels.qk_norm_rope_supported(v.shape[-1])):
+        return None
+    return _SageCandidate(node, norms[0], norms[1], value)
+
+
+def _rewrite_sage(graph: fx.Graph, c: _SageCandidate) -> None:
+    (q_part, common), (k_part, _) = _normed_parts(c.q_norm), _normed_parts(c.k_norm)
+    heads, eps, cos, sin, dtype, tokens_a = common
+    with graph.inserting_before(c.node):
+        fused = _node(graph, torch.ops.omni_accel.sage_quantize_normed.default, *q_part, *k_part, tokens_a, heads,
+                      eps, cos, sin, dtype, c.value)
+        for user in list(c.node.users):  # getitem(sage_quantize, i) for each of its six outputs
+            item = _node(graph, operator.getitem, fused, user.args[1])
+            user.replace_all_uses_with(item)
+
+
 def _match(node: fx.Node):
     """(REWRITES kind, rewrite function, candidate) of the first pattern ``node`` ends, or None."""
+    if _is_op(node, "omni_accel::sage_quantize"):  # six outputs: no other pattern ends there
+        found = _sage_candidate(node)
+        return ("sage_quantize_normed", _rewrite_sage, found) if found is not None else None
     found = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
     if found is not None:
         kind = (("gelu" if found.a is None else "concat_gelu") + ("_fp8" if found.inverse is not None else "")
@@ -1101,7 +1182,7 @@ class EpilogueFusionPass(CustomGraphPass):
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}{int(QK_NORM_ROPE_16)}"
                 f"{int(QK_NORM_ROPE_JOINT)}"
                 f"-ln{int(LAYERNORM)}"
-                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}")
+                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}-sage{int(SAGE_FROM_NORMS)}")
 
 
 GRAPH_PASS = EpilogueFusionPass()

@@ -361,25 +361,15 @@ def concat_gelu_int8(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: to
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
-    src_ptr, bias_ptr, w_ptr, src2_ptr, bias2_ptr, w2_ptr, cos_ptr, sin_ptr, k_mean_ptr, inverse_ptr, out_ptr,
-    n_rows, seq, stride_src, first_col, stride_src2, first_col2, tokens_a, eps,
-    HEADS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MEAN: tl.constexpr, CAST: tl.constexpr,
-    TWO: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, SHARED_TOKEN: tl.constexpr = False,
-):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    # rows are (token, head) pairs of one part (q or k) of a fused projection's output: row = token * HEADS + head;
-    # with TWO, each sample's first tokens_a tokens come from src and the rest from src2 (a joint block's text and
-    # image streams, concatenated before the rotary), each stream with its own bias and norm weight
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok = (rows < n_rows)[:, None]
-    token = (rows // HEADS).to(tl.int64)[:, None]
-    head = (rows % HEADS)[:, None]
+def _normed_rows(src_ptr, bias_ptr, w_ptr, src2_ptr, bias2_ptr, w2_ptr, sample, position, head, ok, seq, stride_src,
+                 first_col, stride_src2, first_col2, tokens_a, eps, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 TWO: tl.constexpr):
+    """RMSNorm of one head's D columns of a fused projection's output, in float32, for the rows given as (sample,
+    position in the sequence, head) columns (int64, ROWS x 1) under the mask ``ok``; with TWO, each sample's first
+    tokens_a positions are src's rows and the rest src2's (a joint block's text and image streams), each stream
+    with its own bias and norm weight."""
     d = tl.arange(0, D)[None, :]
-    position = token % seq
     if TWO:
-        sample = token // seq
         in_a = position < tokens_a
         col_a, col_b = first_col + head * D + d, first_col2 + head * D + d
         x = tl.load(src_ptr + (sample * tokens_a + position) * stride_src + col_a, mask=ok & in_a, other=0.0)
@@ -391,15 +381,40 @@ def _qk_norm_rope_kernel(
         weight = tl.where(in_a, tl.load(w_ptr + d).to(tl.float32), tl.load(w2_ptr + d).to(tl.float32))
     else:
         col = first_col + head * D + d
-        x = tl.load(src_ptr + token * stride_src + col, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(src_ptr + (sample * seq + position) * stride_src + col, mask=ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
             x += tl.load(bias_ptr + col).to(tl.float32)
         weight = tl.load(w_ptr + d).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-    y = x * rstd * weight
-    # the rotary embedding on interleaved pairs: y * cos + swap(y) * sin * (-1, +1, ...), the swap in registers
+    return x * rstd * weight
+
+
+@triton.jit
+def _rotated(y, c, s, ROWS: tl.constexpr, D: tl.constexpr):
+    """The rotary embedding on interleaved pairs: y * cos + swap(y) * sin * (-1, +1, ...), the swap in registers."""
     even, odd = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
     swapped = tl.reshape(tl.join(odd, even), (ROWS, D))
+    return y * c + swapped * (s * ((tl.arange(0, D)[None, :] % 2) * 2 - 1).to(tl.float32))
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    src_ptr, bias_ptr, w_ptr, src2_ptr, bias2_ptr, w2_ptr, cos_ptr, sin_ptr, k_mean_ptr, inverse_ptr, out_ptr,
+    n_rows, seq, stride_src, first_col, stride_src2, first_col2, tokens_a, eps,
+    HEADS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MEAN: tl.constexpr, CAST: tl.constexpr,
+    TWO: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, SHARED_TOKEN: tl.constexpr = False,
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    # rows are (token, head) pairs of one part (q or k) of a fused projection's output: row = token * HEADS + head
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = (rows < n_rows)[:, None]
+    token = (rows // HEADS).to(tl.int64)[:, None]
+    head = (rows % HEADS)[:, None]
+    d = tl.arange(0, D)[None, :]
+    position = token % seq
+    y = _normed_rows(src_ptr, bias_ptr, w_ptr, src2_ptr, bias2_ptr, w2_ptr, token // seq, position, head, ok, seq,
+                     stride_src, first_col, stride_src2, first_col2, tokens_a, eps, D, HAS_BIAS, TWO)
     if SHARED_TOKEN:  # ROWS divides HEADS: the program's rows are heads of one token, which share cos and sin
         first = ((tl.program_id(0) * ROWS) // HEADS).to(tl.int64) % seq
         c = tl.broadcast_to(tl.load(cos_ptr + first * D + d).to(tl.float32), (ROWS, D))
@@ -407,7 +422,7 @@ def _qk_norm_rope_kernel(
     else:
         c = tl.load(cos_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
-    out = y * c + swapped * (s * ((d % 2) * 2 - 1).to(tl.float32))
+    out = _rotated(y, c, s, ROWS, D)
     if HAS_MEAN:
         out -= tl.load(k_mean_ptr + head * D + d)
     if CAST:

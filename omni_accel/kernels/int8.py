@@ -44,6 +44,14 @@ GEMV_MAX_ROWS = 16
 # int8_gemm_triton.py's int8_gemv, op omni_accel::int8_gemv) instead of Inductor's reduction, which read the int8
 # weight at 117 GB/s on an H200. Off until timed on a GPU; benchmarks' A/B rows set it.
 TRITON_GEMV = False
+# Whether an int8 linear on the Triton GEMM adds its bias in the GEMM's epilogue (in float32, before the one rounding
+# to 16 bits) instead of in the traced graph after it. Why: a fused q / k / v projection's V then leaves the GEMM
+# final, a view that the attention (or SageAttention's preparation) reads in place; with the bias added in the graph,
+# Inductor writes V once more, bias added: 0.73 ms per FLUX step, 26 ms per Wan 81-frame forward on an H100. With it,
+# FLUX's int8 stack ran 0.5-0.7 % faster per forward (1.0-1.5 % in a loop) and Wan's 1.5-1.9 %, the output error
+# unchanged or lower, paired in two rounds (bench_peers_h100_flux_bias_sage_20261206.json,
+# bench_peers_h100_wan81_bias_20261206.json). Benchmarks' A/B rows (_graphbias) set it.
+BIAS_IN_GEMM = True
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +190,13 @@ class Int8Linear(_Int8Weight):
         # cublas: traced, so Inductor fuses the rescale into the kernel after the GEMM
         multiply = torch.ops.omni_accel.int8_mm_rescale if self.gemm == "triton" else int8_mm_rescale_reference
         return multiply(x_int8, self.weight_int8, x_scale, self.weight_scale, None, x2.dtype)
+
+    def _biased_product(self, x2: torch.Tensor) -> torch.Tensor:
+        if not (BIAS_IN_GEMM and self.gemm == "triton" and self.bias is not None):
+            return super()._biased_product(x2)
+        x_int8, x_scale = quantize_rows_int8(x2)
+        return torch.ops.omni_accel.int8_mm_rescale(x_int8, self.weight_int8, x_scale, self.weight_scale, self.bias,
+                                                    x2.dtype)
 
 
 class Int8WeightOnlyLinear(_Int8Weight):

@@ -26,12 +26,15 @@ class QuantizedLinear(torch.nn.Module):
         """``x2 @ W^T`` for a 2-D ``x2`` (tokens, in_features), in ``x2``'s dtype, without the bias."""
         raise NotImplementedError
 
+    def _biased_product(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 @ W^T + bias``; a subclass whose GEMM adds the bias in its epilogue overrides this."""
+        y = self._product(x2)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        y = self._product(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        y = self._biased_product(x2)
         if self.reference_weight is not None:
             self._measure(x2, y)
         return y.reshape(*lead, self.out_features)

@@ -137,11 +137,11 @@ def sage_attention(query, key, value, scale, keys_smoothed=False):
     return run_outside_graph(call, (query, key, value), attention_output_shape(query, value), query.dtype)
 
 
-def on_default_stream(device: torch.device, call):
+def on_default_stream(device: torch.device, call, allocates: bool = True):
     """``call()`` with the device's default stream current, ordered after and before the caller's stream: the
     package launches its CUDA kernels on the legacy default stream whatever stream is current, and its Triton
     kernels on the current one, so on any other stream the two would race (and the caller's stream would not
-    wait for the attention)."""
+    wait for the attention). ``allocates``: ``call`` returns a tensor it allocated (not a buffer it was given)."""
     if device.type != "cuda":
         return call()
     current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
@@ -151,7 +151,8 @@ def on_default_stream(device: torch.device, call):
     with torch.cuda.stream(default):
         out = call()
     current.wait_stream(default)
-    out.record_stream(current)  # allocated on the default stream, read on the caller's
+    if allocates:
+        out.record_stream(current)  # allocated on the default stream, read on the caller's
     return out
 
 
@@ -257,7 +258,9 @@ def _sm90_kernel():
     return getattr(getattr(torch.ops, "sageattention_sm90", None), _KERNEL_OP, None)
 
 
-def _quantized_call(q8, q_scale, k8, k_scale, v8, v_scale, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def _quantized_call(q8, q_scale, k8, k_scale, v8, v_scale, scale: float, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention into ``out`` (q8's shape, ``dtype``, contiguous), or into a new tensor where it is None."""
     kernel = _sm90_kernel() if q8.is_cuda and _hopper(q8) else None
     if kernel is None:  # the operands' own attention in float32 (CPU tests; a GPU the kernel was not built for)
         if q8.is_cuda and not _REFUSED.get(_NO_KERNEL):
@@ -266,10 +269,12 @@ def _quantized_call(q8, q_scale, k8, k_scale, v8, v_scale, scale: float, dtype: 
             logger.warning("omni_accel: SageAttention's Hopper kernel is not available on %s; the quantized "
                            "operands' attention is computed in float32 by PyTorch (slow)", q8.device)
         q, k, v = dequantized(q8, q_scale, k8, k_scale, v8, v_scale)
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                               v.transpose(1, 2), scale=scale)
-        return out.transpose(1, 2).to(dtype).contiguous()
-    out = torch.empty(q8.shape, dtype=dtype, device=q8.device)
+        attention = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                     v.transpose(1, 2), scale=scale)
+        attention = attention.transpose(1, 2).to(dtype)
+        return attention.contiguous() if out is None else out.copy_(attention)
+    if out is None:
+        out = torch.empty(q8.shape, dtype=dtype, device=q8.device)
     with torch.cuda.device(q8.device):  # the kernel launches on the current device (sageattn sets it first)
         kernel(q8, k8, v8, out, q_scale, k_scale, v_scale, 0, 0, _PER_THREAD, scale, 0)  # NHD, not causal, no lse
     return out
@@ -282,10 +287,12 @@ def sage_attention_quantized(q8, q_scale, k8, k_scale, v8, v_scale, scale, dtype
     """softmax(q k^T * scale) v from ``quantize_queries`` / ``quantize_keys`` / ``quantize_values``' operands by the
     package's Hopper kernel, outside any CUDA graph and on the default stream (as ``sage_attention``)."""
 
-    def call(*operands):
-        return on_default_stream(q8.device, lambda: _quantized_call(*operands, scale, dtype))
+    def call(*operands, out=None):
+        return on_default_stream(q8.device, lambda: _quantized_call(*operands, scale, dtype, out=out),
+                                 allocates=out is None)
 
-    return run_outside_graph(call, (q8, q_scale, k8, k_scale, v8, v_scale), tuple(q8.shape), dtype)
+    # the kernel takes its output buffer: under a CUDA graph it writes the one the next graph segment reads
+    return run_outside_graph(call, (q8, q_scale, k8, k_scale, v8, v_scale), tuple(q8.shape), dtype, writes_out=True)
 
 
 @sage_attention_quantized.register_fake
@@ -326,8 +333,8 @@ def _reference_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return (*quantize_queries(query), *quantize_keys(key), *quantize_values(value))
 
 
-@sage_quantize.register_fake
-def _(query, key, value):
+def _operands_like(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Empty tensors shaped as ``sage_quantize``'s six outputs (its fake implementation)."""
     b, queries, h, d = query.shape
     padded_queries, padded_keys = padded_count(queries, QUERY_TILE), padded_count(key.shape[1], KEY_TILE)
     f32 = torch.float32
@@ -335,6 +342,47 @@ def _(query, key, value):
             query.new_empty((b, h, padded_queries // _WARP_QUERIES * 8), dtype=f32),
             key.new_empty(key.shape, dtype=torch.int8), key.new_empty((b, h, padded_keys // KEY_TILE * 4), dtype=f32),
             value.new_empty((b, d, h, padded_keys), dtype=torch.float8_e4m3fn), value.new_empty((b, h, d), dtype=f32))
+
+
+sage_quantize.register_fake(_operands_like)
+
+
+# The arguments of omni_accel::qk_norm_rope that sage_quantize_normed takes once for Q and once for K: the fused
+# projection (rows, C), its bias, the first column of the part, the norm's weight, and the same four of a joint
+# block's second stream (None / 0 without one)
+_NORMED_PART = ("Tensor {p}_src, Tensor? {p}_bias, int {p}_col, Tensor {p}_weight, Tensor? {p}_src2, "
+                "Tensor? {p}_bias2, int {p}_col2, Tensor? {p}_weight2")
+
+
+@torch.library.custom_op("omni_accel::sage_quantize_normed", mutates_args=(), schema=(
+    f"({_NORMED_PART.format(p='q')}, {_NORMED_PART.format(p='k')}, int tokens_a, int heads, float eps, Tensor cos, "
+    "Tensor sin, ScalarType dtype, Tensor value) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def sage_quantize_normed(q_src, q_bias, q_col, q_weight, q_src2, q_bias2, q_col2, q_weight2, k_src, k_bias, k_col,
+                         k_weight, k_src2, k_bias2, k_col2, k_weight2, tokens_a, heads, eps, cos, sin, dtype, value):
+    """``sage_quantize(q, k, value)`` where q and k are ``omni_accel::qk_norm_rope``'s outputs (``dtype``) for the
+    given parts, viewed as (batch, seq, heads, D): what the compile pass puts in their place (epilogue_fusion.
+    SAGE_FROM_NORMS). On a GPU with the preparation kernels, Q is quantized where it is computed and K's column
+    sums are taken there (sage_prep_triton.quantize_normed); elsewhere the two ops themselves."""
+    queries = (q_src, q_bias, q_col, q_weight, q_src2, q_bias2, q_col2, q_weight2)
+    keys = (k_src, k_bias, k_col, k_weight, k_src2, k_bias2, k_col2, k_weight2)
+    if prep_kernels_run_on(value.device) and value.stride(-1) == 1:
+        from . import sage_prep_triton
+
+        return sage_prep_triton.quantize_normed(queries, keys, heads, eps, cos, sin, tokens_a, dtype, value)
+    from . import epilogue_fusion  # noqa: F401 -- registers omni_accel::qk_norm_rope
+
+    normed = []
+    for src, bias, col, weight, src2, bias2, col2, weight2 in (queries, keys):
+        second = (src2, bias2, col2, weight2, tokens_a) if src2 is not None else ()
+        rows = torch.ops.omni_accel.qk_norm_rope(src, bias, col, heads, weight, eps, cos, sin, dtype, False, *second)
+        normed.append(rows.view(value.shape[0], -1, heads, rows.shape[-1]))
+    return sage_quantize(*normed, value)
+
+
+@sage_quantize_normed.register_fake
+def _(q_src, q_bias, q_col, q_weight, q_src2, q_bias2, q_col2, q_weight2, k_src, k_bias, k_col, k_weight, k_src2,
+      k_bias2, k_col2, k_weight2, tokens_a, heads, eps, cos, sin, dtype, value):
+    return _operands_like(value.new_empty(value.shape, dtype=dtype), value.new_empty(value.shape, dtype=dtype), value)
 
 
 def prepared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
