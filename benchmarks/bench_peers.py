@@ -666,6 +666,9 @@ for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
     ROWS[f"{_name}_graphbias"] = _switched(_name, "graphbias", "the int8 linears' bias added in the compiled graph "
                                            "after the GEMM (the default before the GEMM's epilogue took it)")
     ROWS[_name] = replace(ROWS[_name], int8_bias_in_gemm=True)
+# ... and the rows kept one switch from today's (the former preparation, the epilogue diet) take it too
+for _name in ("ours_int8_auto_graphprep", "ours_int8_sage_graphprep", "ours_int8_auto_fastepi"):
+    ROWS[_name] = replace(ROWS[_name], int8_bias_in_gemm=True)
 for _name in ("ours_int8_auto", "ours_int8_sage"):
     ROWS[f"{_name}_fromnorms"] = _switched(_name, "fromnorms", "SageAttention's Q quantized where the q / k kernel "
                                            "computes it, and K's column sums taken there", sage_from_norms=True)

@@ -658,11 +658,13 @@ def sage_prep_cases() -> dict:
 
 
 # the Q / K quantization from the q / k kernels' inputs (sage_prep_triton.quantize_normed): (batch, seq, heads, head
-# dim, second stream's tokens, bias, 16-bit dtype); a joint block's two streams, tokens short of a tile, batch 2
-SAGE_NORMED_SHAPES = ((1, 40, 2, 64, 0, True, "bfloat16"), (2, 70, 3, 128, 5, False, "bfloat16"),
-                      (1, 33, 2, 64, 7, True, "float16"))
+# dim, second stream's tokens, bias, 16-bit dtype, heads per program); a joint block's two streams, tokens short of a
+# tile, batch 2, programs that loop over 2 or 4 heads
+SAGE_NORMED_SHAPES = ((1, 40, 2, 64, 0, True, "bfloat16", 1), (2, 70, 3, 128, 5, False, "bfloat16", 1),
+                      (1, 33, 2, 64, 7, True, "float16", 1), (2, 36, 4, 64, 6, True, "bfloat16", 2),
+                      (1, 20, 8, 64, 0, False, "bfloat16", 4))
 SAGE_NORMED_CASES = tuple("sage_normed-" + "x".join(map(str, shape[:4])) + f"-two{shape[4]}-bias{int(shape[5])}-"
-                          + shape[6] for shape in SAGE_NORMED_SHAPES)
+                          + shape[6] + f"-h{shape[7]}" for shape in SAGE_NORMED_SHAPES)
 
 
 def sage_normed_cases() -> dict:
@@ -674,8 +676,10 @@ def sage_normed_cases() -> dict:
     from omni_accel.kernels import sage_prep_triton
     from omni_accel.kernels.epilogue_fusion import qk_norm_rope_reference
 
-    results = {}
-    for (b, seq, h, d, tokens_a, with_bias, dtype_name), key in zip(SAGE_NORMED_SHAPES, SAGE_NORMED_CASES):
+    results, saved = {}, sage_prep_triton.NORMED_HEADS_PER_PROGRAM
+    for (b, seq, h, d, tokens_a, with_bias, dtype_name, per_program), key in zip(SAGE_NORMED_SHAPES,
+                                                                                 SAGE_NORMED_CASES):
+        sage_prep_triton.NORMED_HEADS_PER_PROGRAM = per_program
         try:
             dtype = getattr(torch, dtype_name)
             gen = torch.Generator().manual_seed(seq + d)
@@ -710,9 +714,11 @@ def sage_normed_cases() -> dict:
             # K's mean is summed in another order (32-key partials): an int8 K value at a rounding tie may move one
             k_diff = (got[2].float() - ref[2].float()).abs()
             entry.update(k8_differ_frac=(k_diff > 0).float().mean().item(), k8_max_diff=k_diff.max().item())
+            entry["heads_per_program"] = sage_prep_triton._heads_per_program(h)
             results[key] = entry
         except Exception:  # noqa: BLE001 -- recorded per case
             results[key] = {"error": traceback.format_exc()[-2000:]}
+    sage_prep_triton.NORMED_HEADS_PER_PROGRAM = saved
     return results
 
 

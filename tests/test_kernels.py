@@ -328,10 +328,12 @@ def test_sage_prep_kernels_give_the_packages_operands(interpreted, case):
 def test_sage_preparation_from_the_q_k_kernels_inputs_gives_the_unfused_operands(interpreted, case):
     """sage_prep_triton.quantize_normed (Q quantized where it is normalized and rotated, K's column sums taken where
     K is written): every operand bit for bit what the q / k kernel's 16-bit output quantized by the PyTorch
-    expressions gives, for one stream and a joint block's two, with and without a bias, bf16 and fp16; int8 K too
+    expressions gives, for one stream and a joint block's two, with and without a bias, bf16 and fp16, programs of 1,
+    2 and 4 heads; int8 K too
     but for a value at a rounding tie, which K's mean summed in another order (32-key partials) may move by one."""
     r = interpreted["sage_normed"][case]
     assert "error" not in r, r.get("error")
+    assert r["heads_per_program"] == int(case.rsplit("-h", 1)[1])  # the programs that loop over heads ran too
     assert all(r[f"{name}_equal"] for name in ("q8", "q_scale", "k_scale", "v8", "v_scale")), r
     assert r["k8_equal"] or (r["k8_max_diff"] == 1 and r["k8_differ_frac"] < 1e-3), r
 
@@ -358,7 +360,7 @@ def test_sage_prep_kernels_compile_for_hopper_without_spills():
                          HEADS_PER_PROGRAM=sp._heads_per_program(24))
             cases += [
                 (sp._normed_queries_kernel, {**normed, "q8_ptr": "*i8", "scale_ptr": "*fp32"}, flags,
-                 sp.PREP_WARPS["queries"]),
+                 sp.PREP_WARPS["normed_queries"]),
                 (sp._normed_keys_kernel, {**normed, "k_ptr": "*bf16", "k_sum_ptr": "*fp32"},
                  {**flags, "TOKENS": sp.NORMED_KEY_TOKENS}, sp.PREP_WARPS["normed_keys"]),
             ]

@@ -117,8 +117,8 @@ PDL = True
 # of K read, less per attention call. The same operands (tests/test_kernels.py). Off: measured on FLUX with
 # attention="sage" on an H100, the fused kernels took as long as the ones they replace (Q 2.2 ms per step against
 # 1.4 + 1.0, K 2.4 + 1.2 against 1.4 + 2.0: these kernels are bound by their instructions, not their bytes), and the
-# step was no faster: as a fraction of the cuDNN row's speed in the same rounds, 0.997 and 0.990 with the switch,
-# 0.994 and 0.991 without (bench_peers_h100_flux_bias_sage_20261206.json,
+# step was no faster: as a fraction of the cuDNN row's speed in the same rounds, 0.997 with the switch (one head per
+# program; 0.990 with eight), 0.994 and 0.991 without (bench_peers_h100_flux_bias_sage_20261206.json,
 # bench_peers_h100_flux_fromnorms_20261206.json). Benchmarks' A/B rows (_fromnorms) set it.
 SAGE_FROM_NORMS = False
 
@@ -1113,9 +1113,14 @@ def _sage_candidate(node: fx.Node):
     norms = [_normed_view_source(x) for x in (q, k)]
     if None in norms or norms[0] is norms[1]:
         return None
-    (_, q_common), (_, k_common) = (_normed_parts(n) for n in norms)
+    (q_part, q_common), (k_part, k_common) = (_normed_parts(n) for n in norms)
     v = _val(value)
     if q_common != k_common or v is None or v.dim() != 4 or _val(q).shape != v.shape or _val(k).shape != v.shape:
+        return None
+    heads, cos = q_common[0], _val(q_common[2])
+    # the fused op's layout: value (batch, positions of the rotary tables, heads, each part's head dim)
+    if (v.shape[2] != heads or v.shape[1] != cos.shape[0]
+            or any(_val(part[3]).numel() != v.shape[-1] for part in (q_part, k_part))):
         return None
     if not _kernel_takes(v, lambda kernels: kernels.qk_norm_rope_supported(v.shape[-1])):
         return None

@@ -47,7 +47,8 @@ TRITON_GEMV = False
 # Whether an int8 linear on the Triton GEMM adds its bias in the GEMM's epilogue (in float32, before the one rounding
 # to 16 bits) instead of in the traced graph after it. Why: a fused q / k / v projection's V then leaves the GEMM
 # final, a view that the attention (or SageAttention's preparation) reads in place; with the bias added in the graph,
-# Inductor writes V once more, bias added: 0.73 ms per FLUX step, 26 ms per Wan 81-frame forward on an H100. With it,
+# Inductor writes V once more, bias added (0.73 ms per FLUX step on an H100; on Wan 81 frames the kernels that add the
+# biases and lay q / k / v out for the attention took 28.6 ms more per forward). With it,
 # FLUX's int8 stack ran 0.5-0.7 % faster per forward (1.0-1.5 % in a loop) and Wan's 1.5-1.9 %, the output error
 # unchanged or lower, paired in two rounds (bench_peers_h100_flux_bias_sage_20261206.json,
 # bench_peers_h100_wan81_bias_20261206.json). Benchmarks' A/B rows (_graphbias) set it.
