@@ -81,7 +81,7 @@ from benchmarks.bench_transformer import (  # noqa: E402
     time_forwards,
     wan_spec,
 )
-from benchmarks.timing import back_to_back_ms, write_result  # noqa: E402
+from benchmarks.timing import back_to_back_ms, cuda_calls_ms, write_result  # noqa: E402
 from omni_accel.deps import installed  # noqa: E402
 
 
@@ -770,6 +770,52 @@ def profile_forward(fn, device: torch.device, top: int = 15, trace_path: str | N
             "gaps": kernel_gaps(intervals, top)}
 
 
+# CUDA runtime calls by which the host waits for the GPU (the synchronous copies too): in a loop of forwards any of
+# them lets the GPU run dry while the host prepares the next launch
+_HOST_WAITS = frozenset(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                         "cudaMemcpy2D"))
+
+
+def profile_loop(fn, device: torch.device, calls: int) -> dict:
+    """``calls`` forwards launched back to back (as a denoising loop runs them) under the profiler: per forward the
+    loop's event time, the kernel time and the idle rest, the gaps between kernels over the whole loop (those
+    between forwards included), and the host's waits for the GPU (``_HOST_WAITS``) by name, the loop's own final
+    event wait among them. Is the idle of one profiled forward still there when the host can run ahead?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            loop_ms = cuda_calls_ms(fn, calls)
+    waits = {}
+    for evt in prof.profiler.kineto_results.events():
+        name = evt.name()
+        if evt.device_type() == torch.autograd.DeviceType.CPU and name in _HOST_WAITS:
+            waits[name] = waits.get(name, 0) + 1
+    return loop_summary(_device_intervals(prof), loop_ms, calls, waits)
+
+
+def loop_summary(intervals: list[tuple[str, float, float]], event_ms: float, calls: int, waits: dict) -> dict:
+    """``profile_loop``'s figures from the loop's device intervals (name, start us, end us) and event time."""
+    busy_us = sum(end - begin for _, begin, end in _merged(intervals))
+    return {"forwards": calls, "ms_per_forward": round(event_ms / calls, 3),
+            "busy_ms_per_forward": round(busy_us / 1e3 / calls, 3),
+            "idle_ms_per_forward": round(max(0.0, event_ms - busy_us / 1e3) / calls, 3),
+            "gaps": kernel_gaps(intervals), "host_waits": waits}
+
+
+def _merged(intervals: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The intervals' union: overlapping kernels (programmatic dependent launch, side streams) counted once."""
+    merged = []
+    for name, start, end in sorted(intervals, key=lambda i: i[1]):
+        if merged and start <= merged[-1][2]:
+            merged[-1] = (merged[-1][0], merged[-1][1], max(merged[-1][2], end))
+        else:
+            merged.append((name, start, end))
+    return merged
+
+
 def _device_intervals(prof) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every kernel, copy and fill the profiler saw on the GPU."""
     intervals = []
@@ -948,6 +994,8 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             result["profile"] = profile_forward(forward, device, trace_path=trace)
         if args.host_profile:
             result["host_profile"] = host_profile(forward, device)
+        if args.profile_loop and device.type == "cuda":
+            result["loop_profile"] = profile_loop(forward, device, args.profile_loop)
     except Exception as exc:  # noqa: BLE001 -- one failing config costs its row only
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -1195,6 +1243,9 @@ def parse_args(argv):
                     help="with --profile: also write each row's profiled forward as a Chrome trace into this folder")
     ap.add_argument("--host-profile", action="store_true",
                     help="host seconds per forward and the CPU ops by self time (is the GPU waiting for Python?)")
+    ap.add_argument("--profile-loop", type=int, default=0,
+                    help="profile N forwards launched back to back (CUDA): per forward busy and idle GPU time, the "
+                         "gaps between kernels across forwards, the host's waits for the GPU; 0 = off")
     ap.add_argument("--log-clocks", action="store_true", help="SM clock and board power over each row's forwards")
     ap.add_argument("--loop-forwards", type=int, default=0,
                     help="also time N forwards launched back to back, as a denoising loop runs them (3 groups): "
@@ -1216,6 +1267,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.loop_forwards < 0:
         ap.error(f"--loop-forwards {args.loop_forwards}: give a number of forwards (>= 1), or 0 for none")
+    if args.profile_loop < 0:
+        ap.error(f"--profile-loop {args.profile_loop}: give a number of forwards (>= 1), or 0 for none")
     if args.blocks < 0:
         ap.error(f"--blocks {args.blocks}: give the number of blocks to keep per stack (>= 1), or 0 for all")
     if args.rounds < 1:

@@ -30,6 +30,17 @@ def sample_ms(fn: Callable[[], object], device: torch.device, iters: int) -> lis
     return times
 
 
+def cuda_calls_ms(fn: Callable[[], object], calls: int) -> float:
+    """Milliseconds between two CUDA events around ``calls`` calls of ``fn`` launched back to back."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, groups: int) -> list[float]:
     """Per-call milliseconds of ``calls`` calls launched back to back between two events (no sync in between, as a
     denoising loop runs its steps), one figure per group. Unlike ``sample_ms``, the host's work before each call's
@@ -37,13 +48,7 @@ def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, 
     times = []
     for _ in range(groups):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
+            times.append(cuda_calls_ms(fn, calls) / calls)
         else:
             t0 = time.perf_counter()
             for _ in range(calls):

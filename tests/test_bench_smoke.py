@@ -308,6 +308,26 @@ def test_kernel_gaps_sum_the_idle_between_kernels_and_name_both_sides(bench_peer
     assert bench_peers.kernel_gaps([])["count"] == 0
 
 
+def test_loop_profile_counts_overlapping_kernels_once_and_the_gaps_between_forwards(bench_peers):
+    """--profile-loop's figures: busy time is the union of the device intervals (a kernel launched early under PDL
+    overlaps the one before it), idle the loop's event time minus that, both per forward; the gap between two
+    forwards is one of the gaps."""
+    forward = [("nvjet_gemm", 0.0, 100.0), ("triton_poi_fused_add", 90.0, 150.0)]  # 150 us busy, 10 overlapping
+    loop = forward + [(name, start + 400.0, end + 400.0) for name, start, end in forward]  # 250 us between forwards
+    summary = bench_peers.loop_summary(loop, 0.7, 2, {"cudaStreamSynchronize": 2})
+    assert summary["busy_ms_per_forward"] == 0.15 and summary["idle_ms_per_forward"] == 0.2
+    assert summary["ms_per_forward"] == 0.35 and summary["forwards"] == 2
+    assert summary["gaps"]["count"] == 1 and summary["gaps"]["total_ms"] == 0.25
+    assert summary["host_waits"] == {"cudaStreamSynchronize": 2}
+
+
+def test_peers_bench_refuses_a_negative_loop_profile(bench_peers, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_peers.main(["--profile-loop", "-1"])
+    assert exit_info.value.code == 2
+    assert "--profile-loop -1: give a number of forwards (>= 1), or 0 for none" in capsys.readouterr().err
+
+
 def test_fp8_epilogues_bench_tiny_cpu_rows(tmp_path):
     """bench_fp8_epilogues.py's GPU-run code on tiny shapes, its Triton rows in Triton's interpreter (a subprocess:
     TRITON_INTERPRET must be set before triton is imported): every way of every case runs, and the library kernel's
