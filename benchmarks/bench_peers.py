@@ -759,7 +759,7 @@ def profile_forward(fn, device: torch.device, top: int = 15, trace_path: str | N
     if trace_path:
         prof.export_chrome_trace(trace_path)
     intervals = _device_intervals(prof)
-    span_ms = (max(i[2] for i in intervals) - min(i[1] for i in intervals)) / 1e3 if intervals else 0.0
+    span_ms = _span_ms(intervals)
     return {"by_kind_ms": {k: round(v, 3) for k, v in by_kind.items()}, "kernel_ms": round(busy, 3),
             "event_ms": round(event_ms, 3), "idle_ms": round(max(0.0, event_ms - busy), 3),
             "top": [{"kernel": n[:140], "ms": round(ms, 3), "calls": c, "kind": kernel_kind(n)}
@@ -797,23 +797,20 @@ def profile_loop(fn, device: torch.device, calls: int) -> dict:
 
 
 def loop_summary(intervals: list[tuple[str, float, float]], event_ms: float, calls: int, waits: dict) -> dict:
-    """``profile_loop``'s figures from the loop's device intervals (name, start us, end us) and event time."""
-    busy_us = sum(end - begin for _, begin, end in _merged(intervals))
+    """``profile_loop``'s figures from the loop's device intervals (name, start us, end us) and event time. Busy time
+    is the first-to-last span less the gaps between kernels (``kernel_gaps``): overlapping kernels (programmatic
+    dependent launch, side streams) count once."""
+    gaps = kernel_gaps(intervals)
+    span_ms = _span_ms(intervals)
+    busy_ms = span_ms - gaps["total_ms"]
     return {"forwards": calls, "ms_per_forward": round(event_ms / calls, 3),
-            "busy_ms_per_forward": round(busy_us / 1e3 / calls, 3),
-            "idle_ms_per_forward": round(max(0.0, event_ms - busy_us / 1e3) / calls, 3),
-            "gaps": kernel_gaps(intervals), "host_waits": waits}
+            "busy_ms_per_forward": round(busy_ms / calls, 3),
+            "idle_ms_per_forward": round(max(0.0, event_ms - busy_ms) / calls, 3), "gaps": gaps, "host_waits": waits}
 
 
-def _merged(intervals: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
-    """The intervals' union: overlapping kernels (programmatic dependent launch, side streams) counted once."""
-    merged = []
-    for name, start, end in sorted(intervals, key=lambda i: i[1]):
-        if merged and start <= merged[-1][2]:
-            merged[-1] = (merged[-1][0], merged[-1][1], max(merged[-1][2], end))
-        else:
-            merged.append((name, start, end))
-    return merged
+def _span_ms(intervals: list[tuple[str, float, float]]) -> float:
+    """Milliseconds from the first interval's start to the last one's end (0 without any)."""
+    return (max(i[2] for i in intervals) - min(i[1] for i in intervals)) / 1e3 if intervals else 0.0
 
 
 def _device_intervals(prof) -> list[tuple[str, float, float]]:

@@ -1093,15 +1093,13 @@ def _normed_view_source(x):
 
 def _normed_parts(norm: fx.Node) -> tuple:
     """A qk_norm_rope node's (src, bias, first column, weight, src2, bias2, first column 2, weight2) and the common
-    (heads, eps, cos, sin, dtype, tokens_a), its arguments as the op's schema orders them."""
-    args = dict(zip(("src", "bias", "first_col", "heads", "weight", "eps", "cos", "sin", "out_dtype", "pdl", "src2",
-                     "bias2", "first_col2", "weight2", "tokens_a"), norm.args))
-    args.update(norm.kwargs)
-    part = tuple(args.get(name, default) for name, default in (("src", None), ("bias", None), ("first_col", 0),
-                                                                ("weight", None), ("src2", None), ("bias2", None),
-                                                                ("first_col2", 0), ("weight2", None)))
-    common = tuple(args[name] for name in ("heads", "eps", "cos", "sin", "out_dtype")) + (args.get("tokens_a", 0),)
-    return part, common
+    (heads, eps, cos, sin, dtype, tokens_a), read by the op schema's argument names (defaults where not given)."""
+    schema = norm.target._schema.arguments
+    args = {a.name: norm.args[i] if i < len(norm.args) else norm.kwargs.get(a.name, a.default_value)
+            for i, a in enumerate(schema)}
+    part = tuple(args[name] for name in ("src", "bias", "first_col", "weight", "src2", "bias2", "first_col2",
+                                         "weight2"))
+    return part, tuple(args[name] for name in ("heads", "eps", "cos", "sin", "out_dtype", "tokens_a"))
 
 
 def _sage_candidate(node: fx.Node):

@@ -390,6 +390,14 @@ def _normed_rows(src_ptr, bias_ptr, w_ptr, src2_ptr, bias2_ptr, w2_ptr, sample, 
 
 
 @triton.jit
+def _rotary_tile(cos_ptr, sin_ptr, position, ok, D: tl.constexpr):
+    """The rotary tables' (S, D) rows at ``position`` (ROWS x 1, int64) under the mask ``ok``, float32."""
+    d = tl.arange(0, D)[None, :]
+    return (tl.load(cos_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32),
+            tl.load(sin_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _rotated(y, c, s, ROWS: tl.constexpr, D: tl.constexpr):
     """The rotary embedding on interleaved pairs: y * cos + swap(y) * sin * (-1, +1, ...), the swap in registers."""
     even, odd = tl.split(tl.reshape(y, (ROWS, D // 2, 2)))
@@ -420,8 +428,7 @@ def _qk_norm_rope_kernel(
         c = tl.broadcast_to(tl.load(cos_ptr + first * D + d).to(tl.float32), (ROWS, D))
         s = tl.broadcast_to(tl.load(sin_ptr + first * D + d).to(tl.float32), (ROWS, D))
     else:
-        c = tl.load(cos_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32)
+        c, s = _rotary_tile(cos_ptr, sin_ptr, position, ok, D)
     out = _rotated(y, c, s, ROWS, D)
     if HAS_MEAN:
         out -= tl.load(k_mean_ptr + head * D + d)

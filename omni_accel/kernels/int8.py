@@ -185,19 +185,17 @@ class Int8Linear(_Int8Weight):
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 W8A8, per-token activations, "
                 f"{self.gemm} GEMM")
 
-    def _product(self, x2: torch.Tensor) -> torch.Tensor:
+    def _product(self, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x_int8, x_scale = quantize_rows_int8(x2)
         # triton: the rescale inside the GEMM, no int32 round trip through memory (one op, opaque to Inductor);
         # cublas: traced, so Inductor fuses the rescale into the kernel after the GEMM
         multiply = torch.ops.omni_accel.int8_mm_rescale if self.gemm == "triton" else int8_mm_rescale_reference
-        return multiply(x_int8, self.weight_int8, x_scale, self.weight_scale, None, x2.dtype)
+        return multiply(x_int8, self.weight_int8, x_scale, self.weight_scale, bias, x2.dtype)
 
     def _biased_product(self, x2: torch.Tensor) -> torch.Tensor:
-        if not (BIAS_IN_GEMM and self.gemm == "triton" and self.bias is not None):
-            return super()._biased_product(x2)
-        x_int8, x_scale = quantize_rows_int8(x2)
-        return torch.ops.omni_accel.int8_mm_rescale(x_int8, self.weight_int8, x_scale, self.weight_scale, self.bias,
-                                                    x2.dtype)
+        if BIAS_IN_GEMM and self.gemm == "triton" and self.bias is not None:
+            return self._product(x2, self.bias)
+        return super()._biased_product(x2)
 
 
 class Int8WeightOnlyLinear(_Int8Weight):

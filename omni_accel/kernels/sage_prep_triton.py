@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .epilogue_triton import _as_16_bit, _normed_rows, _rotated
+from .epilogue_triton import _as_16_bit, _normed_rows, _rotary_tile, _rotated
 from .fused_triton import INTERPRETED, _launcher, _on_device
 # the Hopper kernel's tiles and V's e4m3 range, as the PyTorch expressions use them; the key tile is also the token
 # chunk of the partial reductions
@@ -96,15 +96,6 @@ def _queries_kernel(q_ptr, q8_ptr, scale_ptr, n, heads, groups, q_sb, q_sn, q_sh
     q8, scale = _quantized_queries(x, D)
     tl.store(q8_ptr + b * o_sb + h * o_sh + rows[:, None] * o_sn + cols[None, :], q8, mask=(rows < n)[:, None])
     tl.store(scale_ptr + (bh * groups + group) * 8 + tl.arange(0, 8), scale)
-
-
-@triton.jit
-def _rotary_tile(cos_ptr, sin_ptr, position, ok, D: tl.constexpr):
-    """The rotary tables' rows at ``position`` (TOKENS x 1), float32: loaded once per program and used for every head
-    it computes (loaded per head, they cost more cache traffic than the projection's own bytes)."""
-    d = tl.arange(0, D)[None, :]
-    return (tl.load(cos_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32),
-            tl.load(sin_ptr + position * D + d, mask=ok, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -311,12 +302,11 @@ def quantize_normed(queries: tuple, keys: tuple, heads: int, eps: float, cos: to
     per_program = _heads_per_program(h)
     head_groups = b * h // per_program
     with _on_device(value):
-        for kernel, grid, outputs, extra in (
-                (_normed_queries_kernel, (head_groups, q_groups), (q8, q_scale),
+        for kernel, parts, grid, outputs, extra in (
+                (_normed_queries_kernel, queries, (head_groups, q_groups), (q8, q_scale),
                  {"num_warps": PREP_WARPS["normed_queries"]}),
-                (_normed_keys_kernel, (head_groups, key_chunks), (key, k_sum),
+                (_normed_keys_kernel, keys, (head_groups, key_chunks), (key, k_sum),
                  {"TOKENS": NORMED_KEY_TOKENS, "num_warps": PREP_WARPS["normed_keys"]})):
-            parts = queries if kernel is _normed_queries_kernel else keys
             src, bias, first_col, weight, src2, bias2, first_col2, weight2 = parts
             second = src2 is not None
             _launcher(kernel, device)[grid](
