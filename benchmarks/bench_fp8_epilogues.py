@@ -408,24 +408,35 @@ def gemm_rows(device, iters: int, reps: int, tiny: bool) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def kernel_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of the per-kernel benchmarks (this script's and bench_gemm_gelu.py's)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--cases", default="epilogue,int8,layernorm_int8,qk,gemm")
     parser.add_argument("--log-clocks", action="store_true")
     parser.add_argument("--out", required=True)
+    return parser
+
+
+def kernel_result(name: str, device: torch.device) -> dict:
+    """A per-kernel benchmark's result file before its rows: the command line and the versions."""
+    return {"benchmark": name, "argv": sys.argv[1:],
+            "env": {"torch": torch.__version__, "python": platform.python_version(),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+            "rows": []}
+
+
+def main(argv=None) -> int:
+    parser = kernel_parser(__doc__)
+    parser.add_argument("--cases", default="epilogue,int8,layernorm_int8,qk,gemm")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     tokens, dim, mlp = (64, 256, 1024) if args.tiny else (4608, 3072, 12288)
     clocks = ClockLog(args.log_clocks and device.type == "cuda")
-    result = {"benchmark": "bench_fp8_epilogues", "argv": sys.argv[1:],
-              "env": {"torch": torch.__version__, "python": platform.python_version(),
-                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-              "rows": []}
+    result = kernel_result("bench_fp8_epilogues", device)
     try:
         import triton
         result["env"]["triton"] = triton.__version__
@@ -449,9 +460,14 @@ def main(argv=None) -> int:
         write_result(args.out, result)
     if "gemm" in cases:
         result["rows"] += gemm_rows(device, args.iters, args.reps, args.tiny)
+    return finish(result, clocks, args.out)
+
+
+def finish(result: dict, clocks: ClockLog, out: str) -> int:
+    """Write the result file with the clocks since the benchmark's mark; the exit status."""
     result["clocks"] = clocks.since_mark()
-    write_result(args.out, result)
-    log(f"wrote {args.out}")
+    write_result(out, result)
+    log(f"wrote {out}")
     return 0
 
 

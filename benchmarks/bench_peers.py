@@ -161,6 +161,9 @@ class Row:
     sage_from_norms: bool = False  # kernels.epilogue_fusion.SAGE_FROM_NORMS (True: Q / K quantized from the q / k
     # kernels' inputs)
     sage_normed_heads: int = 1  # kernels.sage_prep_triton.NORMED_HEADS_PER_PROGRAM (with sage_from_norms)
+    gelu_gemm: bool = False  # kernels.epilogue_fusion.GELU_GEMM (True: a 16-bit MLP's GELU in cuBLASLt's epilogue)
+    # compiler.COMPLEX_ROTARY_PAIR_SWAP (True: Qwen-Image's complex-table rotary in real arithmetic)
+    complex_rotary_pair_swap: bool = False
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -193,7 +196,9 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.int8_gemm_triton", "SPLIT_TAIL", "int8_split_tail"),
             ("kernels.int8", "BIAS_IN_GEMM", "int8_bias_in_gemm"),
             ("kernels.epilogue_fusion", "SAGE_FROM_NORMS", "sage_from_norms"),
-            ("kernels.sage_prep_triton", "NORMED_HEADS_PER_PROGRAM", "sage_normed_heads"))
+            ("kernels.sage_prep_triton", "NORMED_HEADS_PER_PROGRAM", "sage_normed_heads"),
+            ("kernels.epilogue_fusion", "GELU_GEMM", "gelu_gemm"),
+            ("compiler", "COMPLEX_ROTARY_PAIR_SWAP", "complex_rotary_pair_swap"))
 
 
 @contextlib.contextmanager
@@ -676,6 +681,19 @@ for _heads in (4, 8):
     ROWS[f"ours_int8_sage_fromnorms_h{_heads}"] = _switched("ours_int8_sage_fromnorms", f"h{_heads}", f"{_heads} heads "
                                                            "per program of the two normed kernels",
                                                            sage_normed_heads=_heads)
+# A 16-bit MLP's GELU in cuBLASLt's GEMM epilogue, and FLUX's single blocks' proj_out over the concatenation's two
+# parts (kernels.epilogue_fusion.GELU_GEMM) became the default: today's rows take it (the 8-bit stacks have no 16-bit
+# MLP for it to change), every row above keeps what it measured, and the _nogelugemm rows are the former default
+for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl", "ours_bf16_mk_pdl"):
+    ROWS[f"{_name}_nogelugemm"] = _switched(_name, "nogelugemm", "the MLP's GELU in an inductor kernel after the GEMM "
+                                            "(and the single blocks' concatenation written)")
+    ROWS[_name] = replace(ROWS[_name], gelu_gemm=True)
+# Qwen-Image's complex-table rotary applied in real arithmetic (compiler.COMPLEX_ROTARY_PAIR_SWAP) became the default
+# the same way; the _complexrope rows run the former graph (the complex multiply as ATen kernels)
+for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl", "ours_bf16_mk_pdl"):
+    ROWS[f"{_name}_complexrope"] = _switched(_name, "complexrope", "Qwen-Image's rotary as diffusers' complex "
+                                             "multiply (ATen kernels between inductor's)")
+    ROWS[_name] = replace(ROWS[_name], complex_rotary_pair_swap=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -944,7 +962,10 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
     import omni_accel
     from omni_accel.kernels import quant
 
+    from omni_accel.kernels import epilogue_fusion
+
     undo = lambda: None  # noqa: E731
+    rewrites_before = dict(epilogue_fusion.REWRITES)
     try:
         t0 = time.perf_counter()
         fn, undo = row.setup(pipe, pipe.transformer, inputs, spec["model"])
@@ -975,6 +996,9 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             peak_mem_gib=timing["peak_mem_gib"] and round(timing["peak_mem_gib"], 3),
             rel_err_vs_eager=round(rel_err(first_tensor(timing["out"]), reference.out), 5), **clock)
         result.update(fresh_input_check(forward, inputs, reference, result["rel_err_vs_eager"]))
+        # what the epilogue-fusion pass replaced while this row compiled (none where inductor's cache served a graph)
+        result["epilogue_rewrites"] = {k: v - rewrites_before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items()
+                                       if v != rewrites_before.get(k, 0)}
         if clock.get("power_w"):
             result["energy_j_per_forward"] = round(clock["power_w"] * ms / 1e3, 2)
         if "omni_accel" in vars(pipe):

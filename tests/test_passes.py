@@ -259,3 +259,57 @@ def test_pair_swap_rotary_reaches_the_modules_that_call_diffusers_rotary_and_com
     assert module.apply_rotary_emb is not embeddings.apply_rotary_emb  # the other transformer still uses it
     undo_other()
     assert module.apply_rotary_emb is embeddings.apply_rotary_emb and module.__name__ not in compiler._ROTARY_SWAPPED
+
+
+def test_complex_rotary_in_real_arithmetic_equals_the_family_rotary():
+    """compile=True on a GPU applies Qwen-Image's complex-table rotary (``apply_rotary_emb_qwen(..., use_real=False)``)
+    as a real-arithmetic pair swap, which inductor can fuse: the same values, eager and compiled, in both dtypes; real
+    tables go to the family's function."""
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    from omni_accel import compiler
+
+    swapped = compiler._pair_swap_complex_rotary(apply_rotary_emb_qwen)
+    g = torch.Generator().manual_seed(1)
+    angles = torch.randn(7, 8, generator=g)
+    freqs = torch.polar(torch.ones_like(angles), angles)  # (S, D / 2) complex
+    compiled = torch.compile(lambda x, f: swapped(x, f, use_real=False), dynamic=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 7, 3, 16, generator=g).to(dtype)
+        want = apply_rotary_emb_qwen(x, freqs, use_real=False)
+        torch.testing.assert_close(swapped(x, freqs, use_real=False), want, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(compiled(x, freqs), want, rtol=2e-6, atol=2e-6)
+    table = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+    x = torch.randn(2, 3, 7, 16, generator=g)  # (B, H, S, D), as the real-table form takes it
+    assert torch.equal(swapped(x, table, use_real=True), apply_rotary_emb_qwen(x, table, use_real=True))
+
+
+@pytest.mark.parametrize("family, expected", [("qwen_image", 1), ("flux", 0)])
+def test_complex_rotary_swap_reaches_the_family_that_declares_it_and_comes_off_again(family, expected):
+    """The adapter's ``complex_rotary`` names are swapped in the modules that define the transformer (Qwen-Image's
+    ``apply_rotary_emb_qwen``; FLUX declares none), shared by two transformers and put back with the last undo; the
+    pipeline's output is the same."""
+    import sys
+
+    from omni_accel import compiler
+    from omni_accel.pipelines import adapter_for
+
+    pipe, kwargs = tiny_pipeline(family)
+    other, _ = tiny_pipeline(family)
+    names = adapter_for(pipe).complex_rotary
+    module = sys.modules[type(pipe.transformer).__module__]
+    plain = run(pipe, dict(kwargs, num_inference_steps=2))
+    count, undo = compiler.use_complex_rotary_pair_swap(pipe.transformer, names)
+    assert count == expected
+    if not expected:
+        undo()
+        return
+    original = module.apply_rotary_emb_qwen._omni_accel_original
+    second_count, undo_other = compiler.use_complex_rotary_pair_swap(other.transformer, names)
+    assert second_count == 1
+    torch.testing.assert_close(run(pipe, dict(kwargs, num_inference_steps=2)), plain, rtol=1e-5, atol=1e-5)
+    undo()
+    assert module.apply_rotary_emb_qwen is not original  # the other transformer still uses it
+    undo_other()
+    assert module.apply_rotary_emb_qwen is original
+    assert module.__name__ not in compiler._COMPLEX_ROTARY_SWAPPED["apply_rotary_emb_qwen"]

@@ -12,13 +12,16 @@ whatever model code produced it), and what each becomes:
     rotary(rms_norm(q or k of a fused projection)) [- mean] -> static cast   omni_accel::qk_norm_rope_fp8 (FP8 attention)
     rotary(rms_norm(q or k of a fused projection)), 16 bits   omni_accel::qk_norm_rope (16-bit attention; a switch)
     either, rotary(cat([rms_norm(text q / k), rms_norm(image q / k)]))   the same, both streams read (a switch)
+    gelu(x @ w.T + bias), 16 bits, read by linears only       omni_accel::linear_gelu (cuBLASLt's GELU epilogue)
+    cat([a, gelu(x @ w.T + bias)]) read by one 16-bit linear  omni_accel::linear_gelu + omni_accel::concat_linear
 
 ``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16); ``gelu`` is the
 sigmoid form of the tanh GELU that ``compile=True`` installs (``compiler.sigmoid_gelu``); ``static_fp8_cast`` is what
 an FP8 linear (or FP8 attention) with calibrated scales does to its input; ``rotary`` is the pair-swap form
 ``compile=True`` installs; ``x`` may be the concatenation of a joint block's two streams. FLUX's single-stream blocks
 have all four (``proj_out(cat([attention, act_mlp(proj_mlp(x))]))``), its dual-stream blocks the feed-forward's GELU
-and the norms, Qwen-Image's blocks the GELU and the norms.
+and the norms, Qwen-Image's blocks the GELU and the norms. The two GEMM forms are for 16-bit linears (the bf16
+stack, and any model's MLP between two 16-bit linears: Wan's, Qwen-Image's); the rest rewrites only the epilogues.
 
 Why: inductor's kernels for these ran on instructions, not memory. Its concatenation is a per-element choice between
 the two inputs (both evaluated under masks, a division and a modulo per element's column): 104 us per call at FLUX's
@@ -121,6 +124,16 @@ PDL = True
 # program; 0.990 with eight), 0.994 and 0.991 without (bench_peers_h100_flux_bias_sage_20261206.json,
 # bench_peers_h100_flux_fromnorms_20261206.json). Benchmarks' A/B rows (_fromnorms) set it.
 SAGE_FROM_NORMS = False
+# Whether a 16-bit GELU between two linears (the MLP, where no 8-bit linear quantizes its output) moves into the first
+# linear's GEMM: cuBLASLt applies it to the float32 sums before the one rounding to 16 bits (its GELU + bias epilogue,
+# omni_accel::linear_gelu), and the concatenation in front of FLUX's single blocks' proj_out is not written at all
+# (omni_accel::concat_linear: two GEMMs over its two parts, the second adding into the first's output). At FLUX's
+# shapes on an H100 (one CUDA graph of 20 calls each): the image stream's up projection with its GELU 452.5 us, with
+# inductor's GELU kernel after it 511.9; the single block's MLP + proj_out 1,153.8 us against 1,222.8 with the
+# concatenation kernel, and 1,158.5 for its two GEMMs alone (benchmarks/results/bench_gemm_gelu_h100_20261206.json).
+# The bf16 FLUX step: 125.5 against 129.3 ms (bench_peers_h100_flux_gelu_gemm_20261206.json). Benchmarks' A/B rows
+# set it.
+GELU_GEMM = True
 
 
 # ---------------------------------------------------------------------------------------------- the operation
@@ -173,6 +186,44 @@ def concat_gelu(a, a_scale, h, bias, inverse, out_dtype, pdl=False):
 def _(a, a_scale, h, bias, inverse, out_dtype, pdl=False):
     a_cols = a.shape[1] * a.shape[2] if a is not None else 0
     return h.new_empty((h.shape[0], a_cols + h.shape[1]), dtype=out_dtype)
+
+
+def linear_gelu_reference(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU(x @ w_t + bias) in float32, rounded once to x's dtype (what cuBLASLt's GELU epilogue computes)."""
+    y = x.float() @ w_t.float() + bias.float()
+    return torch.nn.functional.gelu(y, approximate="tanh").to(x.dtype)
+
+
+@torch.library.custom_op("omni_accel::linear_gelu", mutates_args=(),
+                         schema="(Tensor x, Tensor w_t, Tensor bias) -> Tensor")
+def linear_gelu(x, w_t, bias):
+    """A linear (x (rows, K), w_t (K, N), bias (N,)) and the tanh GELU after it in one GEMM on a GPU."""
+    if x.is_cuda:
+        # cuBLASLt's GELU_BIAS epilogue (the tanh form; torch computes the same product and GELU in two kernels
+        # where cuBLASLt does not take the operands)
+        return torch._addmm_activation(bias, x, w_t, use_gelu=True)
+    return linear_gelu_reference(x, w_t, bias)
+
+
+@linear_gelu.register_fake
+def _(x, w_t, bias):
+    return x.new_empty((x.shape[0], w_t.shape[1]))
+
+
+@torch.library.custom_op("omni_accel::concat_linear", mutates_args=(),
+                         schema="(Tensor a, Tensor b, Tensor w_t, Tensor? bias) -> Tensor")
+def concat_linear(a, b, w_t, bias):
+    """cat([a, b], -1) @ w_t (+ bias) without the concatenation: a's rows times w_t's first rows (+ bias), then b's
+    times the rest added into that output in place (a GEMM with beta = 1; the first part's sums are rounded to 16
+    bits once on the way)."""
+    cols = a.shape[1]
+    out = torch.addmm(bias, a, w_t[:cols]) if bias is not None else torch.mm(a, w_t[:cols])
+    return out.addmm_(b, w_t[cols:])
+
+
+@concat_linear.register_fake
+def _(a, b, w_t, bias):
+    return a.new_empty((a.shape[0], w_t.shape[1]))
 
 
 def concat_gelu_int8_reference(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor,
@@ -601,6 +652,8 @@ def _candidate(cat: fx.Node):
         if not _kernel_takes(out, lambda kernels: kernels.int8_supported(a_cols, a_head, h_cols)):
             return None
         return _Candidate(cat, a, a_scale, layout, h, bias, quantized[0], None, int8_scale=quantized[1])
+    if (gemm := _concat_gemm_candidate(cat, a, a_scale, layout, h, bias)) is not None:
+        return gemm
     if not _kernel_takes(out, lambda kernels: kernels.supported(a_cols, a_head, h_cols)):
         return None
     cast = _static_fp8_cast(cat)
@@ -687,6 +740,100 @@ def _replace_int8_rows(graph: fx.Graph, fused: fx.Node, chains) -> None:
     for chain in chains:
         for part, old in zip(parts, chain):
             old.replace_all_uses_with(_node(graph, aten.reshape.default, part, list(_val(old).shape)))
+
+
+# ----------------------------------------------------------------- 16-bit GELU into the GEMM (GELU_GEMM)
+class _GemmCandidate:
+    def __init__(self, final, linear, a=None, out_linear=None):
+        # final: the node whose value is replaced (the GELU's 16-bit output, or the linear reading the concatenation);
+        # linear: the GELU's linear as (x, w_t, bias); a: the concatenation's first part (rows, a_cols), then
+        # out_linear: (w_t, bias or None) of the linear reading the concatenation
+        self.final, self.linear, self.a, self.out_linear = final, linear, a, out_linear
+        self.kind = "gelu_gemm" if a is None else "concat_gelu_gemm"
+
+
+def _linear_operands(node):
+    """``node`` = mm(x, w_t) or addmm(bias, x, w_t) with a 1-D bias and no scaling: (x, w_t, bias or None)."""
+    if _call(node, aten.mm.default):
+        return node.args[0], node.args[1], None
+    if (_call(node, aten.addmm.default) and len(node.args) == 3
+            and all(_is_number(v, 1.0) for v in node.kwargs.values())
+            and getattr(_val(node.args[0]), "dim", lambda: 0)() == 1):
+        return node.args[1], node.args[2], node.args[0]
+    return None
+
+
+def _linear_readers(node: fx.Node):
+    """The linears that read ``node``'s rows as their input, through views that keep its last dim: [mm / addmm],
+    or None where any use is something else."""
+    readers = []
+    for user in node.users:
+        if _call(user, *_VIEWS) and _val(user).shape[-1] == _val(node).shape[-1]:
+            further = _linear_readers(user)
+            if further is None:
+                return None
+            readers += further
+        elif (operands := _linear_operands(user)) is not None and operands[0] is node:
+            readers.append(user)
+        else:
+            return None
+    return readers
+
+
+def _gelu_linear(h, bias):
+    """The linear that gives the GELU its input: (x, w_t, bias) where ``h`` (used by the GELU alone) is mm with the
+    GELU's bias, or addmm; one 16-bit dtype throughout. Else None."""
+    operands = _linear_operands(h)
+    if operands is None or len(h.users) != 1:
+        return None
+    x, w_t, inner_bias = operands
+    if (inner_bias is None) == (bias is None):  # cuBLASLt's epilogue adds one bias
+        return None
+    linear = (x, w_t, bias if bias is not None else inner_bias)
+    dtypes = {getattr(_val(n), "dtype", None) for n in linear}
+    return linear if dtypes in ({torch.bfloat16}, {torch.float16}) else None
+
+
+def _lone_gelu_gemm_candidate(node: fx.Node):
+    """``node`` = a sigmoid-GELU's 16-bit output read only by linears (a feed-forward between its two linears, no
+    8-bit quantization after it), of a linear's output + bias."""
+    if not (GELU_GEMM and _call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16)):
+        return None
+    if not _linear_readers(node) or (gelu := _sigmoid_gelu_source(node)) is None:
+        return None
+    h_val, out = _val(gelu[0]), _val(node)
+    if not (isinstance(h_val, torch.Tensor) and h_val.shape[-1] == out.shape[-1] and h_val.numel() == out.numel()):
+        return None
+    linear = _gelu_linear(*gelu)
+    return _GemmCandidate(node, linear) if linear is not None else None
+
+
+def _concat_gemm_candidate(cat: fx.Node, a, a_scale, a_layout, h, bias):
+    """``cat`` = cat([a, gelu(linear)]) read by one linear alone, ``a`` a contiguous 16-bit tensor (FLUX's single
+    blocks' ``proj_out`` input): that linear becomes omni_accel::concat_linear over ``a`` and the GELU's linear."""
+    if not GELU_GEMM or a_scale is not None or a_layout[0] != "reshape":
+        return None
+    readers = _linear_readers(cat)
+    linear = _gelu_linear(h, bias)
+    if linear is None or readers is None or len(readers) != 1:
+        return None
+    reader = readers[0]
+    _, w_t, out_bias = _linear_operands(reader)
+    dtype = _val(cat).dtype
+    if any(getattr(_val(n), "dtype", dtype) != dtype for n in (w_t, out_bias, a) if n is not None):
+        return None
+    return _GemmCandidate(reader, linear, a=a, out_linear=(w_t, out_bias))
+
+
+def _rewrite_gemm(graph: fx.Graph, c: _GemmCandidate) -> None:
+    with graph.inserting_before(c.final):
+        gelu = _node(graph, torch.ops.omni_accel.linear_gelu.default, *c.linear)
+        if c.a is None:
+            out = _node(graph, aten.reshape.default, gelu, list(_val(c.final).shape))
+        else:
+            a2 = _node(graph, aten.reshape.default, c.a, [_val(gelu).shape[0], -1])
+            out = _node(graph, torch.ops.omni_accel.concat_linear.default, a2, gelu, *c.out_linear)
+    c.final.replace_all_uses_with(out)
 
 
 # --------------------------------------------------------------------- q / k: RMSNorm + rotary + static cast
@@ -1142,6 +1289,10 @@ def _match(node: fx.Node):
         found = _sage_candidate(node)
         return ("sage_quantize_normed", _rewrite_sage, found) if found is not None else None
     found = _candidate(node) if _call(node, aten.cat.default) else _lone_gelu_candidate(node)
+    if found is None and not _call(node, aten.cat.default):
+        found = _lone_gelu_gemm_candidate(node)
+    if isinstance(found, _GemmCandidate):
+        return found.kind, _rewrite_gemm, found
     if found is not None:
         kind = (("gelu" if found.a is None else "concat_gelu") + ("_fp8" if found.inverse is not None else "")
                 + ("_int8" if found.int8_scale is not None else ""))
@@ -1185,7 +1336,8 @@ class EpilogueFusionPass(CustomGraphPass):
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}{int(QK_NORM_ROPE_16)}"
                 f"{int(QK_NORM_ROPE_JOINT)}"
                 f"-ln{int(LAYERNORM)}"
-                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}-sage{int(SAGE_FROM_NORMS)}")
+                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}-sage{int(SAGE_FROM_NORMS)}"
+                f"-gg{int(GELU_GEMM)}")
 
 
 GRAPH_PASS = EpilogueFusionPass()

@@ -192,6 +192,9 @@ class ModelAdapter:
     fuse_qkv: bool = False
     # compile: block lists that return their streams as views of one joint tensor (see JointStreams)
     joint_streams: tuple[JointStreams, ...] = ()
+    # compile on GPUs: module-global rotary functions the family's processors call with complex tables
+    # (``fn(x (B, S, H, D), freqs (S, D / 2) complex, use_real=False)``), applied in real arithmetic instead
+    complex_rotary: tuple[str, ...] = ()
 
     def transformers_of(self, pipe) -> list[tuple[str, object]]:
         """The (name, module) transformers the pipeline actually holds (Wan 2.2 may have two, or one)."""

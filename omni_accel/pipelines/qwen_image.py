@@ -70,6 +70,8 @@ ADAPTER = ModelAdapter(
     ),
     # AdaLN modulation linears (one token per sample) stay bf16 under quant
     quant_skip=("*.img_mod.1", "*.txt_mod.1"),
+    # the attention processor rotates q and k with complex (S, D / 2) tables through this module global
+    complex_rotary=("apply_rotary_emb_qwen",),
     notes=(
         "True CFG: with true_cfg_scale > 1 and a negative prompt the pipeline runs the transformer twice per step "
         "(cond, then uncond, batch B each); guidance_scale is only the distilled-guidance embedding and is ignored "
