@@ -694,6 +694,8 @@ for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn
     ROWS[f"{_name}_complexrope"] = _switched(_name, "complexrope", "Qwen-Image's rotary as diffusers' complex "
                                              "multiply (ATen kernels between inductor's)")
     ROWS[_name] = replace(ROWS[_name], complex_rotary_pair_swap=True)
+    # the _nogelugemm rows stay one switch from today's (their 2026-12-06 files ran before this switch existed)
+    ROWS[f"{_name}_nogelugemm"] = replace(ROWS[f"{_name}_nogelugemm"], complex_rotary_pair_swap=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

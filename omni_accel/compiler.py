@@ -163,7 +163,8 @@ def _pair_swap_complex_rotary(original: Callable) -> Callable:
     Why: inductor does not compile complex numbers, so the complex multiply ran as an ATen elementwise kernel, four
     per Qwen-Image block (240 calls, 5.0 ms per 1024² forward on an H100), beside inductor's q / k norm kernels. In
     real arithmetic the rotation fuses into the norm's kernel. The same products and sums in float32, so the same
-    output (tested). Other calls (real tables, other shapes) go to the original."""
+    output (tested bit for bit eagerly; compiled, to float32 rounding). Other calls (real tables, other shapes) go to
+    the original."""
 
     def apply_rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
         if (use_real or not isinstance(freqs_cis, torch.Tensor) or not freqs_cis.is_complex() or x.dim() != 4
@@ -299,9 +300,9 @@ class CompilePass(AccelPass):
             if ROTARY_PAIR_SWAP and ctx.device.type == "cuda":
                 rotary, undo_rotary = use_rotary_pair_swap(transformer)
                 undos.append(undo_rotary)
+            complex_rotary = 0
             if COMPLEX_ROTARY_PAIR_SWAP and ctx.device.type == "cuda" and ctx.adapter.complex_rotary:
-                swaps, undo_complex = use_complex_rotary_pair_swap(transformer, ctx.adapter.complex_rotary)
-                rotary += swaps
+                complex_rotary, undo_complex = use_complex_rotary_pair_swap(transformer, ctx.adapter.complex_rotary)
                 undos.append(undo_complex)
             joint_specs = ctx.adapter.joint_streams if JOINT_STREAMS else ()
             undos += [undo for spec in joint_specs for undo in _joint_streams(transformer, spec)]
@@ -312,7 +313,7 @@ class CompilePass(AccelPass):
                     u()
 
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus,
-                             rotary_pair_swap=rotary,
+                             rotary_pair_swap=rotary, complex_rotary_pair_swap=complex_rotary,
                              joint_streams=[spec.block_list for spec in joint_specs], **_printable(options))
         if ctx.config.compile == "max" or graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)

@@ -166,6 +166,28 @@ def test_concat_linear_equals_the_linear_of_the_concatenation():
     want = torch.nn.functional.linear(torch.cat([a, b], -1), w, bias)
     torch.testing.assert_close(epilogue_fusion.concat_linear(a, b, w.t(), bias), want)
     torch.testing.assert_close(epilogue_fusion.concat_linear(a, b, w.t(), None), want - bias)
+    # in bf16 the first part's sums are rounded once more on the way: still within two bf16 steps of the largest value
+    out = epilogue_fusion.concat_linear(a.to(BF16), b.to(BF16), w.to(BF16).t(), bias.to(BF16))
+    want16 = torch.nn.functional.linear(torch.cat([a, b], -1).to(BF16).float(), w.to(BF16).float(),
+                                        bias.to(BF16).float())
+    assert out.dtype == BF16 and (out.float() - want16).abs().max() <= 2 * 2.0 ** -8 * want16.abs().max()
+
+
+def test_a_gelu_converted_to_another_dtype_stays_with_inductor():
+    """The op writes the GELU in its linear's dtype: a bf16 linear whose GELU is converted to fp16 for an fp16 linear
+    is not rewritten (it would hand the fp16 linear a bf16 input), and compiles as before."""
+    inputs = _mlp_inputs(10)
+
+    def mixed(x, w, bias, w2, b2):
+        h = (x.reshape(-1, 40) @ w.t()).reshape(1, S, MLP) + bias
+        hf = h.float()
+        g = (hf * torch.sigmoid(compiler._TWO_SQRT_2_OVER_PI * (hf + 0.044715 * hf * hf * hf))).to(torch.float16)
+        return torch.nn.functional.linear(g, w2.to(torch.float16), b2.to(torch.float16))
+
+    ref = mixed(**inputs)
+    out, delta = _compiled_with_pass(mixed, **inputs)
+    assert delta == {} and out.dtype == torch.float16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("variant", ["libdevice_gelu", "gelu_first", "token_dim"])

@@ -30,11 +30,15 @@ gather per element (78 us for FLUX's q and k, 2 x 23 us with the swap in registe
 the same way (25-39 us, 16 us). Measured on an H200: docs/kernels.md and ``benchmarks/bench_fp8_epilogues.py``. The
 values are the same float32 expressions inductor's kernels compute (the GELU's reciprocal is the hardware's
 approximate one, ~1 ulp of float32); the AdaLN kernel keeps float32 where inductor's rounded to bf16 in between.
+The two GEMM forms round differently from inductor's graph: cuBLASLt applies the GELU to the float32 sums (inductor
+rounds the GEMM's output to 16 bits first), and concat_linear rounds its first part's sums to 16 bits once before the
+second GEMM adds to them; on FLUX's blocks the outputs stay within a few bf16 steps of inductor's
+(tests/test_epilogue_fusion.py).
 
 Nothing else is changed: a graph without the patterns, or one whose tensors the kernels do not take (widths no
 power-of-two tile divides, rows that are not evenly strided, a batch above 1 for the norm, another rotary layout),
 compiles as before, and an unexpected graph is left to inductor rather than failing the compile. The pass counts what
-it replaced in ``REWRITES``; ``QK_NORM_ROPE`` and ``LAYERNORM`` switch two of its parts off (A/B runs).
+it replaced in ``REWRITES``; ``QK_NORM_ROPE``, ``LAYERNORM`` and ``GELU_GEMM`` switch parts of it off (A/B runs).
 
 Where inductor launches its own kernels with programmatic dependent launch (``triton.enable_pdl``, on by default on
 Hopper and newer), the kernels put in do too (``_pdl``; ``PDL`` switches that off): without it the GPU starts each
@@ -128,11 +132,11 @@ SAGE_FROM_NORMS = False
 # linear's GEMM: cuBLASLt applies it to the float32 sums before the one rounding to 16 bits (its GELU + bias epilogue,
 # omni_accel::linear_gelu), and the concatenation in front of FLUX's single blocks' proj_out is not written at all
 # (omni_accel::concat_linear: two GEMMs over its two parts, the second adding into the first's output). At FLUX's
-# shapes on an H100 (one CUDA graph of 20 calls each): the image stream's up projection with its GELU 452.5 us, with
-# inductor's GELU kernel after it 511.9; the single block's MLP + proj_out 1,153.8 us against 1,222.8 with the
-# concatenation kernel, and 1,158.5 for its two GEMMs alone (benchmarks/results/bench_gemm_gelu_h100_20261206.json).
-# The bf16 FLUX step: 125.5 against 129.3 ms (bench_peers_h100_flux_gelu_gemm_20261206.json). Benchmarks' A/B rows
-# set it.
+# shapes on an H100, 40 calls replayed from one CUDA graph: the image stream's up projection alone 467.4 us, with the
+# GELU in its epilogue 476.7, with inductor's GELU kernel after it 522.7; the single block's MLP + proj_out 1,174.2 us
+# against 1,248.4 with the concatenation kernel and 1,144.6 for its two GEMMs alone
+# (benchmarks/results/bench_gemm_gelu_h100_20261206.json). The bf16 FLUX step: 125.5 against 129.3 ms
+# (bench_peers_h100_flux_gelu_gemm_20261206.json). Benchmarks' A/B rows set it.
 GELU_GEMM = True
 
 
@@ -780,9 +784,10 @@ def _linear_readers(node: fx.Node):
     return readers
 
 
-def _gelu_linear(h, bias):
+def _gelu_linear(h, bias, dtype: torch.dtype):
     """The linear that gives the GELU its input: (x, w_t, bias) where ``h`` (used by the GELU alone) is mm with the
-    GELU's bias, or addmm; one 16-bit dtype throughout. Else None."""
+    GELU's bias, or addmm; all in ``dtype`` (the GELU's output dtype: the op writes the GELU in its inputs' dtype).
+    Else None."""
     operands = _linear_operands(h)
     if operands is None or len(h.users) != 1:
         return None
@@ -791,7 +796,7 @@ def _gelu_linear(h, bias):
         return None
     linear = (x, w_t, bias if bias is not None else inner_bias)
     dtypes = {getattr(_val(n), "dtype", None) for n in linear}
-    return linear if dtypes in ({torch.bfloat16}, {torch.float16}) else None
+    return linear if dtypes == {dtype} and dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _lone_gelu_gemm_candidate(node: fx.Node):
@@ -804,7 +809,7 @@ def _lone_gelu_gemm_candidate(node: fx.Node):
     h_val, out = _val(gelu[0]), _val(node)
     if not (isinstance(h_val, torch.Tensor) and h_val.shape[-1] == out.shape[-1] and h_val.numel() == out.numel()):
         return None
-    linear = _gelu_linear(*gelu)
+    linear = _gelu_linear(*gelu, out.dtype)
     return _GemmCandidate(node, linear) if linear is not None else None
 
 
@@ -814,7 +819,7 @@ def _concat_gemm_candidate(cat: fx.Node, a, a_scale, a_layout, h, bias):
     if not GELU_GEMM or a_scale is not None or a_layout[0] != "reshape":
         return None
     readers = _linear_readers(cat)
-    linear = _gelu_linear(h, bias)
+    linear = _gelu_linear(h, bias, _val(cat).dtype)
     if linear is None or readers is None or len(readers) != 1:
         return None
     reader = readers[0]
