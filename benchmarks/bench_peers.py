@@ -962,9 +962,7 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
 
 def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks, flops, result: dict) -> None:
     import omni_accel
-    from omni_accel.kernels import quant
-
-    from omni_accel.kernels import epilogue_fusion
+    from omni_accel.kernels import epilogue_fusion, quant
 
     undo = lambda: None  # noqa: E731
     rewrites_before = dict(epilogue_fusion.REWRITES)
@@ -999,8 +997,7 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             rel_err_vs_eager=round(rel_err(first_tensor(timing["out"]), reference.out), 5), **clock)
         result.update(fresh_input_check(forward, inputs, reference, result["rel_err_vs_eager"]))
         # what the epilogue-fusion pass replaced while this row compiled (none where inductor's cache served a graph)
-        result["epilogue_rewrites"] = {k: v - rewrites_before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items()
-                                       if v != rewrites_before.get(k, 0)}
+        result["epilogue_rewrites"] = epilogue_fusion.rewrites_since(rewrites_before)
         if clock.get("power_w"):
             result["energy_j_per_forward"] = round(clock["power_w"] * ms / 1e3, 2)
         if "omni_accel" in vars(pipe):

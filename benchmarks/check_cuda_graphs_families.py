@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         before = dict(epilogue_fusion.REWRITES)
         row = check_case(name, device, getattr(torch, args.dtype))
         # what the graph pass replaced in this case's compiles (none where inductor's cache served a graph)
-        row["epilogue_rewrites"] = {k: v - before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items()
-                                    if v != before.get(k, 0)}
+        row["epilogue_rewrites"] = epilogue_fusion.rewrites_since(before)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     result["failed"] = [r["case"] for r in result["rows"] if r["failures"]]

@@ -129,16 +129,20 @@ def _pair_swap_rotary(original: Callable) -> Callable:
             return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         cos, sin = freqs_cis  # (S, D)
         shape = (1, 1, *cos.shape) if sequence_dim == 2 else (1, cos.shape[0], 1, cos.shape[1])
-        cos, sin = cos.reshape(shape).to(x.device), sin.reshape(shape).to(x.device)
-        # the rotated pair is (-imag, real): -1 at even, +1 at odd positions (arange, not a tensor from a Python
-        # list, whose host-to-device copy a CUDA graph capture would refuse)
-        sign = torch.arange(x.shape[-1], device=x.device) % 2 * 2 - 1
-        signed_sin = sin * sign
-        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)
+        return _rotate_pairs(x, cos.reshape(shape).to(x.device), sin.reshape(shape).to(x.device))
 
     apply_rotary_emb._omni_accel_original = original
     return apply_rotary_emb
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated by (cos, sin) on its interleaved pairs (tables broadcast over x, one value per channel), as
+    ``x * cos + swap(x) * (sin * [-1, +1, ...])`` in float32, rounded to x's dtype."""
+    # the rotated pair is (-imag, real): -1 at even, +1 at odd positions (arange, not a tensor from a Python list,
+    # whose host-to-device copy a CUDA graph capture would refuse)
+    sign = torch.arange(x.shape[-1], device=x.device) % 2 * 2 - 1
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x.float() * cos + swapped.float() * (sin * sign)).to(x.dtype)
 
 
 _ROTARY_SWAPPED: dict[str, list] = {}  # module name -> [diffusers' function, transformers using the swap]
@@ -158,7 +162,7 @@ def use_rotary_pair_swap(transformer: torch.nn.Module) -> tuple[int, Callable[[]
 def _pair_swap_complex_rotary(original: Callable) -> Callable:
     """A family's interleaved rotary embedding over complex tables (``x`` (B, S, H, D), ``freqs_cis`` (S, D / 2)
     complex, ``use_real=False``: Qwen-Image's ``apply_rotary_emb_qwen``), written in real arithmetic as the pair swap
-    of ``_pair_swap_rotary`` with the tables' real and imaginary parts as cos and sin.
+    (``_rotate_pairs``) with the tables' real and imaginary parts as cos and sin.
 
     Why: inductor does not compile complex numbers, so the complex multiply ran as an ATen elementwise kernel, four
     per Qwen-Image block (240 calls, 5.0 ms per 1024² forward on an H100), beside inductor's q / k norm kernels. In
@@ -171,11 +175,8 @@ def _pair_swap_complex_rotary(original: Callable) -> Callable:
                 or freqs_cis.shape != (x.shape[1], x.shape[-1] // 2) or x.shape[-1] % 2):
             return original(x, freqs_cis, use_real, use_real_unbind_dim)
         parts = torch.view_as_real(freqs_cis).to(x.device)  # (S, D / 2, 2): each pair's cos and sin
-        cos = parts[..., 0].repeat_interleave(2, -1)[None, :, None, :]
-        sin = parts[..., 1].repeat_interleave(2, -1)[None, :, None, :]
-        sign = torch.arange(x.shape[-1], device=x.device) % 2 * 2 - 1  # the rotated pair is (-imag, real)
-        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return (x.float() * cos + swapped.float() * (sin * sign)).to(x.dtype)
+        cos, sin = (parts[..., i].repeat_interleave(2, -1)[None, :, None, :] for i in (0, 1))
+        return _rotate_pairs(x, cos, sin)
 
     apply_rotary._omni_accel_original = original
     return apply_rotary

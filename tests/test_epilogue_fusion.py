@@ -57,7 +57,7 @@ def _compiled(fn, *args, with_pass: bool = True, **kwargs):
     if with_pass:
         options[compiler.POST_GRAD_PASS] = epilogue_fusion.GRAPH_PASS
     out = torch.compile(fn, options=options)(*args, **kwargs)
-    delta = {k: v - before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items() if v != before.get(k, 0)}
+    delta = epilogue_fusion.rewrites_since(before)
     return out, delta
 
 

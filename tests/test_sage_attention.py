@@ -382,7 +382,7 @@ def test_the_preparation_takes_the_q_k_kernels_inputs_in_flux_blocks_with_the_sa
         options = {"fx_graph_cache": False, compiler.POST_GRAD_PASS: epilogue_fusion.GRAPH_PASS}
         with torch.no_grad():
             out = torch.compile(block, options=options)(*streams, temb, image_rotary_emb=rotary)
-        return out, {k: v - before.get(k, 0) for k, v in epilogue_fusion.REWRITES.items() if v != before.get(k, 0)}
+        return out, epilogue_fusion.rewrites_since(before)
 
     try:
         unfused, unfused_delta = compiled(False)

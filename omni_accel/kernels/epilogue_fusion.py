@@ -71,9 +71,17 @@ _FUSED_RMS_NORM = getattr(aten, "_fused_rms_norm", None)
 _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else None
 
 # "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "gelu_int8" / "layernorm_modulate_fp8" /
-# "layernorm_modulate_int8" / "qk_norm_rope_fp8" / "qk_norm_rope" -> how many this process replaced (graphs
+# "layernorm_modulate_int8" / "qk_norm_rope_fp8" / "qk_norm_rope" / "sage_quantize_normed" / "gelu_gemm" /
+# "concat_gelu_gemm" -> how many this process replaced (graphs
 # compiled here: one loaded from inductor's cache ran its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
+
+
+def rewrites_since(before: dict) -> dict:
+    """The ``REWRITES`` counts added since the snapshot ``before`` (``dict(REWRITES)`` taken earlier), by kind."""
+    return {kind: count - before.get(kind, 0) for kind, count in REWRITES.items() if count != before.get(kind, 0)}
+
+
 # Whether the pass also replaces FP8 attention's q / k RMSNorm + rotary + cast; benchmarks' A/B rows set it.
 QK_NORM_ROPE = True
 # Whether it also replaces the 16-bit q / k RMSNorm + rotary in front of a 16-bit attention (the bf16 and int8
