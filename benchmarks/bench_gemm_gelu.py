@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     parser = kernel_parser(__doc__)
     parser.add_argument("--warm-s", type=float, default=3.0, help="seconds of 8192^3 GEMMs before the first row")
     args = parser.parse_args(argv)
+    if args.warm_s < 0:
+        parser.error(f"--warm-s {args.warm_s}: give the seconds of warm-up GEMMs (>= 0), or 0 for none")
     device = torch.device(args.device)
     text, image, dim, mlp = (16, 48, 64, 256) if args.tiny else (512, 4096, 3072, 12288)
     clocks = ClockLog(args.log_clocks and device.type == "cuda")

@@ -349,6 +349,34 @@ def test_fp8_epilogues_bench_tiny_cpu_rows(tmp_path):
     assert err[("concat_gelu_bf16", "triton")] <= 2 * err[("concat_gelu_bf16", "inductor")]
 
 
+def test_gemm_gelu_bench_tiny_cpu_rows_and_its_refusal(tmp_path, capsys):
+    """bench_gemm_gelu.py's GPU-run code on tiny shapes (the concatenation kernel in Triton's interpreter: a
+    subprocess): every way of both cases runs, the GELU-in-the-GEMM ways are as close to the float32 formula as
+    inductor's (their float32 reference here), the split proj_out as the concatenated one; a negative warm-up is
+    refused with the fix."""
+    out = tmp_path / "gemm_gelu.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gemm_gelu.py"), "--device", "cpu",
+                           "--tiny", "--iters", "1", "--reps", "1", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
+    err = {(r["case"], r.get("stream"), r["way"]): r.get("rel_err") for r in rows}
+    assert set(err) == {("ff_up", s, w) for s in ("image", "text") for w in ("gemm_only", "inductor", "cublaslt_gelu")} \
+        | {("single", None, w) for w in ("concat_kernel", "split", "split_copy", "gemms_only")}
+    for stream in ("image", "text"):
+        assert err[("ff_up", stream, "cublaslt_gelu")] <= err[("ff_up", stream, "inductor")] + 1e-6
+    assert err[("single", None, "split")] <= 2 * err[("single", None, "concat_kernel")]
+    spec = importlib.util.spec_from_file_location("bench_gemm_gelu",
+                                                  os.path.join(ROOT, "benchmarks", "bench_gemm_gelu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit):
+        module.main(["--device", "cpu", "--tiny", "--warm-s", "-1", "--out", str(out)])
+    assert "--warm-s -1.0: give the seconds of warm-up GEMMs (>= 0), or 0 for none" in capsys.readouterr().err
+
+
 def test_attention_study_int8_rounding_has_one_scale_per_head_and_run_of_tokens():
     """study_fp8_attention_error.py's int8 Q / K: each (run of tokens, head) group is rounded to 255 levels of its
     own max |x| (error <= half a level, the max itself exact), a short last run gets its own scale, and a large value
