@@ -164,6 +164,8 @@ class Row:
     gelu_gemm: bool = False  # kernels.epilogue_fusion.GELU_GEMM (True: a 16-bit MLP's GELU in cuBLASLt's epilogue)
     # compiler.COMPLEX_ROTARY_PAIR_SWAP (True: Qwen-Image's complex-table rotary in real arithmetic)
     complex_rotary_pair_swap: bool = False
+    # kernels.gemm_tuning.TUNED_GEMMS (True: 16-bit linears on the cuBLASLt algorithm timed fastest for the shape)
+    tuned_gemm: bool = False
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -198,7 +200,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "SAGE_FROM_NORMS", "sage_from_norms"),
             ("kernels.sage_prep_triton", "NORMED_HEADS_PER_PROGRAM", "sage_normed_heads"),
             ("kernels.epilogue_fusion", "GELU_GEMM", "gelu_gemm"),
-            ("compiler", "COMPLEX_ROTARY_PAIR_SWAP", "complex_rotary_pair_swap"))
+            ("compiler", "COMPLEX_ROTARY_PAIR_SWAP", "complex_rotary_pair_swap"),
+            ("kernels.gemm_tuning", "TUNED_GEMMS", "tuned_gemm"))
 
 
 @contextlib.contextmanager
@@ -696,6 +699,11 @@ for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn
     ROWS[_name] = replace(ROWS[_name], complex_rotary_pair_swap=True)
     # the _nogelugemm rows stay one switch from today's (their 2026-12-06 files ran before this switch existed)
     ROWS[f"{_name}_nogelugemm"] = replace(ROWS[f"{_name}_nogelugemm"], complex_rotary_pair_swap=True)
+# 16-bit linears on the cuBLASLt algorithm that a timing in the first forward picks per shape (kernels/gemm_tuning.py,
+# off by default until measured in the forward): the _tuned rows are today's with it on
+for _name in ("ours_bf16_mk_pdl", "ours_int8"):
+    ROWS[f"{_name}_tuned"] = _switched(_name, "tuned", "16-bit linears on the cuBLASLt algorithm timed fastest per "
+                                       "shape", tuned_gemm=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -962,10 +970,11 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
 
 def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks, flops, result: dict) -> None:
     import omni_accel
-    from omni_accel.kernels import epilogue_fusion, quant
+    from omni_accel.kernels import epilogue_fusion, gemm_tuning, quant
 
     undo = lambda: None  # noqa: E731
     rewrites_before = dict(epilogue_fusion.REWRITES)
+    gemm_tuning.reset()  # each row times its GEMMs again (the time counts in its first call)
     try:
         t0 = time.perf_counter()
         fn, undo = row.setup(pipe, pipe.transformer, inputs, spec["model"])
@@ -998,6 +1007,7 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
         result.update(fresh_input_check(forward, inputs, reference, result["rel_err_vs_eager"]))
         # what the epilogue-fusion pass replaced while this row compiled (none where inductor's cache served a graph)
         result["epilogue_rewrites"] = epilogue_fusion.rewrites_since(rewrites_before)
+        result["tuned_gemms"] = gemm_tuning.choices()
         if clock.get("power_w"):
             result["energy_j_per_forward"] = round(clock["power_w"] * ms / 1e3, 2)
         if "omni_accel" in vars(pipe):

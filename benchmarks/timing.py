@@ -83,6 +83,32 @@ def graph_ms(calls: list[Callable[[], object]], iters: int) -> float:
     return statistics.median(sample_ms(graph.replay, torch.device("cuda"), iters)) / len(calls)
 
 
+def capture_graph(fn: Callable[[], object], reps: int = 1) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph of ``reps`` calls of ``fn`` (one warm-up call on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph
+
+
+def graph_rounds_ms(graphs: dict, iters: int, rounds: int) -> dict[str, list[float]]:
+    """Per graph, the median ms of ``iters`` replays in each of ``rounds`` rounds; each round replays every graph in
+    turn, starting one later than the round before, so that a drift of the clocks (10-30 % within seconds on a GPU at
+    its power cap) reaches all of them alike and ratios within a round compare like with like."""
+    names = list(graphs)
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            per_round[name].append(statistics.median(sample_ms(graphs[name].replay, torch.device("cuda"), iters)))
+    return per_round
+
+
 def write_result(path: str, result: dict) -> None:
     """Write ``result`` as indented JSON to ``path``, creating its folder (scripts call this after every row too,
     so that a crash later keeps what was measured)."""

@@ -573,3 +573,35 @@ def test_the_readme_peers_tables_are_what_their_result_files_say(bench_peers, tm
     with pytest.raises(SystemExit):
         bench_peers.main(["--check"])
     assert "--check compares a markdown file's peers-table blocks" in capsys.readouterr().err
+
+
+def _load_benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, gpu_only", [("bench_gemm_algos", "cuBLASLt's algorithms need a CUDA GPU"),
+                                            ("bench_attention_plans", "cuDNN's attention plans need a CUDA GPU"),
+                                            ("bench_side_stream_gemv", "streams and CUDA graphs need a CUDA GPU")])
+def test_plan_and_algorithm_benches_refuse_the_cpu_and_bad_options_with_the_fix(name, gpu_only, tmp_path, capsys):
+    module = _load_benchmark(name)
+    out = str(tmp_path / "x.json")
+    with pytest.raises(SystemExit):
+        module.main(["--device", "cpu", "--out", out])
+    assert f"--device cpu: {gpu_only}; run with --device cuda" in capsys.readouterr().err
+
+
+def test_gemm_algos_summary_weighs_each_shape_by_its_calls_and_keeps_torch_where_no_candidate_wins():
+    module = _load_benchmark("bench_gemm_algos")
+    rows = [{"gemm": "a", "calls_per_step": 10, "way": "torch", "us_graph": 100.0, "vs_torch": 1.0},
+            {"gemm": "a", "calls_per_step": 10, "way": "algo_0", "us_graph": 99.0, "vs_torch": 1.01},
+            {"gemm": "a", "calls_per_step": 10, "way": "algo_3", "us_graph": 91.0, "vs_torch": 1.1},
+            {"gemm": "a", "calls_per_step": 10, "way": "algo_4", "error": "refused"},
+            {"gemm": "b", "calls_per_step": 2, "way": "torch", "us_graph": 50.0, "vs_torch": 1.0},
+            {"gemm": "b", "calls_per_step": 2, "way": "algo_0", "us_graph": 49.0, "vs_torch": 0.95}]
+    summary = module.summarize(rows)
+    assert summary["shapes"]["a"] == {"torch_us": 100.0, "best": "algo_3", "best_us": 91.0, "vs_torch": 1.1}
+    assert summary["shapes"]["b"]["best"] == "algo_0" and summary["shapes"]["b"]["vs_torch"] == 0.95
+    assert summary["step_ms_torch"] == 1.1 and summary["step_ms_best"] == 1.009  # b keeps torch's 50 us

@@ -844,3 +844,31 @@ def test_the_int8_epilogue_kernels_take_their_switches(monkeypatch):
         torch.ops.omni_accel.layernorm_modulate_int8(x, None, mod, mod, 1e-6, BF16)
     assert seen == [("gelu", False, False, False), ("norm", False), ("gelu", True, False, False), ("norm", False),
                     ("gelu", True, True, False), ("norm", False), ("gelu", True, False, True), ("norm", True)]
+
+
+def test_16_bit_linears_left_by_the_patterns_become_tuned_gemms_with_the_same_values(monkeypatch):
+    """With gemm_tuning.TUNED_GEMMS on and above its MIN_GFLOP (lowered here: the test's linears are tiny) a 16-bit
+    linear the other patterns did not take becomes omni_accel::linear_tuned, after them: the MLP keeps its GELU in the
+    first GEMM and its second linear is tuned. Off a GPU the op is torch's call, so the values are those of the graph
+    without the pass."""
+    from omni_accel.kernels import gemm_tuning
+
+    inputs = _mlp_inputs(11)
+    ref, _ = _compiled(_mlp, **inputs, with_pass=False)
+    monkeypatch.setattr(gemm_tuning, "MIN_GFLOP", 0.0)
+    _, delta = _compiled_with_pass(_mlp, **inputs)
+    assert delta == {"gelu_gemm": 1}  # off by default
+    monkeypatch.setattr(gemm_tuning, "TUNED_GEMMS", True)
+    out, delta = _compiled_with_pass(_mlp, **inputs)
+    assert delta == {"gelu_gemm": 1, "tuned_gemm": 1}
+    assert (out.float() - ref.float()).abs().max() <= 4 * 2.0 ** -8 * ref.float().abs().max()
+    monkeypatch.setattr(gemm_tuning, "MIN_GFLOP", 20.0)  # the test's linears are far below the default size
+    _, delta = _compiled_with_pass(_mlp, **inputs)
+    assert delta == {"gelu_gemm": 1}
+
+
+def test_a_tuned_linear_off_a_gpu_is_torchs_call_bit_for_bit():
+    inputs = _mlp_inputs(12)
+    x, w, bias = inputs["x"].reshape(-1, 40), inputs["w"], inputs["bias"]
+    assert torch.equal(torch.ops.omni_accel.linear_tuned(x, w.t(), bias), torch.addmm(bias, x, w.t()))
+    assert torch.equal(torch.ops.omni_accel.linear_tuned(x, w.t(), None), torch.mm(x, w.t()))

@@ -14,6 +14,7 @@ whatever model code produced it), and what each becomes:
     either, rotary(cat([rms_norm(text q / k), rms_norm(image q / k)]))   the same, both streams read (a switch)
     gelu(x @ w.T + bias), 16 bits, read by linears only       omni_accel::linear_gelu (cuBLASLt's GELU epilogue)
     cat([a, gelu(x @ w.T + bias)]) read by one 16-bit linear  omni_accel::linear_gelu + omni_accel::concat_linear
+    any other 16-bit x @ w.T [+ bias] of >= 20 GFLOP            omni_accel::linear_tuned (a tuned cuBLASLt algorithm)
 
 ``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16); ``gelu`` is the
 sigmoid form of the tanh GELU that ``compile=True`` installs (``compiler.sigmoid_gelu``); ``static_fp8_cast`` is what
@@ -38,7 +39,8 @@ second GEMM adds to them; on FLUX's blocks the outputs stay within a few bf16 st
 Nothing else is changed: a graph without the patterns, or one whose tensors the kernels do not take (widths no
 power-of-two tile divides, rows that are not evenly strided, a batch above 1 for the norm, another rotary layout),
 compiles as before, and an unexpected graph is left to inductor rather than failing the compile. The pass counts what
-it replaced in ``REWRITES``; ``QK_NORM_ROPE``, ``LAYERNORM`` and ``GELU_GEMM`` switch parts of it off (A/B runs).
+it replaced in ``REWRITES``; ``QK_NORM_ROPE``, ``LAYERNORM``, ``GELU_GEMM`` and ``gemm_tuning.TUNED_GEMMS`` switch parts
+of it (A/B runs).
 
 Where inductor launches its own kernels with programmatic dependent launch (``triton.enable_pdl``, on by default on
 Hopper and newer), the kernels put in do too (``_pdl``; ``PDL`` switches that off): without it the GPU starts each
@@ -58,6 +60,8 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from . import gemm_tuning
+
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -72,7 +76,7 @@ _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else No
 
 # "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "gelu_int8" / "layernorm_modulate_fp8" /
 # "layernorm_modulate_int8" / "qk_norm_rope_fp8" / "qk_norm_rope" / "sage_quantize_normed" / "gelu_gemm" /
-# "concat_gelu_gemm" -> how many this process replaced (graphs
+# "concat_gelu_gemm" / "tuned_gemm" -> how many this process replaced (graphs
 # compiled here: one loaded from inductor's cache ran its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
 
@@ -212,8 +216,8 @@ def linear_gelu(x, w_t, bias):
     """A linear (x (rows, K), w_t (K, N), bias (N,)) and the tanh GELU after it in one GEMM on a GPU."""
     if x.is_cuda:
         # cuBLASLt's GELU_BIAS epilogue (the tanh form; torch computes the same product and GELU in two kernels
-        # where cuBLASLt does not take the operands)
-        return torch._addmm_activation(bias, x, w_t, use_gelu=True)
+        # where cuBLASLt does not take the operands), on the algorithm gemm_tuning picked for the shape
+        return gemm_tuning.linear(x, w_t, bias, "gelu_bias")
     return linear_gelu_reference(x, w_t, bias)
 
 
@@ -229,13 +233,26 @@ def concat_linear(a, b, w_t, bias):
     times the rest added into that output in place (a GEMM with beta = 1; the first part's sums are rounded to 16
     bits once on the way)."""
     cols = a.shape[1]
-    out = torch.addmm(bias, a, w_t[:cols]) if bias is not None else torch.mm(a, w_t[:cols])
-    return out.addmm_(b, w_t[cols:])
+    out = gemm_tuning.linear(a, w_t[:cols], bias, "bias" if bias is not None else "none")
+    return gemm_tuning.linear(b, w_t[cols:], None, "accumulate", out=out)
 
 
 @concat_linear.register_fake
 def _(a, b, w_t, bias):
     return a.new_empty((a.shape[0], w_t.shape[1]))
+
+
+@torch.library.custom_op("omni_accel::linear_tuned", mutates_args=(),
+                         schema="(Tensor x, Tensor w_t, Tensor? bias) -> Tensor")
+def linear_tuned(x, w_t, bias):
+    """x (rows, K) @ w_t (K, N) (+ bias) on the cuBLASLt algorithm gemm_tuning picked for the shape (torch's call
+    where none beat it, and off a GPU)."""
+    return gemm_tuning.linear(x, w_t, bias, "bias" if bias is not None else "none")
+
+
+@linear_tuned.register_fake
+def _(x, w_t, bias):
+    return x.new_empty((x.shape[0], w_t.shape[1]))
 
 
 def concat_gelu_int8_reference(a: torch.Tensor | None, a_scale: torch.Tensor | None, h: torch.Tensor,
@@ -849,6 +866,27 @@ def _rewrite_gemm(graph: fx.Graph, c: _GemmCandidate) -> None:
     c.final.replace_all_uses_with(out)
 
 
+# ------------------------------------------------ 16-bit linears on a tuned algorithm (gemm_tuning.TUNED_GEMMS)
+def _tuned_gemm_candidate(node: fx.Node):
+    """``node`` = a 16-bit mm / addmm (a linear) large enough for gemm_tuning to time: its (x, w_t, bias or None)."""
+    operands = _linear_operands(node) if gemm_tuning.TUNED_GEMMS else None
+    if operands is None:
+        return None
+    vals = [_val(n) for n in operands if n is not None]
+    if not all(isinstance(v, torch.Tensor) for v in vals) or len({v.dtype for v in vals}) != 1:
+        return None
+    (m, k), n = vals[0].shape, vals[1].shape[1]
+    if vals[0].dtype not in (torch.bfloat16, torch.float16) or 2 * m * k * n < gemm_tuning.MIN_GFLOP * 1e9:
+        return None
+    return operands
+
+
+def _rewrite_tuned_gemm(graph: fx.Graph, node: fx.Node, operands) -> None:
+    with graph.inserting_before(node):
+        tuned = _node(graph, torch.ops.omni_accel.linear_tuned.default, *operands)
+    node.replace_all_uses_with(tuned)
+
+
 # --------------------------------------------------------------------- q / k: RMSNorm + rotary + static cast
 def _static_cast_source(cast):
     """``cast`` = e4m3 of clamp(z * inverse, +-448): (z, inverse) or None (``_cast_after_mul`` found from its end)."""
@@ -1337,6 +1375,16 @@ class EpilogueFusionPass(CustomGraphPass):
                 rewrite(graph, candidate)
                 REWRITES[kind] += 1
                 done += 1
+        # after the patterns above, which read the linears as mm / addmm: the 16-bit ones left become tuned GEMMs
+        # (the linears those rewrites left without a live use go first)
+        if done:
+            stable_topological_sort(graph)
+            graph.eliminate_dead_code()
+        for node in list(graph.nodes):
+            if node.graph is graph and node.users and (operands := _tuned_gemm_candidate(node)) is not None:
+                _rewrite_tuned_gemm(graph, node, operands)
+                REWRITES["tuned_gemm"] += 1
+                done += 1
         if done:
             stable_topological_sort(graph)
             graph.eliminate_dead_code()
@@ -1350,7 +1398,7 @@ class EpilogueFusionPass(CustomGraphPass):
                 f"{int(QK_NORM_ROPE_JOINT)}"
                 f"-ln{int(LAYERNORM)}"
                 f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}-sage{int(SAGE_FROM_NORMS)}"
-                f"-gg{int(GELU_GEMM)}")
+                f"-gg{int(GELU_GEMM)}-tg{int(gemm_tuning.TUNED_GEMMS)}")
 
 
 GRAPH_PASS = EpilogueFusionPass()

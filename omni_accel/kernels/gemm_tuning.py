@@ -1,0 +1,152 @@
+"""16-bit linears on the cuBLASLt algorithm that a timing under load picks, instead of the heuristic's first choice.
+
+Why: torch runs the first algorithm of cuBLASLt's heuristic list. The heuristic models the GPU at full clocks; at a
+700 W cap an H100 runs some of FLUX's GEMMs 2-7 % faster on the heuristic's second to sixth candidate (the
+down-projection of a dual block by 5-7 %, the fused q / k / v projections by 2-3 %), in two runs of paired rounds
+(``benchmarks/bench_gemm_algos.py``, results ``gemm_algos_rounds_{a,b}_h100_20261206.json``). Which candidate wins
+depends on the GPU, its power limit and the cuBLAS build, so it is measured where the model runs rather than shipped.
+
+How: the first call of each (device, shape, strides, dtype, epilogue) times torch's own call and the heuristic's
+first ``CANDIDATES`` algorithms in ``ROUNDS`` rounds, every way in turn, and keeps the candidate whose median ratio
+to torch's time in the same round is largest -- if it is at least ``MIN_GAIN``; else torch's call stays. That costs
+about 0.1 s per shape in the first forward. Calls smaller than ``MIN_GFLOP`` (the text stream's, the modulation
+GEMVs) keep torch's call untimed: their launch would be most of what the timing sees. A call made while a CUDA graph
+is being captured never times (it takes torch's call unless the shape was already tuned).
+
+The result differs from torch's call by the summation order of the chosen algorithm (all accumulate in float32 and
+round once): the same class of difference as between two GPUs. ``TUNED_GEMMS`` (module switch, off by default: the
+whole-forward measurement is still to come) turns it on for the graph pass of ``compile=True`` -- the 16-bit linears
+become ``omni_accel::linear_tuned`` and ``linear_gelu`` / ``concat_linear`` tune their GEMMs; off, every op is torch's
+call. ``choices()`` says what was picked (``report()["tuned_gemms"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TUNED_GEMMS = False
+CANDIDATES = 8  # the heuristic's first entries timed; beyond the sixth none won at FLUX's shapes
+ROUNDS = 5
+MIN_GAIN = 1.02  # a candidate must beat torch's call by this much (the rounds' run-to-run spread is about 1 %)
+MIN_GFLOP = 20.0
+EPILOGUES = ("none", "bias", "gelu_bias", "accumulate")
+
+_lock = threading.Lock()
+_choices: dict[tuple, object] = {}  # key -> cublaslt.Algorithm, or None for torch's call
+_ratios: dict[tuple, float] = {}  # key -> the chosen way's median ratio over torch's call
+
+
+def _torch_call(x, w_t, bias, epilogue: str, out: torch.Tensor | None) -> torch.Tensor:
+    if epilogue == "gelu_bias":
+        return torch._addmm_activation(bias, x, w_t, use_gelu=True)
+    if epilogue == "accumulate":
+        return out.addmm_(x, w_t)
+    return torch.addmm(bias, x, w_t) if epilogue == "bias" else torch.mm(x, w_t)
+
+
+def pick(per_round: dict[str, list[float]], min_gain: float) -> tuple[str, float]:
+    """(the way to keep, its median paired ratio over ``"torch"``) from each way's times in the same rounds: the way
+    with the largest median of torch's time over its own, round by round, where that is at least ``min_gain``."""
+    best, best_ratio = "torch", 1.0
+    for way, times in per_round.items():
+        if way == "torch":
+            continue
+        ratio = statistics.median(t / w for t, w in zip(per_round["torch"], times))
+        if ratio >= min_gain and ratio > best_ratio:
+            best, best_ratio = way, ratio
+    return best, best_ratio
+
+
+def _time_rounds(ways: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, list[float]]:
+    """ms of ``calls`` back-to-back calls of each way, ``rounds`` times, every way in turn (the start rotating)."""
+    for fn in ways.values():
+        fn()
+    names = list(ways)
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                ways[name]()
+            end.record()
+            end.synchronize()
+            per_round[name].append(start.elapsed_time(end))
+    return per_round
+
+
+def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
+    from . import cublaslt
+
+    m, k = x.shape
+    n = w_t.shape[1]
+    lt_epilogue = "none" if epilogue == "accumulate" else epilogue
+    scratch = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if out is not None:
+        scratch.copy_(out)
+    ways: dict[str, Callable[[], object]] = {"torch": lambda: _torch_call(x, w_t, bias, epilogue, scratch)}
+    candidates = {}
+    for algo in cublaslt.algorithms(m, n, k, x.dtype, lt_epilogue, CANDIDATES, x.device.index or 0,
+                                    *cublaslt.leading_dims(x, w_t)):
+        name = f"algo_{algo.rank}"
+        candidates[name] = algo
+        ways[name] = (lambda algo=algo: cublaslt.matmul(x, w_t, bias, scratch, algo, lt_epilogue,
+                                                         accumulate=epilogue == "accumulate"))
+    per_call_ms = 2 * m * n * k / 500e12 * 1e3  # at ~500 TFLOP/s: about 2 ms per timed group of calls
+    way, ratio = pick(_time_rounds(ways, max(3, round(2.0 / per_call_ms)), ROUNDS), MIN_GAIN)
+    _ratios[key] = round(ratio, 4)
+    logger.debug("omni_accel: GEMM %s -> %s (%.3fx torch's call)", key, way, ratio)
+    return candidates.get(way)
+
+
+def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w_t`` with ``epilogue`` -- "none", "bias" (+ bias), "gelu_bias" (tanh-GELU of it + bias) or
+    "accumulate" (added into ``out`` in place, returned) -- on the tuned algorithm for this shape where one beat
+    torch's call, else torch's call (always off a GPU)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} is not one of {EPILOGUES}")
+    if not (TUNED_GEMMS and x.is_cuda and 2 * x.shape[0] * x.shape[1] * w_t.shape[1] >= MIN_GFLOP * 1e9):
+        return _torch_call(x, w_t, bias, epilogue, out)
+    from . import cublaslt
+
+    if not cublaslt.takes(x, w_t) or (out is not None and not out.is_contiguous()):
+        return _torch_call(x, w_t, bias, epilogue, out)
+    key = (x.device.index, tuple(x.shape), w_t.shape[1], *cublaslt.leading_dims(x, w_t), x.dtype, epilogue)
+    if key not in _choices:
+        if torch.cuda.is_current_stream_capturing():
+            return _torch_call(x, w_t, bias, epilogue, out)
+        with _lock:
+            if key not in _choices:
+                _choices[key] = _tune(key, x, w_t, bias, epilogue, out)
+    algo = _choices[key]
+    if algo is None:
+        return _torch_call(x, w_t, bias, epilogue, out)
+    lt_epilogue = "none" if epilogue == "accumulate" else epilogue
+    target = out if epilogue == "accumulate" else torch.empty(x.shape[0], w_t.shape[1], device=x.device,
+                                                              dtype=x.dtype)
+    return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue, accumulate=epilogue == "accumulate")
+
+
+def choices() -> dict[str, str]:
+    """What the tuning picked: "(M, K) x N <dtype> <epilogue>" -> "torch" or "algo_<rank> (<ratio>x)"."""
+    picked = {}
+    for key, algo in _choices.items():
+        _, (m, k), n, _, _, dtype, epilogue = key
+        name = f"({m}, {k}) x {n} {str(dtype).replace('torch.', '')} {epilogue}"
+        picked[name] = "torch" if algo is None else f"algo_{algo.rank} ({_ratios.get(key, 1.0)}x)"
+    return picked
+
+
+def reset() -> None:
+    """Forget the tuned choices (the next call of each shape times again)."""
+    with _lock:
+        _choices.clear()
+        _ratios.clear()

@@ -1,0 +1,46 @@
+"""kernels/gemm_tuning.py and kernels/cublaslt.py on the CPU: which timed way is kept, the fallbacks, the operand
+checks. The timing itself and cuBLASLt's algorithms need a GPU (benchmarks/bench_gemm_algos.py runs them there)."""
+
+import pytest
+import torch
+
+from omni_accel.kernels import cublaslt, gemm_tuning
+
+BF16 = torch.bfloat16
+
+
+def test_pick_keeps_the_largest_median_paired_ratio_at_or_above_the_gain():
+    # rounds drift (torch's own time goes 100 -> 130); algo_2 beats torch in every round by ~5 %, algo_1 by ~1 %
+    per_round = {"torch": [100.0, 110.0, 130.0], "algo_1": [99.0, 109.0, 128.7], "algo_2": [95.0, 104.8, 123.8],
+                 "algo_3": [90.0, 130.0, 140.0]}  # one fast round, slower in the others: its median ratio < 1
+    way, ratio = gemm_tuning.pick(per_round, 1.02)
+    assert way == "algo_2" and ratio == pytest.approx(130.0 / 123.8)  # the median of 1.053, 1.050, 1.050
+    # nothing reaches the gain: torch's call stays
+    assert gemm_tuning.pick(per_round, 1.1) == ("torch", 1.0)
+
+
+def test_linear_off_a_gpu_is_torchs_call_for_every_epilogue_and_refuses_an_unknown_one():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, generator=g).to(BF16), torch.randn(24, 16, generator=g).to(BF16)
+    bias, start = torch.randn(24, generator=g).to(BF16), torch.randn(8, 24, generator=g).to(BF16)
+    assert torch.equal(gemm_tuning.linear(x, w.t(), None, "none"), x @ w.t())
+    assert torch.equal(gemm_tuning.linear(x, w.t(), bias, "bias"), torch.addmm(bias, x, w.t()))
+    assert torch.equal(gemm_tuning.linear(x, w.t(), bias, "gelu_bias"),
+                       torch._addmm_activation(bias, x, w.t(), use_gelu=True))
+    out = start.clone()
+    assert gemm_tuning.linear(x, w.t(), None, "accumulate", out=out) is out
+    assert torch.equal(out, start.clone().addmm_(x, w.t()))
+    refusal = r"epilogue='relu' is not one of \('none', 'bias', 'gelu_bias', 'accumulate'\)"
+    with pytest.raises(ValueError, match=refusal):
+        gemm_tuning.linear(x, w.t(), bias, "relu")
+    assert gemm_tuning.choices() == {}  # nothing timed off a GPU
+
+
+def test_cublaslt_takes_unit_inner_strides_in_16_bits_with_aligned_rows_only():
+    w = torch.zeros(64, 96, dtype=BF16)  # (N, K_total): its transposed column slices keep the row stride 96
+    x = torch.zeros(32, 64, dtype=BF16)
+    assert cublaslt.takes(x, w[:, :64].t()) and cublaslt.leading_dims(x, w[:, :64].t()) == (96, 64)
+    assert cublaslt.takes(x[:, :32], w[:, 64:].t())  # offsets of 64 elements: 128 bytes, aligned
+    assert not cublaslt.takes(x, w.t()[:64].contiguous())  # a row-major (K, N) copy: the rows are not unit stride
+    assert not cublaslt.takes(x.float(), w[:, :64].t().float())
+    assert not cublaslt.takes(x[:, 1:33], w[:, 1:33].t())  # 2-byte offsets: not 16-byte aligned
