@@ -56,14 +56,15 @@ def build_graph(s: int, h: int, d: int, modes: list):
 
 
 def plans_graph(s: int, h: int, d: int):
-    """The graph with heuristic modes A, B and the fallback list; without B where cuDNN refuses it for SDPA."""
+    """(the graph with heuristic modes A, B and the fallback list, the modes used): without B where cuDNN refuses it
+    for SDPA."""
     import cudnn
 
     try:
-        return build_graph(s, h, d, [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+        return build_graph(s, h, d, [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK]), "A,B,FALLBACK"
     except Exception as exc:  # noqa: BLE001 -- a graph plans once: build a new one without mode B
         log(f"heuristic modes A + B + fallback refused ({exc!r}); A + fallback")
-        return build_graph(s, h, d, [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        return build_graph(s, h, d, [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK]), "A,FALLBACK"
 
 
 def shape_rows(device, name: str, shape: tuple, iters: int, reps: int) -> list[dict]:
@@ -93,7 +94,8 @@ def shape_rows(device, name: str, shape: tuple, iters: int, reps: int) -> list[d
         rows.append(row)
 
     timed("torch_cudnn", lambda: torch_cudnn(q, k, v), {})
-    graph = plans_graph(s, h, d)
+    graph, modes = plans_graph(s, h, d)
+    base["heuristic_modes"] = modes  # the rows after this one record which modes listed the plans
     handle = cudnn.create_handle()
     for index in range(graph.get_execution_plan_count()):
         extra = {"plan_index": index}

@@ -2,13 +2,16 @@
 
     python benchmarks/bench_gemm_algos.py --log-clocks --out benchmarks/results/gemm_algos.json
 
-torch runs the first entry of cuBLASLt's heuristic list. The heuristic models a GPU at full clocks; a GPU at its power
-cap may run another tile shape faster. For each GEMM of a FLUX step (shape, epilogue, calls per step) this times
-torch's own call (``torch``, before and after the candidates, to show drift), then each of the heuristic's
-``--count`` candidates through ``omni_accel.kernels.cublaslt`` (``algo_<rank>``), each as a call replayed from one
-CUDA graph of ``--reps`` calls, after ``--warm-s`` seconds of dense GEMMs. Each row has its error against the float32
-product. The summary weighs each shape by its calls per step: the step's GEMM time with torch's choices and with the
-fastest candidate per shape.
+For a linear with a bias (and for the GELU epilogue) torch runs the first entry of cuBLASLt's heuristic list; its
+plain and accumulating products let cuBLAS choose. The heuristic models a GPU at full clocks; a GPU at its power cap
+may run another tile shape faster. For each GEMM of a FLUX step (shape, epilogue, calls per step) this times torch's
+own call (``torch``) and each of the heuristic's ``--count`` candidates through ``omni_accel.kernels.cublaslt``
+(``algo_<rank>``), each as one CUDA graph of ``--reps`` calls, after ``--warm-s`` seconds of dense GEMMs. The clocks of
+a GPU at its power cap drift by 10-30 % within seconds, so the ways of one shape are timed in ``--rounds`` rounds,
+every way in turn, and each way's ``vs_torch`` is the median of its paired ratios to torch's call in the same round.
+Each row has its error against the float32 product. The summary weighs each shape by its calls per step: the step's
+GEMM time with torch's calls and with the best candidate wherever it beats torch (an upper bound: the best of several
+noisy ratios is picked).
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int) -> 
     for algo in cublaslt.algorithms(m, n, k, torch.bfloat16, lt_epilogue, count, device.index or 0):
         def run(algo=algo):
             target = out if epilogue == "accumulate" else torch.empty(m, n, device=device, dtype=torch.bfloat16)
-            return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue, accumulate=epilogue == "accumulate")
+            return cublaslt.matmul(x, w_t, bias if "bias" in lt_epilogue else None, target, algo, lt_epilogue,
+                                   accumulate=epilogue == "accumulate")
         ways[f"algo_{algo.rank}"] = (run, {"waves": round(algo.waves, 3), "workspace": algo.workspace_size,
                                           "config": algo.config})
     rows: dict[str, dict] = {}

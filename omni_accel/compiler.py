@@ -318,6 +318,7 @@ class CompilePass(AccelPass):
 
                 # which cuBLASLt algorithm each 16-bit GEMM shape runs on (filled in by the first forward)
                 ctx.state.report_sections["tuned_gemms"] = gemm_tuning.choices
+                undos.append(lambda: ctx.state.report_sections.pop("tuned_gemms", None))
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus,
                              rotary_pair_swap=rotary, complex_rotary_pair_swap=complex_rotary,
                              joint_streams=[spec.block_list for spec in joint_specs], **_printable(options))

@@ -19,7 +19,9 @@ def test_pick_keeps_the_largest_median_paired_ratio_at_or_above_the_gain():
     assert gemm_tuning.pick(per_round, 1.1) == ("torch", 1.0)
 
 
-def test_linear_off_a_gpu_is_torchs_call_for_every_epilogue_and_refuses_an_unknown_one():
+def test_linear_off_a_gpu_is_torchs_call_for_every_epilogue_and_refuses_an_unknown_one(monkeypatch):
+    monkeypatch.setattr(gemm_tuning, "TUNED_GEMMS", True)  # on, and every size timed: only the device keeps torch's
+    monkeypatch.setattr(gemm_tuning, "MIN_GFLOP", 0.0)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 16, generator=g).to(BF16), torch.randn(24, 16, generator=g).to(BF16)
     bias, start = torch.randn(24, generator=g).to(BF16), torch.randn(8, 24, generator=g).to(BF16)
@@ -36,11 +38,26 @@ def test_linear_off_a_gpu_is_torchs_call_for_every_epilogue_and_refuses_an_unkno
     assert gemm_tuning.choices() == {}  # nothing timed off a GPU
 
 
-def test_cublaslt_takes_unit_inner_strides_in_16_bits_with_aligned_rows_only():
+def test_cublaslt_takes_unit_inner_strides_in_16_bits_with_aligned_rows_and_a_whole_bias_only():
     w = torch.zeros(64, 96, dtype=BF16)  # (N, K_total): its transposed column slices keep the row stride 96
     x = torch.zeros(32, 64, dtype=BF16)
-    assert cublaslt.takes(x, w[:, :64].t()) and cublaslt.leading_dims(x, w[:, :64].t()) == (96, 64)
-    assert cublaslt.takes(x[:, :32], w[:, 64:].t())  # offsets of 64 elements: 128 bytes, aligned
+    bias = torch.zeros(64, dtype=BF16)
+    assert cublaslt.takes(x, w[:, :64].t(), bias) and cublaslt.leading_dims(x, w[:, :64].t()) == (96, 64)
+    assert cublaslt.takes(torch.zeros(32, 96, dtype=BF16)[:, :32], w[:, 64:].t())  # offsets of 64 elements: aligned
     assert not cublaslt.takes(x, w.t()[:64].contiguous())  # a row-major (K, N) copy: the rows are not unit stride
     assert not cublaslt.takes(x.float(), w[:, :64].t().float())
-    assert not cublaslt.takes(x[:, 1:33], w[:, 1:33].t())  # 2-byte offsets: not 16-byte aligned
+    assert not cublaslt.takes(torch.zeros(32, 72, dtype=BF16)[:, 1:65], w[:, :64].t())  # x 2 bytes off alignment
+    assert not cublaslt.takes(x, w[:, 1:65].t())  # the weight 2 bytes off alignment
+    assert not cublaslt.takes(torch.zeros(1, 64, dtype=BF16).expand(32, 64), w[:, :64].t())  # broadcast rows
+    assert not cublaslt.takes(torch.zeros(32, 64, dtype=BF16)[:, :48], w[:, :64].t())  # K 48 against 64
+    assert not cublaslt.takes(x, w[:, :64].t(), torch.zeros(1, dtype=BF16).expand(64))  # a broadcast bias
+    assert not cublaslt.takes(x, w[:, :64].t(), torch.zeros(64))  # a float32 bias
+    assert not cublaslt.takes(x, w[:, :64].t(), torch.zeros(128, dtype=BF16)[::2])  # a strided bias
+
+
+def test_cublaslt_alignment_is_the_largest_power_of_two_up_to_256_dividing_the_address():
+    base = torch.zeros(1024, dtype=BF16)
+    offset = (-base.data_ptr() % 256) // 2  # the first element at a 256-byte boundary
+    assert cublaslt.alignment(base[offset:]) == 256
+    assert cublaslt.alignment(base[offset + 8:]) == 16
+    assert cublaslt.alignment(base[offset + 1:]) == 2

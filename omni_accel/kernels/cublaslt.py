@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +32,10 @@ _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_BIAS_DATA_
 _OP_N, _OP_T = 0, 1
 EPILOGUES = {"none": 1, "bias": 4, "gelu": 32, "gelu_bias": 36}
 _PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D
 _CONFIG_ATTRS = {"config_id": 0, "tile": 1, "split_k": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6,
                  "inner_shape": 7, "cluster_shape": 8}
-WORKSPACE_BYTES = 32 * 1024 * 1024  # what torch gives cuBLASLt on Hopper
+WORKSPACE_BYTES = 32 * 1024 * 1024  # the most a candidate may ask for: what torch gives cuBLASLt on Hopper
 
 
 class _Algo(ctypes.Structure):
@@ -78,6 +80,7 @@ def _lib() -> ctypes.CDLL:
                                                    ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)]
     lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [ctypes.POINTER(_Algo), ctypes.c_int, vp, sz,
                                                          ctypes.POINTER(sz)]
+    lib.cublasLtMatmulPreferenceDestroy.argtypes = [vp]
     lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp]
     return lib
 
@@ -100,9 +103,10 @@ def _set(setter, obj, attr: int, value: ctypes._SimpleCData) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _descriptors(m: int, n: int, k: int, dtype: torch.dtype, epilogue: str, ld_w: int = 0, ld_x: int = 0):
-    """(matmul desc, A, B, C/D layouts) for the problem (``ld_w`` / ``ld_x``: the weight's and x's row strides, 0 for
-    K); cached: descriptors are host objects reused by every call with the same shapes and strides."""
+def _descriptors(m: int, n: int, k: int, dtype: torch.dtype, epilogue: str, ld_w: int, ld_x: int):
+    """(matmul desc, A, B, C/D layouts) for the problem, ``ld_w`` / ``ld_x`` the weight's and x's row strides;
+    cached: descriptors are host objects reused by every call with the same shapes and strides (the bias pointer,
+    the one per-call attribute, is set under ``_call_lock``)."""
     lib = _lib()
     data_type = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}[dtype]
     desc = ctypes.c_void_p()
@@ -113,7 +117,7 @@ def _descriptors(m: int, n: int, k: int, dtype: torch.dtype, epilogue: str, ld_w
     if "bias" in epilogue:
         _set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int(data_type))
     layouts = []
-    for rows, cols, ld in ((k, n, ld_w or k), (k, m, ld_x or k), (n, m, n)):  # W^T, x^T, out^T: column-major
+    for rows, cols, ld in ((k, n, ld_w), (k, m, ld_x), (n, m, n)):  # W^T, x^T, out^T: column-major
         layout = ctypes.c_void_p()
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), data_type, rows, cols, ld), "matrix layout")
         layouts.append(layout)
@@ -121,46 +125,74 @@ def _descriptors(m: int, n: int, k: int, dtype: torch.dtype, epilogue: str, ld_w
 
 
 def _config(algo: _Algo) -> dict:
+    """The algorithm's configuration attributes (tile, stages, split-K, ...), each read at the size cuBLASLt reports
+    for it."""
     config = {}
     for name, attr in _CONFIG_ATTRS.items():
-        value, written = ctypes.c_int64(0), ctypes.c_size_t(0)
-        if _lib().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value),
-                                                       ctypes.sizeof(value), ctypes.byref(written)) == 0:
-            config[name] = int(value.value) & ((1 << (8 * written.value)) - 1) if written.value else None
+        size = ctypes.c_size_t(0)
+        if _lib().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(size)) != 0:
+            continue
+        buffer, written = (ctypes.c_uint8 * max(size.value, 1))(), ctypes.c_size_t(0)
+        if _lib().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, buffer, size.value,
+                                                       ctypes.byref(written)) == 0:
+            config[name] = int.from_bytes(bytes(buffer)[:written.value], "little")
     return config
 
 
+def alignment(t: torch.Tensor) -> int:
+    """The largest power of two up to 256 that divides ``t``'s address: what cuBLASLt's candidates may assume."""
+    ptr = t.data_ptr()
+    return 256 if ptr % 256 == 0 else ptr & -ptr
+
+
 def algorithms(m: int, n: int, k: int, dtype: torch.dtype, epilogue: str = "bias", count: int = 32,
-               device_index: int = 0, ld_w: int = 0, ld_x: int = 0) -> list[Algorithm]:
+               device_index: int = 0, ld_w: int | None = None, ld_x: int | None = None,
+               alignments: tuple[int, int, int] = (256, 256, 256)) -> list[Algorithm]:
     """cuBLASLt's ranked algorithms for ``(M, K) @ (K, N)`` with ``epilogue`` (a key of ``EPILOGUES``), best first by
-    its heuristic (the first is the one torch's own call asks for)."""
+    its heuristic; ``ld_w`` / ``ld_x``: the weight's and x's row strides (default K); ``alignments``: the byte
+    alignment of the weight, x and the output (and bias) that every returned algorithm may rely on."""
     if epilogue not in EPILOGUES:
         raise AccelError(f"epilogue={epilogue!r} is not one of {sorted(EPILOGUES)}")
     lib = _lib()
-    desc, a, b, c = _descriptors(m, n, k, dtype, epilogue, ld_w, ld_x)
+    desc, a, b, c = _descriptors(m, n, k, dtype, epilogue, ld_w or k, ld_x or k)
     pref = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-    _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(WORKSPACE_BYTES))
-    results = (_HeuristicResult * count)()
-    returned = ctypes.c_int(0)
-    _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device_index), desc, a, b, c, c, pref, count, results,
-                                              ctypes.byref(returned)), "heuristic query")
+    try:
+        _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES,
+             ctypes.c_uint64(WORKSPACE_BYTES))
+        for attr, value in zip(_PREF_MIN_ALIGNMENT, (*alignments, alignments[2])):  # A = W^T, B = x^T, C, D = out
+            _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(value))
+        results = (_HeuristicResult * count)()
+        returned = ctypes.c_int(0)
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device_index), desc, a, b, c, c, pref, count, results,
+                                                  ctypes.byref(returned)), "heuristic query")
+    finally:
+        lib.cublasLtMatmulPreferenceDestroy(pref)
     return [Algorithm(i, results[i].algo, int(results[i].workspace_size), float(results[i].waves_count),
                       _config(results[i].algo)) for i in range(returned.value) if results[i].state == 0]
 
 
-_workspaces: dict[int, torch.Tensor] = {}
+_call_lock = threading.Lock()
 
 
-def takes(x: torch.Tensor, w_t: torch.Tensor) -> bool:
-    """Whether ``matmul`` takes these operands as they are: 2-D, x's columns and w_t's rows adjacent in memory, both
-    16-byte aligned with row strides of whole 16-byte units (cuBLASLt's 16-bit kernels need it)."""
+def takes(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``matmul`` takes these operands as they are (on a GPU): 16-bit tensors on one device, x (M, K) and w_t
+    (K, N) with unit inner strides, row strides of at least K (no overlapping or broadcast rows) in whole 16-byte
+    units, 16-byte aligned (cuBLASLt's 16-bit kernels need it), and a bias, if any, a contiguous (N,) vector of the
+    same dtype and alignment."""
     if x.dim() != 2 or w_t.dim() != 2 or x.dtype != w_t.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if x.stride(1) != 1 or w_t.stride(0) != 1 or x.shape[0] < 1:
+    (m, k), n = x.shape, w_t.shape[1]
+    if w_t.device != x.device or w_t.shape[0] != k or min(m, n, k) < 1:
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.element_size() * ld) % 16 == 0
-               for t, ld in ((x, x.stride(0)), (w_t, w_t.stride(1))))
+    if x.stride(1) != 1 or w_t.stride(0) != 1 or x.stride(0) < k or w_t.stride(1) < k:
+        return False
+    operands = [(x, x.stride(0)), (w_t, w_t.stride(1))]
+    if bias is not None:
+        if bias.shape != (n,) or bias.stride(0) != 1 or bias.dtype != x.dtype or bias.device != x.device:
+            return False
+        operands.append((bias, n))
+    return all(t.data_ptr() % 16 == 0 and (t.element_size() * ld) % 16 == 0 for t, ld in operands)
 
 
 def leading_dims(x: torch.Tensor, w_t: torch.Tensor) -> tuple[int, int]:
@@ -170,21 +202,27 @@ def leading_dims(x: torch.Tensor, w_t: torch.Tensor) -> tuple[int, int]:
 
 def matmul(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, algorithm: Algorithm,
            epilogue: str = "bias", accumulate: bool = False) -> torch.Tensor:
-    """``out (+)= x @ w_t (+ bias)(, GELU)`` with ``algorithm`` on the current stream (capturable in a CUDA graph)."""
+    """``out (+)= x @ w_t (+ bias)(, GELU)`` with ``algorithm`` on the current stream (capturable in a CUDA graph).
+    The algorithm must come from ``algorithms()`` for operands at least as aligned as these."""
     m, k = x.shape
     n = w_t.shape[1]
-    if not takes(x, w_t) or not out.is_contiguous():
-        raise AccelError("cublaslt.matmul takes x and w_t of unit inner strides (see takes()) and a contiguous out")
+    if not x.is_cuda or ("bias" in epilogue) != (bias is not None) or not takes(x, w_t, bias):
+        raise AccelError("cublaslt.matmul takes CUDA tensors x, w_t and a bias exactly when the epilogue adds one, "
+                         "as takes() describes them")
+    if out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise AccelError(f"cublaslt.matmul writes a contiguous ({m}, {n}) {x.dtype} out on {x.device}; got a "
+                         f"{tuple(out.shape)} {out.dtype} tensor on {out.device}")
     lib = _lib()
     index = x.device.index
     desc, a, b, c = _descriptors(m, n, k, x.dtype, epilogue, *leading_dims(x, w_t))
-    if "bias" in epilogue:
-        _set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
-    if index not in _workspaces:
-        _workspaces[index] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=x.device)
+    # the caching allocator hands each stream its own workspace (a CUDA graph keeps it in its pool)
+    workspace = torch.empty(max(algorithm.workspace_size, 1), dtype=torch.uint8, device=x.device)
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)
-    _check(lib.cublasLtMatmul(_handle(index), desc, ctypes.byref(alpha), w_t.data_ptr(), a, x.data_ptr(), b,
-                              ctypes.byref(beta), out.data_ptr(), c, out.data_ptr(), c, ctypes.byref(algorithm.algo),
-                              _workspaces[index].data_ptr(), WORKSPACE_BYTES,
-                              torch.cuda.current_stream(x.device).cuda_stream), "matmul")
+    with _call_lock:  # the bias pointer lives on the shared descriptor until the call has read it
+        if bias is not None:
+            _set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        _check(lib.cublasLtMatmul(_handle(index), desc, ctypes.byref(alpha), w_t.data_ptr(), a, x.data_ptr(), b,
+                                  ctypes.byref(beta), out.data_ptr(), c, out.data_ptr(), c,
+                                  ctypes.byref(algorithm.algo), workspace.data_ptr(), algorithm.workspace_size,
+                                  torch.cuda.current_stream(x.device).cuda_stream), "matmul")
     return out

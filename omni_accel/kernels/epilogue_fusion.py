@@ -878,6 +878,8 @@ def _tuned_gemm_candidate(node: fx.Node):
     (m, k), n = vals[0].shape, vals[1].shape[1]
     if vals[0].dtype not in (torch.bfloat16, torch.float16) or 2 * m * k * n < gemm_tuning.MIN_GFLOP * 1e9:
         return None
+    if operands[2] is not None and (vals[2].shape != (n,) or vals[2].stride() != (1,)):  # a broadcast bias: torch's
+        return None
     return operands
 
 
@@ -1393,12 +1395,13 @@ class EpilogueFusionPass(CustomGraphPass):
     def uuid(self):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles
         here = os.path.dirname(os.path.abspath(__file__))
-        files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py")))
+        files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py"),
+                                    os.path.join(here, "gemm_tuning.py")))
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}{int(QK_NORM_ROPE_16)}"
                 f"{int(QK_NORM_ROPE_JOINT)}"
                 f"-ln{int(LAYERNORM)}"
                 f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}-sage{int(SAGE_FROM_NORMS)}"
-                f"-gg{int(GELU_GEMM)}-tg{int(gemm_tuning.TUNED_GEMMS)}")
+                f"-gg{int(GELU_GEMM)}-tg{int(gemm_tuning.TUNED_GEMMS)}{gemm_tuning.MIN_GFLOP}")
 
 
 GRAPH_PASS = EpilogueFusionPass()

@@ -1,23 +1,27 @@
-"""16-bit linears on the cuBLASLt algorithm that a timing under load picks, instead of the heuristic's first choice.
+"""16-bit linears on the cuBLASLt algorithm that a timing under load picks, instead of torch's call.
 
-Why: torch runs the first algorithm of cuBLASLt's heuristic list. The heuristic models the GPU at full clocks; at a
-700 W cap an H100 runs some of FLUX's GEMMs 2-7 % faster on the heuristic's second to sixth candidate (the
-down-projection of a dual block by 5-7 %, the fused q / k / v projections by 2-3 %), in two runs of paired rounds
-(``benchmarks/bench_gemm_algos.py``, results ``gemm_algos_rounds_{a,b}_h100_20261206.json``). Which candidate wins
-depends on the GPU, its power limit and the cuBLAS build, so it is measured where the model runs rather than shipped.
+Why: for a linear with a bias (and for the GELU epilogue) torch runs the first algorithm of cuBLASLt's heuristic list;
+its other calls let cuBLAS choose. The heuristic models the GPU at full clocks; at a 700 W cap an H100 ran some of
+FLUX's GEMMs faster on another candidate, in two runs of paired rounds (``benchmarks/bench_gemm_algos.py``, results
+``gemm_algos_rounds_{a,b}_h100_20261206.json``): a dual block's down projection by 4.7 / 7.3 %, the q / k / v
+projections by 2.3-2.8 %. The same candidate moved by up to 4.6 % between the two runs, and the heuristic's own first
+candidate timed 0.98-1.04x torch's call, so a pick needs a margin above that spread. Which candidate wins depends on
+the GPU, its power limit and the cuBLAS build, so it is measured where the model runs rather than shipped.
 
-How: the first call of each (device, shape, strides, dtype, epilogue) times torch's own call and the heuristic's
-first ``CANDIDATES`` algorithms in ``ROUNDS`` rounds, every way in turn, and keeps the candidate whose median ratio
-to torch's time in the same round is largest -- if it is at least ``MIN_GAIN``; else torch's call stays. That costs
-about 0.1 s per shape in the first forward. Calls smaller than ``MIN_GFLOP`` (the text stream's, the modulation
-GEMVs) keep torch's call untimed: their launch would be most of what the timing sees. A call made while a CUDA graph
-is being captured never times (it takes torch's call unless the shape was already tuned).
+How: the first call of each (device, shape, strides, alignments, dtype, epilogue) times torch's call and the
+heuristic's first ``CANDIDATES`` algorithms (for operands as aligned as these) in ``ROUNDS`` rounds, every way in
+turn, and keeps the candidate whose median ratio to torch's time in the same round is largest -- if it is at least
+``MIN_GAIN``; else torch's call stays. That costs about 0.1-0.2 s per shape in the first forward. Calls smaller than
+``MIN_GFLOP`` (FLUX's text-stream output projection, the modulation GEMVs) keep torch's call untimed: their launch
+would be much of what the timing sees. A call made while a CUDA graph is being captured never times (it takes torch's
+call unless the shape was already tuned), and a cuBLASLt call that fails falls back to torch's for that shape.
 
 The result differs from torch's call by the summation order of the chosen algorithm (all accumulate in float32 and
-round once): the same class of difference as between two GPUs. ``TUNED_GEMMS`` (module switch, off by default: the
-whole-forward measurement is still to come) turns it on for the graph pass of ``compile=True`` -- the 16-bit linears
-become ``omni_accel::linear_tuned`` and ``linear_gelu`` / ``concat_linear`` tune their GEMMs; off, every op is torch's
-call. ``choices()`` says what was picked (``report()["tuned_gemms"]``).
+round once): the same class of difference as between two GPUs, and the pick may differ between processes.
+``TUNED_GEMMS`` (module switch, off by default: the whole-forward measurement is still to come) turns it on for the
+graph pass of ``compile=True`` -- the 16-bit linears become ``omni_accel::linear_tuned`` and ``linear_gelu`` /
+``concat_linear`` tune their GEMMs; off, every op is torch's call. ``choices()`` says what was picked
+(``report()["tuned_gemms"]``).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from typing import Callable
 
 import torch
 
+from ..errors import AccelError
+
 logger = logging.getLogger(__name__)
 
 TUNED_GEMMS = False
-CANDIDATES = 8  # the heuristic's first entries timed; beyond the sixth none won at FLUX's shapes
-ROUNDS = 5
-MIN_GAIN = 1.02  # a candidate must beat torch's call by this much (the rounds' run-to-run spread is about 1 %)
+CANDIDATES = 8  # the heuristic's first entries timed (at FLUX's shapes the winners were among them, up to the 8th)
+ROUNDS = 7
+MIN_GAIN = 1.04  # above the 0.98-1.04x that the heuristic's first candidate timed against torch's call
 MIN_GFLOP = 20.0
 EPILOGUES = ("none", "bias", "gelu_bias", "accumulate")
 
@@ -94,7 +100,7 @@ def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
     ways: dict[str, Callable[[], object]] = {"torch": lambda: _torch_call(x, w_t, bias, epilogue, scratch)}
     candidates = {}
     for algo in cublaslt.algorithms(m, n, k, x.dtype, lt_epilogue, CANDIDATES, x.device.index or 0,
-                                    *cublaslt.leading_dims(x, w_t)):
+                                    *cublaslt.leading_dims(x, w_t), alignments=key[-1]):
         name = f"algo_{algo.rank}"
         candidates[name] = algo
         ways[name] = (lambda algo=algo: cublaslt.matmul(x, w_t, bias, scratch, algo, lt_epilogue,
@@ -117,29 +123,45 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
         return _torch_call(x, w_t, bias, epilogue, out)
     from . import cublaslt
 
-    if not cublaslt.takes(x, w_t) or (out is not None and not out.is_contiguous()):
+    if not cublaslt.takes(x, w_t, bias) or (out is not None and not out.is_contiguous()):
         return _torch_call(x, w_t, bias, epilogue, out)
-    key = (x.device.index, tuple(x.shape), w_t.shape[1], *cublaslt.leading_dims(x, w_t), x.dtype, epilogue)
+    out_alignment = cublaslt.alignment(out) if epilogue == "accumulate" else 256  # a new tensor: 512-byte aligned
+    alignments = (cublaslt.alignment(w_t), cublaslt.alignment(x),
+                  min(out_alignment, *([cublaslt.alignment(bias)] if bias is not None else [])))
+    key = (x.device.index, tuple(x.shape), w_t.shape[1], *cublaslt.leading_dims(x, w_t), x.dtype, epilogue,
+           alignments)
     if key not in _choices:
         if torch.cuda.is_current_stream_capturing():
             return _torch_call(x, w_t, bias, epilogue, out)
         with _lock:
             if key not in _choices:
-                _choices[key] = _tune(key, x, w_t, bias, epilogue, out)
+                try:
+                    _choices[key] = _tune(key, x, w_t, bias, epilogue, out)
+                except AccelError as exc:  # cuBLASLt refused a candidate: torch's call for this shape
+                    logger.warning("omni_accel: GEMM tuning of %s failed (%s); torch's call", key, exc)
+                    _choices[key] = None
     algo = _choices[key]
     if algo is None:
         return _torch_call(x, w_t, bias, epilogue, out)
     lt_epilogue = "none" if epilogue == "accumulate" else epilogue
     target = out if epilogue == "accumulate" else torch.empty(x.shape[0], w_t.shape[1], device=x.device,
                                                               dtype=x.dtype)
-    return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue, accumulate=epilogue == "accumulate")
+    try:
+        return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue, accumulate=epilogue == "accumulate")
+    except AccelError as exc:  # a refused call costs the shape its tuning, never the forward
+        logger.warning("omni_accel: cuBLASLt refused the tuned GEMM %s (%s); torch's call from now on", key, exc)
+        with _lock:
+            _choices[key] = None
+        return _torch_call(x, w_t, bias, epilogue, out)
 
 
 def choices() -> dict[str, str]:
     """What the tuning picked: "(M, K) x N <dtype> <epilogue>" -> "torch" or "algo_<rank> (<ratio>x)"."""
     picked = {}
-    for key, algo in _choices.items():
-        _, (m, k), n, _, _, dtype, epilogue = key
+    with _lock:
+        entries = list(_choices.items())
+    for key, algo in entries:
+        _, (m, k), n, _, _, dtype, epilogue, _ = key
         name = f"({m}, {k}) x {n} {str(dtype).replace('torch.', '')} {epilogue}"
         picked[name] = "torch" if algo is None else f"algo_{algo.rank} ({_ratios.get(key, 1.0)}x)"
     return picked
