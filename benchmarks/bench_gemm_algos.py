@@ -48,15 +48,6 @@ FLUX_GEMMS = [
 TINY_GEMMS = [("tiny", 64, 128, 256, "bias", 1)]
 
 
-def torch_call(x, w_t, bias, out, epilogue: str):
-    """What the compiled bf16 block runs for this GEMM (torch's own cuBLASLt call)."""
-    if epilogue == "gelu_bias":
-        return lambda: torch._addmm_activation(bias, x, w_t, use_gelu=True)
-    if epilogue == "accumulate":
-        return lambda: out.addmm_(x, w_t)
-    return lambda: torch.addmm(bias, x, w_t)
-
-
 def reference(x, w_t, bias, start, epilogue: str) -> torch.Tensor:
     product = x.float() @ w_t.float()
     if epilogue == "accumulate":
@@ -73,7 +64,7 @@ def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int) -> 
     """torch's call and each candidate, captured once, then timed in ``rounds`` rounds; each round replays every way
     in turn, starting one later each round, so that a drift of the clocks during the shape's run reaches all ways
     alike: ``vs_torch`` is the median over rounds of torch's time in the round over the way's."""
-    from omni_accel.kernels import cublaslt
+    from omni_accel.kernels import cublaslt, gemm_tuning
 
     name, m, k, n, epilogue, calls = spec
     gen = torch.Generator("cpu").manual_seed(0)
@@ -84,8 +75,8 @@ def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int) -> 
     out = start.clone()
     want = reference(x, w_t, bias, start, epilogue)
     base = {"gemm": name, "shape": [m, k, n], "epilogue": epilogue, "calls_per_step": calls}
-    lt_epilogue = "none" if epilogue == "accumulate" else epilogue
-    ways = {"torch": (torch_call(x, w_t, bias, out, epilogue), {})}
+    lt_epilogue = gemm_tuning.lt_epilogue(epilogue)
+    ways = {"torch": (lambda: gemm_tuning.torch_call(x, w_t, bias, epilogue, out), {})}
     for algo in cublaslt.algorithms(m, n, k, torch.bfloat16, lt_epilogue, count, device.index or 0):
         def run(algo=algo):
             target = out if epilogue == "accumulate" else torch.empty(m, n, device=device, dtype=torch.bfloat16)
@@ -111,7 +102,7 @@ def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int) -> 
         row["us_rounds"] = [round(t, 2) for t in per_round[way]]
         row["tflops"] = round(2 * m * n * k / (row["us_graph"] * 1e-6) / 1e12, 1)
         if "torch" in per_round:
-            row["vs_torch"] = round(statistics.median(t / w for t, w in zip(per_round["torch"], per_round[way])), 4)
+            row["vs_torch"] = round(gemm_tuning.paired_ratio(per_round["torch"], per_round[way]), 4)
         log(str({key: row[key] for key in ("gemm", "way", "us_graph", "vs_torch", "rel_err") if key in row}))
     return list(rows.values())
 

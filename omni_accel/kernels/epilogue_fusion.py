@@ -869,7 +869,7 @@ def _rewrite_gemm(graph: fx.Graph, c: _GemmCandidate) -> None:
 # ------------------------------------------------ 16-bit linears on a tuned algorithm (gemm_tuning.TUNED_GEMMS)
 def _tuned_gemm_candidate(node: fx.Node):
     """``node`` = a 16-bit mm / addmm (a linear) large enough for gemm_tuning to time: its (x, w_t, bias or None)."""
-    operands = _linear_operands(node) if gemm_tuning.TUNED_GEMMS else None
+    operands = _linear_operands(node)
     if operands is None:
         return None
     vals = [_val(n) for n in operands if n is not None]
@@ -1377,20 +1377,27 @@ class EpilogueFusionPass(CustomGraphPass):
                 rewrite(graph, candidate)
                 REWRITES[kind] += 1
                 done += 1
-        # after the patterns above, which read the linears as mm / addmm: the 16-bit ones left become tuned GEMMs
-        # (the linears those rewrites left without a live use go first)
-        if done:
-            stable_topological_sort(graph)
-            graph.eliminate_dead_code()
-        for node in list(graph.nodes):
-            if node.graph is graph and node.users and (operands := _tuned_gemm_candidate(node)) is not None:
-                _rewrite_tuned_gemm(graph, node, operands)
-                REWRITES["tuned_gemm"] += 1
-                done += 1
+        if gemm_tuning.TUNED_GEMMS:
+            done += self._tune_gemms(graph, done)
         if done:
             stable_topological_sort(graph)
             graph.eliminate_dead_code()
             logger.debug("omni_accel: %d epilogues fused", done)
+
+    @staticmethod
+    def _tune_gemms(graph: fx.Graph, done: int) -> int:
+        """After the patterns above, which read the linears as mm / addmm: the 16-bit ones left become tuned GEMMs
+        (the linears those rewrites left without a live use go first). How many."""
+        if done:
+            stable_topological_sort(graph)
+            graph.eliminate_dead_code()
+        tuned = 0
+        for node in list(graph.nodes):
+            if node.graph is graph and node.users and (operands := _tuned_gemm_candidate(node)) is not None:
+                _rewrite_tuned_gemm(graph, node, operands)
+                REWRITES["tuned_gemm"] += 1
+                tuned += 1
+        return tuned
 
     def uuid(self):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles

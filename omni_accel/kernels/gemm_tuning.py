@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from ..errors import AccelError
+from . import cublaslt
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,23 @@ _choices: dict[tuple, object] = {}  # key -> cublaslt.Algorithm, or None for tor
 _ratios: dict[tuple, float] = {}  # key -> the chosen way's median ratio over torch's call
 
 
-def _torch_call(x, w_t, bias, epilogue: str, out: torch.Tensor | None) -> torch.Tensor:
+def torch_call(x, w_t, bias, epilogue: str, out: torch.Tensor | None) -> torch.Tensor:
+    """What torch runs for this linear (what the compiled graph ran before this module)."""
     if epilogue == "gelu_bias":
         return torch._addmm_activation(bias, x, w_t, use_gelu=True)
     if epilogue == "accumulate":
         return out.addmm_(x, w_t)
     return torch.addmm(bias, x, w_t) if epilogue == "bias" else torch.mm(x, w_t)
+
+
+def lt_epilogue(epilogue: str) -> str:
+    """cuBLASLt's epilogue for ``epilogue`` (accumulating is beta = 1, not an epilogue)."""
+    return "none" if epilogue == "accumulate" else epilogue
+
+
+def paired_ratio(torch_times: list[float], way_times: list[float]) -> float:
+    """The median over rounds of torch's time over the way's in the same round."""
+    return statistics.median(t / w for t, w in zip(torch_times, way_times))
 
 
 def pick(per_round: dict[str, list[float]], min_gain: float) -> tuple[str, float]:
@@ -64,7 +76,7 @@ def pick(per_round: dict[str, list[float]], min_gain: float) -> tuple[str, float
     for way, times in per_round.items():
         if way == "torch":
             continue
-        ratio = statistics.median(t / w for t, w in zip(per_round["torch"], times))
+        ratio = paired_ratio(per_round["torch"], times)
         if ratio >= min_gain and ratio > best_ratio:
             best, best_ratio = way, ratio
     return best, best_ratio
@@ -89,21 +101,18 @@ def _time_rounds(ways: dict[str, Callable[[], object]], calls: int, rounds: int)
 
 
 def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
-    from . import cublaslt
-
     m, k = x.shape
     n = w_t.shape[1]
-    lt_epilogue = "none" if epilogue == "accumulate" else epilogue
     scratch = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if out is not None:
         scratch.copy_(out)
-    ways: dict[str, Callable[[], object]] = {"torch": lambda: _torch_call(x, w_t, bias, epilogue, scratch)}
+    ways: dict[str, Callable[[], object]] = {"torch": lambda: torch_call(x, w_t, bias, epilogue, scratch)}
     candidates = {}
-    for algo in cublaslt.algorithms(m, n, k, x.dtype, lt_epilogue, CANDIDATES, x.device.index or 0,
+    for algo in cublaslt.algorithms(m, n, k, x.dtype, lt_epilogue(epilogue), CANDIDATES, x.device.index or 0,
                                     *cublaslt.leading_dims(x, w_t), alignments=key[-1]):
         name = f"algo_{algo.rank}"
         candidates[name] = algo
-        ways[name] = (lambda algo=algo: cublaslt.matmul(x, w_t, bias, scratch, algo, lt_epilogue,
+        ways[name] = (lambda algo=algo: cublaslt.matmul(x, w_t, bias, scratch, algo, lt_epilogue(epilogue),
                                                          accumulate=epilogue == "accumulate"))
     per_call_ms = 2 * m * n * k / 500e12 * 1e3  # at ~500 TFLOP/s: about 2 ms per timed group of calls
     way, ratio = pick(_time_rounds(ways, max(3, round(2.0 / per_call_ms)), ROUNDS), MIN_GAIN)
@@ -120,11 +129,9 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not one of {EPILOGUES}")
     if not (TUNED_GEMMS and x.is_cuda and 2 * x.shape[0] * x.shape[1] * w_t.shape[1] >= MIN_GFLOP * 1e9):
-        return _torch_call(x, w_t, bias, epilogue, out)
-    from . import cublaslt
-
+        return torch_call(x, w_t, bias, epilogue, out)
     if not cublaslt.takes(x, w_t, bias) or (out is not None and not out.is_contiguous()):
-        return _torch_call(x, w_t, bias, epilogue, out)
+        return torch_call(x, w_t, bias, epilogue, out)
     out_alignment = cublaslt.alignment(out) if epilogue == "accumulate" else 256  # a new tensor: 512-byte aligned
     alignments = (cublaslt.alignment(w_t), cublaslt.alignment(x),
                   min(out_alignment, *([cublaslt.alignment(bias)] if bias is not None else [])))
@@ -132,7 +139,7 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
            alignments)
     if key not in _choices:
         if torch.cuda.is_current_stream_capturing():
-            return _torch_call(x, w_t, bias, epilogue, out)
+            return torch_call(x, w_t, bias, epilogue, out)
         with _lock:
             if key not in _choices:
                 try:
@@ -142,17 +149,16 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
                     _choices[key] = None
     algo = _choices[key]
     if algo is None:
-        return _torch_call(x, w_t, bias, epilogue, out)
-    lt_epilogue = "none" if epilogue == "accumulate" else epilogue
+        return torch_call(x, w_t, bias, epilogue, out)
     target = out if epilogue == "accumulate" else torch.empty(x.shape[0], w_t.shape[1], device=x.device,
                                                               dtype=x.dtype)
     try:
-        return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue, accumulate=epilogue == "accumulate")
+        return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue(epilogue), accumulate=epilogue == "accumulate")
     except AccelError as exc:  # a refused call costs the shape its tuning, never the forward
         logger.warning("omni_accel: cuBLASLt refused the tuned GEMM %s (%s); torch's call from now on", key, exc)
         with _lock:
             _choices[key] = None
-        return _torch_call(x, w_t, bias, epilogue, out)
+        return torch_call(x, w_t, bias, epilogue, out)
 
 
 def choices() -> dict[str, str]:
