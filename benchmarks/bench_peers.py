@@ -166,6 +166,9 @@ class Row:
     complex_rotary_pair_swap: bool = False
     # kernels.gemm_tuning.TUNED_GEMMS (True: 16-bit linears on the cuBLASLt algorithm timed fastest for the shape)
     tuned_gemm: bool = False
+    # modulation_prefetch.MODULATION_PREFETCH: where the AdaLN modulation linears are computed ahead on a second
+    # stream ("graphs": inside the whole-forward CUDA graph, "always": any GPU forward, "off")
+    modulation_prefetch: str = "off"
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -201,7 +204,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.sage_prep_triton", "NORMED_HEADS_PER_PROGRAM", "sage_normed_heads"),
             ("kernels.epilogue_fusion", "GELU_GEMM", "gelu_gemm"),
             ("compiler", "COMPLEX_ROTARY_PAIR_SWAP", "complex_rotary_pair_swap"),
-            ("kernels.gemm_tuning", "TUNED_GEMMS", "tuned_gemm"))
+            ("kernels.gemm_tuning", "TUNED_GEMMS", "tuned_gemm"),
+            ("modulation_prefetch", "MODULATION_PREFETCH", "modulation_prefetch"))
 
 
 @contextlib.contextmanager
@@ -704,6 +708,26 @@ for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn
 for _name in ("ours_bf16_mk_pdl", "ours_int8"):
     ROWS[f"{_name}_tuned"] = _switched(_name, "tuned", "16-bit linears on the cuBLASLt algorithm timed fastest per "
                                        "shape", tuned_gemm=True)
+# The AdaLN modulation linears computed ahead on a second stream (modulation_prefetch.py): the _prefetch rows are
+# today's with it on in every GPU forward ("always"; the bf16 stack has no CUDA graph)
+for _name in ("ours_bf16_mk_pdl", "ours_int8", "ours_bf16_mk_pdl_tuned"):
+    ROWS[f"{_name}_prefetch"] = _switched(_name, "prefetch", "the modulation linears computed ahead on a second "
+                                          "stream", modulation_prefetch="always")
+# ... and inside the whole-forward CUDA graph it became the default ("graphs"): today's rows take it, every row above
+# keeps what it measured, and the _noprefetch rows are the former default
+for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl", "ours_bf16_mk_pdl"):
+    ROWS[f"{_name}_noprefetch"] = _switched(_name, "noprefetch", "the modulation linears computed in the blocks",
+                                            modulation_prefetch="off")
+    ROWS[_name] = replace(ROWS[_name], modulation_prefetch="graphs")
+# Today's bf16 stack under compile="max": the whole-forward CUDA graph, and with it the modulation prefetch (the
+# _graphs row above predates the GELU in the GEMM's epilogue, so it is not today's stack with the graph)
+ROWS["ours_bf16_mk_pdl_max"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_max",
+                                       setup=_ours(attention="auto", compile="max"),
+                                       note="ours_bf16_mk_pdl with compile='max': the whole-forward CUDA graph and, "
+                                            "inside it, the modulation prefetch")
+ROWS["ours_bf16_mk_pdl_max_noprefetch"] = _switched("ours_bf16_mk_pdl_max", "noprefetch",
+                                                    "the modulation linears computed in the blocks",
+                                                    modulation_prefetch="off")
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

@@ -61,3 +61,15 @@ def test_cublaslt_alignment_is_the_largest_power_of_two_up_to_256_dividing_the_a
     assert cublaslt.alignment(base[offset:]) == 256
     assert cublaslt.alignment(base[offset + 8:]) == 16
     assert cublaslt.alignment(base[offset + 1:]) == 2
+
+
+def test_operand_alignments_take_the_least_of_output_and_bias_with_or_without_a_bias():
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    x, w_t = base[:64].view(8, 8), base[:64].view(8, 8)
+    bias = base[1:9]  # 2-byte aligned
+    # a new output is 256-byte aligned; without a bias that is the third alignment
+    assert gemm_tuning.operand_alignments(x, w_t, None, "bias", None)[2] == 256
+    assert gemm_tuning.operand_alignments(x, w_t, bias, "bias", None)[2] == 2
+    out = base[4:68].view(8, 8)  # 8-byte aligned
+    assert gemm_tuning.operand_alignments(x, w_t, None, "accumulate", out)[2] == 8
+    assert gemm_tuning.operand_alignments(x, w_t, bias, "accumulate", out)[2] == 2

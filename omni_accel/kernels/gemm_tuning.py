@@ -121,6 +121,15 @@ def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
     return candidates.get(way)
 
 
+def operand_alignments(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
+                       out: torch.Tensor | None) -> tuple[int, int, int]:
+    """The byte alignments cuBLASLt is asked for: (weight, x, the least of the output's and the bias's)."""
+    outputs = [cublaslt.alignment(out) if epilogue == "accumulate" else 256]  # a new tensor: 512-byte aligned
+    if bias is not None:
+        outputs.append(cublaslt.alignment(bias))
+    return cublaslt.alignment(w_t), cublaslt.alignment(x), min(outputs)
+
+
 def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w_t`` with ``epilogue`` -- "none", "bias" (+ bias), "gelu_bias" (tanh-GELU of it + bias) or
@@ -132,11 +141,8 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
         return torch_call(x, w_t, bias, epilogue, out)
     if not cublaslt.takes(x, w_t, bias) or (out is not None and not out.is_contiguous()):
         return torch_call(x, w_t, bias, epilogue, out)
-    out_alignment = cublaslt.alignment(out) if epilogue == "accumulate" else 256  # a new tensor: 512-byte aligned
-    alignments = (cublaslt.alignment(w_t), cublaslt.alignment(x),
-                  min(out_alignment, *([cublaslt.alignment(bias)] if bias is not None else [])))
     key = (x.device.index, tuple(x.shape), w_t.shape[1], *cublaslt.leading_dims(x, w_t), x.dtype, epilogue,
-           alignments)
+           operand_alignments(x, w_t, bias, epilogue, out))
     if key not in _choices:
         if torch.cuda.is_current_stream_capturing():
             return torch_call(x, w_t, bias, epilogue, out)

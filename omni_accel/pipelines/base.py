@@ -154,6 +154,16 @@ class KernelSites:
 
 
 @dataclass(frozen=True)
+class ModulationPrefetch:
+    """The AdaLN modulation linears that compile=True computes ahead on a second stream (modulation_prefetch.py):
+    ``embedding``, the module (dotted path below the transformer) whose output is ``temb``; ``linears``, fnmatch
+    patterns of the linears whose input is ``silu(temb)``, every one of them (in the forward's order)."""
+
+    embedding: str
+    linears: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ModelAdapter:
     family: str
     description: str
@@ -195,6 +205,8 @@ class ModelAdapter:
     # compile on GPUs: module-global rotary functions the family's processors call with complex tables
     # (``fn(x (B, S, H, D), freqs (S, D / 2) complex, use_real=False)``), applied in real arithmetic instead
     complex_rotary: tuple[str, ...] = ()
+    # compile on GPUs: the modulation linears computed ahead on a second stream (see ModulationPrefetch)
+    modulation_prefetch: ModulationPrefetch | None = None
 
     def transformers_of(self, pipe) -> list[tuple[str, object]]:
         """The (name, module) transformers the pipeline actually holds (Wan 2.2 may have two, or one)."""

@@ -1,8 +1,8 @@
 """FLUX.1 (dev / schnell / Kontext / Fill / Control): FluxTransformer2DModel, an MMDiT of dual-stream blocks followed
 by single-stream blocks, with FLUX-style 3-axis RoPE over the concatenated [text, image] sequence."""
 
-from .base import (CacheRegion, JointStreams, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
-                   TeaCacheSpec)
+from .base import (CacheRegion, JointStreams, KernelSites, ModelAdapter, ModulationPrefetch, SequenceInput,
+                   SequenceRegion, ShardArg, TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="flux",
@@ -98,4 +98,9 @@ ADAPTER = ModelAdapter(
     fuse_qkv=True,
     # single-stream blocks return (text, image) as views of their joint output; the first one gets two tensors
     joint_streams=(JointStreams("single_transformer_blocks"),),
+    # every block's AdaLayerNormZero(-Single) and norm_out (AdaLayerNormContinuous) run linear(silu(temb)) on the
+    # temb that time_text_embed returns
+    modulation_prefetch=ModulationPrefetch("time_text_embed", (
+        "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
+        "single_transformer_blocks.*.norm.linear", "norm_out.linear")),
 )

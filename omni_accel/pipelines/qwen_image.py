@@ -1,7 +1,7 @@
 """Qwen-Image (QwenImageTransformer2DModel): a 60-block double-stream MMDiT fed by Qwen2.5-VL."""
 
-from .base import (CacheRegion, KernelSites, ModelAdapter, SequenceInput, SequenceRegion, ShardArg,
-                   TeaCacheSpec)
+from .base import (CacheRegion, KernelSites, ModelAdapter, ModulationPrefetch, SequenceInput, SequenceRegion,
+                   ShardArg, TeaCacheSpec)
 
 ADAPTER = ModelAdapter(
     family="qwen_image",
@@ -72,6 +72,10 @@ ADAPTER = ModelAdapter(
     quant_skip=("*.img_mod.1", "*.txt_mod.1"),
     # the attention processor rotates q and k with complex (S, D / 2) tables through this module global
     complex_rotary=("apply_rotary_emb_qwen",),
+    # img_mod / txt_mod are Sequential(SiLU, Linear) on temb, norm_out an AdaLayerNormContinuous on it (with
+    # zero_cond_t the text stream and norm_out take half of temb: those linears find it and compute themselves)
+    modulation_prefetch=ModulationPrefetch("time_text_embed", (
+        "transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear")),
     notes=(
         "True CFG: with true_cfg_scale > 1 and a negative prompt the pipeline runs the transformer twice per step "
         "(cond, then uncond, batch B each); guidance_scale is only the distilled-guidance embedding and is ignored "

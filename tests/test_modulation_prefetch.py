@@ -1,0 +1,153 @@
+"""modulation_prefetch.py on the CPU: the modulation linears computed ahead from the embedding module's output give the
+plain pipeline's output, fall back to computing themselves for any other input, and undo cleanly. (The side stream
+and its events exist on GPUs only; here the same slots are filled in order on the one CPU stream.)"""
+
+import logging
+
+import pytest
+import torch
+
+from omni_accel import compiler, modulation_prefetch
+from omni_accel.pipelines import adapter_for
+from omni_accel.testing import run, run_compiled_twice, tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return tiny_pipeline("flux")
+
+
+def _prefetched_calls(monkeypatch) -> list:
+    """Every prefetched_linear call's outcome: True where the prefetched output was taken."""
+    outcomes = []
+    take = modulation_prefetch._take
+
+    def recording_take(x, weight):
+        out = take(x, weight)
+        outcomes.append(out is not None)
+        return out
+
+    monkeypatch.setattr(modulation_prefetch, "_take", recording_take)
+    return outcomes
+
+
+def _linear_count(transformer) -> int:
+    return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks) + 1
+
+
+def test_flux_modulation_linears_taken_from_the_prefetch_give_the_plain_output_and_undo(flux, monkeypatch):
+    pipe, kwargs = flux
+    transformer = pipe.transformer
+    plain = run(pipe, kwargs)
+    outcomes = _prefetched_calls(monkeypatch)
+    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
+    try:
+        assert count == _linear_count(transformer)
+        assert type(transformer.transformer_blocks[0].norm1.linear) is modulation_prefetch.PrefetchedLinear
+        prefetched = run(pipe, kwargs)
+    finally:
+        undo()
+    assert torch.equal(prefetched, plain)
+    # every modulation linear of every step took its prefetched output
+    assert outcomes and all(outcomes) and len(outcomes) == count * kwargs["num_inference_steps"]
+    assert type(transformer.norm_out.linear) is torch.nn.Linear and not modulation_prefetch._slots
+    assert "omni_accel.modulation_prefetch" not in transformer.time_text_embed._diffusers_hook.hooks
+    outcomes.clear()
+    assert torch.equal(run(pipe, kwargs), plain) and not outcomes
+
+
+def test_qwen_image_img_and_txt_mod_linears_are_prefetched_with_the_plain_output():
+    pipe, kwargs = tiny_pipeline("qwen_image")
+    transformer = pipe.transformer
+    plain = run(pipe, kwargs)
+    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
+    try:
+        assert count == 2 * len(transformer.transformer_blocks) + 1
+        assert type(transformer.transformer_blocks[0].img_mod[1]) is modulation_prefetch.PrefetchedLinear
+        prefetched = run(pipe, kwargs)
+    finally:
+        undo()
+    assert torch.equal(prefetched, plain)
+
+
+def test_a_linear_called_with_another_input_computes_itself_and_is_never_prefetched_again(flux, caplog):
+    pipe, _ = flux
+    transformer = pipe.transformer
+    linear = transformer.transformer_blocks[0].norm1.linear
+    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
+    try:
+        temb = torch.randn(1, linear.in_features)
+        modulation_prefetch.prefetch(temb, [linear])
+        other = torch.randn(1, linear.in_features)
+        with caplog.at_level(logging.WARNING, logger="omni_accel.modulation_prefetch"):
+            out = linear(other)
+        assert torch.equal(out, torch.nn.functional.linear(other, linear.weight, linear.bias))
+        assert "input other than silu(temb)" in caplog.text
+        modulation_prefetch.prefetch(temb, [linear])  # refused: not computed ahead any more
+        assert linear.weight.data_ptr() not in modulation_prefetch._slots
+        # the right input now computes in place too, with the linear's output
+        act = torch.nn.functional.silu(temb)
+        assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
+    finally:
+        undo()
+    assert linear.weight.data_ptr() not in modulation_prefetch._refused
+
+
+def test_a_linear_with_nothing_prefetched_or_another_shape_computes_itself(flux):
+    pipe, _ = flux
+    transformer = pipe.transformer
+    linear = transformer.single_transformer_blocks[0].norm.linear
+    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
+    try:
+        act = torch.randn(2, linear.in_features)
+        assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
+        modulation_prefetch.prefetch(torch.randn(1, linear.in_features), [linear])
+        assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
+        assert linear.weight.data_ptr() in modulation_prefetch._refused
+    finally:
+        undo()
+
+
+def test_absent_embedding_or_linears_prefetch_nothing(flux):
+    pipe, _ = flux
+    spec = adapter_for(pipe).modulation_prefetch
+    for other in (type(spec)("no_such_module", spec.linears), type(spec)(spec.embedding, ("no.such.*",)), None):
+        count, undo = modulation_prefetch.use_modulation_prefetch(pipe.transformer, other)
+        undo()
+        assert count == 0
+    assert all(type(m) is not modulation_prefetch.PrefetchedLinear for m in pipe.transformer.modules())
+
+
+def test_compiled_blocks_take_the_prefetched_outputs_in_one_graph_per_block_kind(flux, monkeypatch):
+    """The compile pass applies it (here forced on the CPU): no graph break, no recompiles across blocks or calls,
+    the report counts the linears, and the output is the plain compiled one's."""
+    pipe, kwargs = flux
+    monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "off")
+    reference, reference_counts = run_compiled_twice(pipe, kwargs, compile=True)
+    monkeypatch.setattr(compiler, "_prefetches_modulation", lambda ctx: ctx.adapter.modulation_prefetch is not None)
+    outcomes = _prefetched_calls(monkeypatch)
+    out, counts = run_compiled_twice(pipe, kwargs, compile=True)
+    assert counts == reference_counts and counts["graph_breaks"] == 0
+    assert counts["graphs_first_call"] == counts["graphs_second_call"]
+    assert outcomes and all(outcomes)
+    torch.testing.assert_close(out, reference, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("knobs, wanted", [
+    ({"compile": "max"}, True), ({"compile": True, "quant": "int8"}, True), ({"compile": True}, False),
+    ({"compile": "max", "offload": "model"}, False), ({"compile": "max", "cache": "tea_cache"}, False)])
+def test_the_compile_pass_prefetches_inside_the_whole_forward_cuda_graph_only(flux, knobs, wanted, monkeypatch):
+    from omni_accel.config import AccelConfig
+    from omni_accel.pass_base import PassContext
+
+    pipe, _ = flux
+    ctx = PassContext(pipe=pipe, adapter=adapter_for(pipe), config=AccelConfig(**knobs), device=torch.device("cuda"),
+                      state=None)
+    assert compiler._prefetches_modulation(ctx) is wanted
+    monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "always")
+    assert compiler._prefetches_modulation(ctx) is ("offload" not in knobs)
+    monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "off")
+    assert compiler._prefetches_modulation(ctx) is False
+    cpu = PassContext(pipe=pipe, adapter=ctx.adapter, config=ctx.config, device=torch.device("cpu"), state=None)
+    monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "always")
+    assert compiler._prefetches_modulation(cpu) is False
