@@ -127,11 +127,16 @@ class _SegmentedCapture:
     def _end(self) -> None:
         graph, self.graph = self.graph, None
         if graph is not None:
+            for join in SEGMENT_END_JOINS:  # a capture may not end with work forked off to another stream
+                join(self.stream)
             graph.capture_end()
             self.steps.append(graph.replay)
 
 
 _ACTIVE = threading.local()  # the segmented capture running on this thread, if any
+# Called with the capturing stream before each graph of a capture ends: whoever forks work onto another stream during
+# a capture (modulation_prefetch.py) joins it back there, and waits on nothing of this graph in the next one.
+SEGMENT_END_JOINS: list[Callable[[torch.cuda.Stream], None]] = []
 
 
 def run_outside_graph(call: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], shape: tuple[int, ...],

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from diffusers.hooks import ModelHook
 
+from . import cuda_graphs
 from .hooks import add_hook
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ _slots: dict[int, _Slot] = {}  # weight address -> this forward's prefetched out
 _verified: set[int] = set()  # weight addresses whose block input was seen to equal the prefetched one
 _refused: set[int] = set()  # ... and those whose block input differed: computed in place from then on
 _side_streams: dict[int, object] = {}  # device index -> the side stream
+_forked_in_capture: set[int] = set()  # devices whose side stream took work of the capture under way
 
 
 def _side_stream(device: torch.device):
@@ -107,6 +109,23 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _join_side_stream(capturing: torch.cuda.Stream) -> None:
+    """Before a graph of a capture ends (cuda_graphs.SEGMENT_END_JOINS): the capturing stream waits for this device's
+    side stream, and the outputs not taken yet need no wait any more -- an event of an ended capture cannot be
+    waited on in the next one (a capture breaks into graphs around calls that run outside it, e.g. SageAttention)."""
+    index = getattr(getattr(capturing, "device", None), "index", None)
+    if index not in _forked_in_capture:
+        return  # nothing of this capture on it (an event recorded outside a capture may not be waited on in one)
+    _forked_in_capture.discard(index)
+    capturing.wait_stream(_side_streams[index])
+    with _lock:
+        for slot in _slots.values():
+            slot.event = None
+
+
+cuda_graphs.SEGMENT_END_JOINS.append(_join_side_stream)
+
+
 class PrefetchedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose output was computed ahead (``prefetched_linear``); the class a modulation linear is
     switched to while the prefetch is applied."""
@@ -136,6 +155,8 @@ def prefetch(temb: torch.Tensor, linears: list[torch.nn.Linear]) -> None:
         main = torch.cuda.current_stream(temb.device)
         side = _side_stream(temb.device)
         side.wait_stream(main)  # temb is ready, and the previous forward's readers of these outputs are queued
+        if torch.cuda.is_current_stream_capturing():
+            _forked_in_capture.add(side.device.index)
     slots = {}
     with torch.cuda.stream(side) if on_gpu else contextlib.nullcontext():
         activations: dict[torch.dtype, torch.Tensor] = {}

@@ -151,3 +151,25 @@ def test_the_compile_pass_prefetches_inside_the_whole_forward_cuda_graph_only(fl
     cpu = PassContext(pipe=pipe, adapter=ctx.adapter, config=ctx.config, device=torch.device("cpu"), state=None)
     monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "always")
     assert compiler._prefetches_modulation(cpu) is False
+
+
+def test_a_capture_segment_ends_joined_to_the_side_stream_only_when_it_forked_work_there(monkeypatch):
+    """Before each graph of a capture ends (cuda_graphs.SEGMENT_END_JOINS), the capturing stream waits for the side
+    stream if this capture forked onto it, and the outputs left untaken need no event wait in the next graph."""
+    from types import SimpleNamespace
+
+    from omni_accel import cuda_graphs
+
+    assert modulation_prefetch._join_side_stream in cuda_graphs.SEGMENT_END_JOINS
+    waits = []
+    side = SimpleNamespace(device=torch.device("cuda", 0))
+    capturing = SimpleNamespace(device=torch.device("cuda", 0), wait_stream=waits.append)
+    monkeypatch.setattr(modulation_prefetch, "_side_streams", {0: side})
+    monkeypatch.setattr(modulation_prefetch, "_forked_in_capture", set())
+    slot = modulation_prefetch._Slot(torch.zeros(1), object(), torch.zeros(1))
+    monkeypatch.setattr(modulation_prefetch, "_slots", {1: slot})
+    modulation_prefetch._join_side_stream(capturing)
+    assert waits == [] and slot.event is not None  # nothing of this capture went to the side stream
+    modulation_prefetch._forked_in_capture.add(0)
+    modulation_prefetch._join_side_stream(capturing)
+    assert waits == [side] and slot.event is None and not modulation_prefetch._forked_in_capture
