@@ -169,6 +169,8 @@ class Row:
     # modulation_prefetch.MODULATION_PREFETCH: where the AdaLN modulation linears are computed ahead on a second
     # stream ("graphs": inside the whole-forward CUDA graph, "always": any GPU forward, "off")
     modulation_prefetch: str = "off"
+    # kernels.epilogue_fusion.GATED_RESIDUAL_INT8 (True: a block's gated residual in the int8 GEMM's epilogue)
+    int8_gated_residual: bool = False
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -205,7 +207,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "GELU_GEMM", "gelu_gemm"),
             ("compiler", "COMPLEX_ROTARY_PAIR_SWAP", "complex_rotary_pair_swap"),
             ("kernels.gemm_tuning", "TUNED_GEMMS", "tuned_gemm"),
-            ("modulation_prefetch", "MODULATION_PREFETCH", "modulation_prefetch"))
+            ("modulation_prefetch", "MODULATION_PREFETCH", "modulation_prefetch"),
+            ("kernels.epilogue_fusion", "GATED_RESIDUAL_INT8", "int8_gated_residual"))
 
 
 @contextlib.contextmanager
@@ -728,6 +731,11 @@ ROWS["ours_bf16_mk_pdl_max"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16
 ROWS["ours_bf16_mk_pdl_max_noprefetch"] = _switched("ours_bf16_mk_pdl_max", "noprefetch",
                                                     "the modulation linears computed in the blocks",
                                                     modulation_prefetch="off")
+# A block's gated residual in the int8 GEMM's epilogue (kernels.epilogue_fusion.GATED_RESIDUAL_INT8, off until timed
+# in the forward): the _gatedres rows are today's with it on
+for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
+    ROWS[f"{_name}_gatedres"] = _switched(_name, "gatedres", "a block's gated residual in the int8 GEMM's epilogue",
+                                          int8_gated_residual=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

@@ -10,6 +10,7 @@ bf16, so against eager they differ by up to 2 bf16 ulps (checked too).
 
 import pytest
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from omni_accel import compiler
 from omni_accel.compiler import sigmoid_gelu
@@ -876,3 +877,251 @@ def test_a_tuned_linear_off_a_gpu_is_torchs_call_bit_for_bit(monkeypatch):
     x, w, bias = inputs["x"].reshape(-1, 40), inputs["w"], inputs["bias"]
     assert torch.equal(torch.ops.omni_accel.linear_tuned(x, w.t(), bias), torch.addmm(bias, x, w.t()))
     assert torch.equal(torch.ops.omni_accel.linear_tuned(x, w.t(), None), torch.mm(x, w.t()))
+
+
+# ------------------------------------------------- a block's gated residual in the int8 GEMM (GATED_RESIDUAL_INT8)
+@pytest.fixture
+def gated_residual_on(monkeypatch):
+    """The switch on, as an A/B row sets it (off by default until a whole forward has been timed with it)."""
+    monkeypatch.setattr(epilogue_fusion, "GATED_RESIDUAL_INT8", True)
+
+N_OUT = 48  # the int8 linear's output width
+
+
+def _int8_projection(seed: int = 0):
+    """An int8 linear on the Triton GEMM (as ``quant="int8"`` installs it on a GPU; off a GPU its op runs the PyTorch
+    reference), 40 -> N_OUT, bias in the GEMM."""
+    from omni_accel.kernels.int8 import Int8Linear
+
+    torch.manual_seed(seed)
+    return Int8Linear(torch.nn.Linear(40, N_OUT).to(BF16), gemm="triton")
+
+
+def _gated_inputs(seed: int, gate_rows: int = 1, gate_dtype=BF16):
+    """x (1, S, 40), the hidden state (1, S, N_OUT) and a modulation output (1, [gate_rows,] 3 N_OUT) whose last
+    chunk is the gate: one row (the batch-1 AdaLN modulation), or one per token."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, 3 * N_OUT) if gate_rows == 1 else (1, gate_rows, 3 * N_OUT)
+    return dict(x=torch.randn(1, S, 40, generator=g).to(BF16), hidden=(torch.randn(1, S, N_OUT, generator=g) * 4)
+                .to(BF16), emb=torch.randn(*shape, generator=g).to(gate_dtype))
+
+
+def _gate(emb):
+    gate = emb.chunk(3, dim=-1)[2]
+    return gate.unsqueeze(1) if gate.dim() == 2 else gate
+
+
+def _gated_residual(layer, form: str):
+    """``residual + gate * layer(x)`` as the blocks write it: FLUX's dual and single blocks and Qwen-Image's
+    (``gate * out``, then ``hidden + that``), the operands the other way round, and Wan's float32 form."""
+    def dual(x, hidden, emb):
+        return hidden + _gate(emb) * layer(x)
+
+    def swapped(x, hidden, emb):
+        return layer(x) * _gate(emb) + hidden
+
+    def wan(x, hidden, emb):  # the gate in float32, the sum too, rounded back to the hidden state's dtype
+        return (hidden.float() + layer(x).float() * _gate(emb)).type_as(hidden)
+
+    return {"dual": dual, "swapped": swapped, "wan": wan}[form]
+
+
+class _GraphRecording(CustomGraphPass):
+    """A post-grad pass that runs the epilogue pass and keeps the graph it leaves."""
+
+    def __init__(self):
+        self.graph = None
+
+    def __call__(self, graph):
+        epilogue_fusion.GRAPH_PASS(graph)
+        self.graph = graph
+
+    def uuid(self):
+        return None
+
+    def targets(self) -> list:
+        return [str(n.target) for n in self.graph.nodes if n.op == "call_function"]
+
+
+def _compiled_recorded(fn, *args):
+    """(output, {rewrite kind: count}, the recording with the graph the pass left) of ``fn`` compiled with the pass."""
+    recording = _GraphRecording()
+    torch._dynamo.reset()
+    before = dict(epilogue_fusion.REWRITES)
+    out = torch.compile(fn, options={"fx_graph_cache": False, compiler.POST_GRAD_PASS: recording})(*args)
+    return out, epilogue_fusion.rewrites_since(before), recording
+
+
+@pytest.mark.parametrize("form", ["dual", "swapped", "wan"])
+def test_a_gated_residual_after_an_int8_linear_moves_into_its_gemm(form, gated_residual_on):
+    """``hidden + gate * int8_linear(x)`` with one gate row becomes omni_accel::int8_mm_rescale_residual: the GEMM's
+    own op is gone from the graph, and the values equal inductor's unfused graph's bit for bit (the op rounds the
+    product to bf16 before the gated add, which it computes in float32 and rounds once, as inductor's kernel does
+    with the GEMM's bf16 output)."""
+    layer = _int8_projection()
+    fn = _gated_residual(layer, form)
+    inputs = _gated_inputs(20, gate_dtype=torch.float32 if form == "wan" else BF16)
+    with torch.no_grad():
+        ref, _ = _compiled(fn, **inputs, with_pass=False)
+        out, delta, recording = _compiled_recorded(fn, *inputs.values())
+        eager = fn(**inputs)
+    assert delta == {"gated_residual_int8": 1}
+    targets = recording.targets()
+    assert "omni_accel.int8_mm_rescale_residual.default" in targets
+    assert "omni_accel.int8_mm_rescale.default" not in targets
+    assert out.dtype == BF16 and out.shape == (1, S, N_OUT) and torch.equal(out, ref)
+    # eager rounds gate * product to bf16 before the add (not Wan's float32 form): the two differ by that rounding
+    # (half a bf16 step of the product term) and their own (half a step of each result) at most
+    if form == "wan":
+        assert torch.equal(out, eager)
+    else:
+        with torch.no_grad():
+            term = _gate(inputs["emb"]).float() * layer(inputs["x"]).float()
+        bound = 2.0 ** -8 * (term.abs() + eager.float().abs() + out.float().abs())
+        assert ((out.float() - eager.float()).abs() <= bound).all()
+
+
+def test_the_gated_residual_op_keeps_the_linears_bias_in_the_gemm(gated_residual_on):
+    """The GEMM's bias (int8.BIAS_IN_GEMM) goes into the fused op with the other operands."""
+    layer = _int8_projection(1)
+    _, _, recording = _compiled_recorded(_gated_residual(layer, "dual"), *_gated_inputs(21).values())
+    (fused,) = [n for n in recording.graph.nodes if n.target == torch.ops.omni_accel.int8_mm_rescale_residual.default]
+    bias = fused.args[4]
+    assert bias is not None and tuple(bias.meta["val"].shape) == (N_OUT,)
+
+
+def _gemm_read_twice(layer):
+    def fn(x, hidden, emb):
+        y = layer(x)
+        return hidden + _gate(emb) * y, y * 2
+
+    return fn
+
+
+@pytest.mark.parametrize("case", ["per_token_gate", "second_user", "switch_off", "int8_off", "cublas", "bf16_linear",
+                                  "broadcast_residual"])
+def test_other_gated_residuals_stay_with_inductor(monkeypatch, case, gated_residual_on):
+    """Not rewritten: a gate per token (the kernel takes one row of N values), a GEMM output read by anything else
+    (it must be written anyway), the switch or the int8 pass off, the traced cuBLAS path and 16-bit linears (no
+    int8_mm_rescale in the graph), a residual that broadcasts; the values are inductor's."""
+    from omni_accel.kernels.int8 import Int8Linear
+
+    layer = _int8_projection(2)
+    fn = _gated_residual(layer, "dual")
+    inputs = _gated_inputs(22, gate_rows=S if case == "per_token_gate" else 1)
+    if case == "second_user":
+        fn = _gemm_read_twice(layer)
+    elif case == "switch_off":
+        monkeypatch.setattr(epilogue_fusion, "GATED_RESIDUAL_INT8", False)
+    elif case == "int8_off":
+        monkeypatch.setattr(epilogue_fusion, "INT8", False)
+    elif case == "cublas":
+        torch.manual_seed(2)
+        fn = _gated_residual(Int8Linear(torch.nn.Linear(40, N_OUT).to(BF16), gemm="cublas"), "dual")
+    elif case == "bf16_linear":
+        torch.manual_seed(2)
+        fn = _gated_residual(torch.nn.Linear(40, N_OUT).to(BF16), "dual")
+    elif case == "broadcast_residual":
+        inputs["hidden"] = inputs["hidden"][:, :1].contiguous()  # (1, 1, N) added to every token's row
+    with torch.no_grad():
+        ref, _ = _compiled(fn, **inputs, with_pass=False)
+        out, delta, recording = _compiled_recorded(fn, *inputs.values())
+    assert delta == {}
+    assert "omni_accel.int8_mm_rescale_residual.default" not in recording.targets()
+    for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+        assert torch.equal(o, r)
+
+
+def test_the_pass_leaves_the_residual_where_the_gpu_kernel_would_not_take_it(monkeypatch, gated_residual_on):
+    """On a GPU the pass asks int8_gemm_triton.residual_in_gemm (by the GEMM's rows and device) whether the kernel the
+    GEMM runs takes the residual (on Hopper above FEW_ROWS rows, the warp-specialized kernel's twin is off by
+    default); off a GPU the op's torch reference takes every call."""
+    from types import SimpleNamespace
+
+    from omni_accel.kernels import int8_gemm_triton
+
+    asked = []
+    monkeypatch.setattr(int8_gemm_triton, "residual_in_gemm", lambda rows, device: asked.append(rows) or rows <= 1024)
+
+    def on_gpu(rows):
+        return SimpleNamespace(is_cuda=True, shape=(rows, 3072), device=torch.device("cuda", 0))
+
+    assert epilogue_fusion._residual_kernel_takes(on_gpu(512))
+    assert not epilogue_fusion._residual_kernel_takes(on_gpu(4096))
+    assert epilogue_fusion._residual_kernel_takes(torch.empty(4096, 8)) and asked == [512, 4096]
+
+
+def test_the_gated_residual_has_a_switch_in_the_cache_key(monkeypatch):
+    """Off by default; a graph compiled with the residual in the GEMM must not be served to a process without it, nor
+    one compiled with the warp-specialized kernel's twin allowed to a process without that."""
+    from omni_accel.kernels import int8_gemm_triton
+
+    assert epilogue_fusion.GATED_RESIDUAL_INT8 is False  # off until a whole forward has been timed with it
+    monkeypatch.setattr(epilogue_fusion, "GATED_RESIDUAL_INT8", True)
+    key = epilogue_fusion.GRAPH_PASS.uuid()
+    monkeypatch.setattr(epilogue_fusion, "GATED_RESIDUAL_INT8", False)
+    without = epilogue_fusion.GRAPH_PASS.uuid()
+    monkeypatch.setattr(int8_gemm_triton, "RESIDUAL_WARP_SPECIALIZED", True)  # which calls the pass takes
+    assert len({key, without, epilogue_fusion.GRAPH_PASS.uuid()}) == 3
+
+
+def _int8_flux_block(kind: str):
+    """A tiny FLUX block in bf16 with every block linear an int8 linear (AdaLN's own stays 16-bit), the sigmoid GELU
+    compile=True installs: (block, undo of the GELU)."""
+    from omni_accel.kernels.int8 import Int8Linear
+    from omni_accel.testing import tiny_pipeline
+
+    pipe, _ = tiny_pipeline("flux")
+    transformer = pipe.transformer
+    block = (transformer.single_transformer_blocks[0] if kind == "single" else transformer.transformer_blocks[0])
+    block = block.to(BF16)
+    for module in list(block.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and not name.startswith("linear"):
+                setattr(module, name, Int8Linear(child, gemm="triton"))
+    _, undo = compiler.use_sigmoid_gelu(block)
+    return block, undo
+
+
+def _from_views(node):
+    while node.op == "call_function" and node.target in (torch.ops.aten.reshape.default, torch.ops.aten.view.default):
+        node = node.args[0]
+    return node
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("dual", {"layernorm_modulate_int8": 4, "gelu_int8": 2, "gated_residual_int8": 4}),
+    ("single", {"layernorm_modulate_int8": 1, "concat_gelu_int8": 1, "gated_residual_int8": 1}),
+])
+def test_flux_blocks_with_triton_int8_linears_take_their_gated_residuals_into_the_gemms(monkeypatch, kind, expected, gated_residual_on):
+    """diffusers' FLUX blocks as the int8 stack runs them on a GPU (the Triton GEMM): the dual block's four gated
+    residuals (attention and feed-forward, both streams) and the single block's one (``residual + gate *
+    proj_out(...)``) become the fused op, beside the other int8 rewrites; the dual block's second AdaLN norm reads
+    the fused op's output (its hidden state). The blocks' outputs equal those compiled with the switch off, bit for
+    bit, and stay as close to eager's as inductor's own."""
+    from omni_accel.kernels.int8 import Int8Linear
+
+    block, undo = _int8_flux_block(kind)
+    linears = sum(isinstance(m, Int8Linear) for m in block.modules())
+    dim = block.attn.to_q.in_features
+    g = torch.Generator().manual_seed(23)
+    streams = [torch.randn(1, n, dim, generator=g).to(BF16) for n in (20, 6)] + [torch.randn(1, dim, generator=g)
+                                                                                .to(BF16)]
+    with torch.no_grad():
+        out, delta, recording = _compiled_recorded(block, *streams)
+        monkeypatch.setattr(epilogue_fusion, "GATED_RESIDUAL_INT8", False)
+        off, off_delta, _ = _compiled_recorded(block, *streams)
+        ref, _ = _compiled(block, *streams, with_pass=False)
+        eager = block(*streams)
+    undo()
+    assert delta == expected
+    assert off_delta == {k: v for k, v in expected.items() if k != "gated_residual_int8"}
+    fused = [n for n in recording.graph.nodes if n.target == torch.ops.omni_accel.int8_mm_rescale_residual.default]
+    plain = [n for n in recording.graph.nodes if n.target == torch.ops.omni_accel.int8_mm_rescale.default]
+    assert len(fused) == expected["gated_residual_int8"] and len(plain) + len(fused) == linears
+    if kind == "dual":  # norm2 of both streams reads the attention's gated residual, now the fused op's output
+        norms = [n for n in recording.graph.nodes if n.target == torch.ops.omni_accel.layernorm_modulate_int8.default]
+        assert sum(_from_views(n.args[0]) in fused for n in norms) == 2
+    for o, r_off, r, e in zip(out, off, ref, eager):
+        assert torch.equal(o, r_off)
+        assert torch.linalg.norm((o - r).float()) <= 2 * torch.linalg.norm((e - r).float()) + 1e-6

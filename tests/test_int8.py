@@ -350,3 +350,74 @@ def test_auto_int8_gemm_takes_triton_on_a_cuda_gpu_with_triton(monkeypatch):
     assert int8_mod.resolve_int8_gemm("cublas", torch.device("cuda")) == "cublas"
     monkeypatch.setattr(deps, "installed", lambda module: module != "triton")
     assert int8_mod.resolve_int8_gemm("auto", torch.device("cuda")) == "cublas"
+
+
+# ------------------------------------------------------------------ the gated residual in the GEMM's epilogue
+def _gated_operands(rows=24, n_in=64, n_out=40, seed=3, dtype=torch.bfloat16):
+    lin = _linear(n_in, n_out, seed).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    xq, xs = quantize_rows_int8(torch.randn(rows, n_in, generator=g).to(dtype))
+    wq, ws = quantize_rows_int8(lin.weight.detach())
+    gate = torch.randn(n_out, generator=g).to(dtype)
+    residual = (torch.randn(rows, n_out, generator=g) * 4).to(dtype)
+    return (xq, wq, xs, ws.reshape(1, -1), lin.bias.detach()), gate, residual
+
+
+def test_gated_residual_op_is_the_unfused_arithmetic_in_a_new_tensor():
+    """omni_accel::int8_mm_rescale_residual (off a GPU, its PyTorch reference): residual + gate * the int8 linear's
+    product, the product rounded to bf16 first (the unfused graph writes it so) and the gated add in float32, rounded
+    once -- what inductor's kernel after the GEMM computes. Against the float64 formula: half a bf16 step of the
+    result plus the product's rounding scaled by the gate. The residual is only read."""
+    operands, gate, residual = _gated_operands()
+    before = residual.clone()
+    out = torch.ops.omni_accel.int8_mm_rescale_residual(*operands, gate, residual, torch.bfloat16)
+    product = int8_mod.int8_mm_rescale_reference(*operands, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == residual.shape
+    assert torch.equal(out, (residual.float() + gate.float() * product.float()).to(torch.bfloat16))
+    xq, wq, xs, ws, bias = operands
+    exact_product = (xq.double() @ wq.double().t()) * xs.double() * ws.double() + bias.double()
+    exact = residual.double() + gate.double() * exact_product
+    bound = 2.0 ** -8 * (exact.abs() + (gate.double() * exact_product).abs()) + 1e-6
+    assert ((out.double() - exact).abs() <= bound).all()
+    # a test that can tell: the gated add of the unrounded product differs somewhere
+    once = (residual.float() + gate.float() * int8_mod.int8_mm_rescale_reference(*operands, torch.float32))
+    assert not torch.equal(out, once.to(torch.bfloat16))
+    assert torch.equal(residual, before) and out.data_ptr() != residual.data_ptr()
+
+
+def test_gated_residual_op_traces_to_its_fake_shape_and_takes_no_bias():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    (xq, wq, xs, ws, _), gate, residual = _gated_operands(rows=8, dtype=torch.float16)
+
+    def fn(xq, wq, xs, ws, gate, residual):
+        return torch.ops.omni_accel.int8_mm_rescale_residual(xq, wq, xs, ws, None, gate, residual, torch.float16)
+
+    graph = make_fx(fn, tracing_mode="fake")(xq, wq, xs, ws, gate, residual).graph
+    (node,) = [n for n in graph.nodes if n.target == torch.ops.omni_accel.int8_mm_rescale_residual.default]
+    assert tuple(node.meta["val"].shape) == (8, 40) and node.meta["val"].dtype == torch.float16
+    product = int8_mod.int8_mm_rescale_reference(xq, wq, xs, ws, None, torch.float16)
+    assert torch.equal(fn(xq, wq, xs, ws, gate, residual),
+                       (residual.float() + gate.float() * product.float()).to(torch.float16))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"residual": None}, "int8_mm_rescale takes the gated residual's gate and residual together, or neither"),
+    ({"residual": "short"}, r"int8_mm_rescale's gated residual needs a residual of the output's shape \(24, 40\) and "
+                            r"one gate value per output column \(40\); got residual \(23, 40\), gate \(40,\)"),
+    ({"gate": "wide"}, r"got residual \(24, 40\), gate \(41,\)"),
+    ({"residual": "float32"}, r"int8_mm_rescale's residual must have the output's dtype, 16-bit or float32 "
+                              r"\(residual torch.float32, output torch.bfloat16\)"),
+])
+def test_the_triton_gemm_refuses_residual_operands_it_cannot_take(change, message):
+    """Checked before any launch (so on the CPU too): both operands or neither, the output's shape, one gate value
+    per column, the output's dtype."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    operands, gate, residual = _gated_operands()
+    given = {"gate": gate, "residual": residual}
+    for name, how in change.items():
+        given[name] = {None: None, "short": residual[:-1], "wide": torch.zeros(41, dtype=gate.dtype),
+                       "float32": residual.float()}[how]
+    with pytest.raises(ValueError, match=message):
+        g.int8_mm_rescale(*operands, torch.bfloat16, **given)

@@ -15,6 +15,7 @@ whatever model code produced it), and what each becomes:
     gelu(x @ w.T + bias), 16 bits, read by linears only       omni_accel::linear_gelu (cuBLASLt's GELU epilogue)
     cat([a, gelu(x @ w.T + bias)]) read by one 16-bit linear  omni_accel::linear_gelu + omni_accel::concat_linear
     any other 16-bit x @ w.T [+ bias] of >= 20 GFLOP            omni_accel::linear_tuned (a tuned cuBLASLt algorithm)
+    residual + gate * int8_mm_rescale(...), one gate row        omni_accel::int8_mm_rescale_residual (in the GEMM)
 
 ``a`` may be an FP8 attention output dequantized by its scale (``a8.float() * scale``, then bf16); ``gelu`` is the
 sigmoid form of the tanh GELU that ``compile=True`` installs (``compiler.sigmoid_gelu``); ``static_fp8_cast`` is what
@@ -22,7 +23,9 @@ an FP8 linear (or FP8 attention) with calibrated scales does to its input; ``rot
 ``compile=True`` installs; ``x`` may be the concatenation of a joint block's two streams. FLUX's single-stream blocks
 have all four (``proj_out(cat([attention, act_mlp(proj_mlp(x))]))``), its dual-stream blocks the feed-forward's GELU
 and the norms, Qwen-Image's blocks the GELU and the norms. The two GEMM forms are for 16-bit linears (the bf16
-stack, and any model's MLP between two 16-bit linears: Wan's, Qwen-Image's); the rest rewrites only the epilogues.
+stack, and any model's MLP between two 16-bit linears: Wan's, Qwen-Image's); the last is a DiT block's gated residual
+after an int8 linear on the Triton GEMM (the attention output and feed-forward projections of FLUX's, Qwen-Image's and
+Wan's blocks), moved into that GEMM's epilogue; the rest rewrites only the epilogues.
 
 Why: inductor's kernels for these ran on instructions, not memory. Its concatenation is a per-element choice between
 the two inputs (both evaluated under masks, a division and a modulo per element's column): 104 us per call at FLUX's
@@ -39,8 +42,8 @@ second GEMM adds to them; on FLUX's blocks the outputs stay within a few bf16 st
 Nothing else is changed: a graph without the patterns, or one whose tensors the kernels do not take (widths no
 power-of-two tile divides, rows that are not evenly strided, a batch above 1 for the norm, another rotary layout),
 compiles as before, and an unexpected graph is left to inductor rather than failing the compile. The pass counts what
-it replaced in ``REWRITES``; ``QK_NORM_ROPE``, ``LAYERNORM``, ``GELU_GEMM`` and ``gemm_tuning.TUNED_GEMMS`` switch parts
-of it (A/B runs).
+it replaced in ``REWRITES``; ``QK_NORM_ROPE``, ``LAYERNORM``, ``GELU_GEMM``, ``GATED_RESIDUAL_INT8`` and
+``gemm_tuning.TUNED_GEMMS`` switch parts of it (A/B runs).
 
 Where inductor launches its own kernels with programmatic dependent launch (``triton.enable_pdl``, on by default on
 Hopper and newer), the kernels put in do too (``_pdl``; ``PDL`` switches that off): without it the GPU starts each
@@ -76,7 +79,7 @@ _FUSED_RMS_NORM = _FUSED_RMS_NORM.default if _FUSED_RMS_NORM is not None else No
 
 # "concat_gelu_fp8" / "concat_gelu" / "concat_gelu_int8" / "gelu_fp8" / "gelu_int8" / "layernorm_modulate_fp8" /
 # "layernorm_modulate_int8" / "qk_norm_rope_fp8" / "qk_norm_rope" / "sage_quantize_normed" / "gelu_gemm" /
-# "concat_gelu_gemm" / "tuned_gemm" -> how many this process replaced (graphs
+# "concat_gelu_gemm" / "tuned_gemm" / "gated_residual_int8" -> how many this process replaced (graphs
 # compiled here: one loaded from inductor's cache ran its passes when it was first compiled)
 REWRITES: collections.Counter = collections.Counter()
 
@@ -150,6 +153,17 @@ SAGE_FROM_NORMS = False
 # (benchmarks/results/bench_gemm_gelu_h100_20261206.json). The bf16 FLUX step: 125.5 against 129.3 ms
 # (bench_peers_h100_flux_gelu_gemm_20261206.json). Benchmarks' A/B rows set it.
 GELU_GEMM = True
+# Whether, with INT8, a DiT block's gated residual after an int8 linear on the Triton GEMM, ``residual + gate *
+# linear(x)`` with one gate row for every token (FLUX's, Qwen-Image's and Wan's attention output and feed-forward
+# projections, FLUX's single blocks' proj_out), moves into that GEMM's epilogue (omni_accel::int8_mm_rescale_residual,
+# kernels/int8_gemm_triton.py): the linear's 16-bit output is then neither written by the GEMM nor read back by
+# inductor's add kernel, 25-28 MB each way per call at FLUX's 4096-4608 x 3072 (76 such calls per forward, beside the
+# text stream's 38 of 512 rows; inductor's add kernels took about 1.8 ms of an 88 ms int8 step on an H100). The values
+# are the unfused graph's: the product is rounded to 16 bits in registers before the gated add. On a GPU only where
+# the GEMM's kernel takes the residual (int8_gemm_triton.residual_in_gemm: on Hopper, up to 1,024 rows while the
+# warp-specialized kernel's twin is off). Off until a whole forward is timed with it (the per-call timings are in
+# docs/kernels.md); benchmarks' A/B rows set it.
+GATED_RESIDUAL_INT8 = False
 
 
 # ---------------------------------------------------------------------------------------------- the operation
@@ -1291,12 +1305,17 @@ def _normed_view_source(x):
     return n
 
 
+def _schema_args(node: fx.Node) -> dict:
+    """An op call's arguments by the op schema's names (defaults where not given)."""
+    schema = node.target._schema.arguments
+    return {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+            for i, a in enumerate(schema)}
+
+
 def _normed_parts(norm: fx.Node) -> tuple:
     """A qk_norm_rope node's (src, bias, first column, weight, src2, bias2, first column 2, weight2) and the common
     (heads, eps, cos, sin, dtype, tokens_a), read by the op schema's argument names (defaults where not given)."""
-    schema = norm.target._schema.arguments
-    args = {a.name: norm.args[i] if i < len(norm.args) else norm.kwargs.get(a.name, a.default_value)
-            for i, a in enumerate(schema)}
+    args = _schema_args(norm)
     part = tuple(args[name] for name in ("src", "bias", "first_col", "weight", "src2", "bias2", "first_col2",
                                          "weight2"))
     return part, tuple(args[name] for name in ("heads", "eps", "cos", "sin", "out_dtype", "tokens_a"))
@@ -1336,6 +1355,94 @@ def _rewrite_sage(graph: fx.Graph, c: _SageCandidate) -> None:
             user.replace_all_uses_with(item)
 
 
+# --------------------------------------- a block's gated residual into the int8 GEMM's epilogue (GATED_RESIDUAL_INT8)
+class _ResidualCandidate:
+    def __init__(self, final, gemm, gate, residual):
+        # final: the node whose value is replaced (the add, or its 16-bit rounding in the float32 form); gemm: the
+        # int8_mm_rescale node; gate: a node of N values; residual: a contiguous node of the output's shape
+        self.final, self.gemm, self.gate, self.residual = final, gemm, gate, residual
+
+
+def _int8_gemm_behind(node):
+    """The ``omni_accel::int8_mm_rescale`` node whose output ``node`` is, through views [and a float32 widening,
+    exact], each used once, the GEMM too; else None."""
+    n = node
+    if _call(n, _CONVERT) and n.args[1] == torch.float32 and len(n.users) == 1:  # Wan's ``ff_output.float()``
+        n = n.args[0]
+    n = _up_views(n)
+    return n if _is_op(n, "omni_accel::int8_mm_rescale") and len(n.users) == 1 else None
+
+
+def _gated_residual_candidate(node: fx.Node):
+    """``node`` = residual + gate * y (either order in both) with y (views of) an int8 GEMM's 16-bit output that
+    nothing else reads, gate one row of N values broadcast over the tokens ((1, 1, N), (1, N) or (N,)) and residual
+    a contiguous tensor of the output's shape and dtype: FLUX's and Qwen-Image's blocks. Or ``node`` = that sum
+    computed in float32 and rounded to the GEMM's dtype, the residual a 16-bit tensor of that dtype [widened] (Wan's
+    blocks: ``(hidden.float() + y * gate).type_as(hidden)``, a float32 gate)."""
+    if not (INT8 and GATED_RESIDUAL_INT8):
+        return None
+    total, widened = node, False
+    if _call(node, _CONVERT) and node.args[1] in (torch.bfloat16, torch.float16):
+        total, widened = node.args[0], True
+    if not (_call(total, aten.add.Tensor) and not total.kwargs) or (widened and len(total.users) != 1):
+        return None
+    out = _val(node)
+    if not isinstance(out, torch.Tensor) or out.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    for residual, product in ((total.args[0], total.args[1]), (total.args[1], total.args[0])):
+        if not (_call(product, aten.mul.Tensor) and len(product.users) == 1):
+            continue
+        if widened and _call(residual, _CONVERT) and residual.args[1] == torch.float32:
+            residual = residual.args[0]  # the kernel reads the 16-bit tensor itself (its widening is exact)
+        for y, gate in ((product.args[0], product.args[1]), (product.args[1], product.args[0])):
+            gemm = _int8_gemm_behind(y)
+            if gemm is not None and _residual_fits(out, _val(gemm), _val(y), _val(gate), _val(product),
+                                                   _val(residual), widened):
+                return _ResidualCandidate(node, gemm, gate, residual)
+    return None
+
+
+def _residual_fits(out, gemm, y, gate, product, residual, widened: bool) -> bool:
+    """The values' shapes and dtypes as ``_gated_residual_candidate`` needs them (fake tensors, or None)."""
+    if not all(isinstance(t, torch.Tensor) for t in (gemm, y, gate, product, residual)):
+        return False
+    rows, cols = gemm.shape
+    # one gate value per output column, the same for every token (a per-token gate has rows x N values)
+    if gate.numel() != cols or gate.shape[-1] != cols or not gate.dtype.is_floating_point:
+        return False
+    if gemm.dtype != out.dtype or y.shape[-1] != cols or y.numel() != rows * cols:
+        return False
+    # no broadcast beyond the GEMM's rows: the gate adds no dimension, the residual has the output's shape
+    if product.shape != y.shape or out.shape != y.shape or residual.shape != out.shape:
+        return False
+    if product.dtype != (torch.float32 if widened else out.dtype):
+        return False
+    return residual.dtype == out.dtype and residual.is_contiguous() and _residual_kernel_takes(gemm)
+
+
+def _residual_kernel_takes(gemm: torch.Tensor) -> bool:
+    """Whether the GEMM's kernel on its GPU takes the residual (int8_gemm_triton.residual_in_gemm); off a GPU the op
+    runs its torch reference, which takes any call."""
+    if not gemm.is_cuda:
+        return True
+    from . import int8_gemm_triton
+
+    return int8_gemm_triton.residual_in_gemm(gemm.shape[0], gemm.device)
+
+
+def _rewrite_gated_residual(graph: fx.Graph, c: _ResidualCandidate) -> None:
+    args = _schema_args(c.gemm)
+    rows, cols = _val(c.gemm).shape
+    with graph.inserting_before(c.final):
+        gate = _node(graph, aten.reshape.default, c.gate, [cols])
+        residual = _node(graph, aten.reshape.default, c.residual, [rows, cols])
+        fused = _node(graph, torch.ops.omni_accel.int8_mm_rescale_residual.default,
+                      *(args[name] for name in ("x_int8", "w_int8", "x_scale", "w_scale", "bias")), gate, residual,
+                      args["out_dtype"])
+        out = _node(graph, aten.reshape.default, fused, list(_val(c.final).shape))
+    c.final.replace_all_uses_with(out)
+
+
 def _match(node: fx.Node):
     """(REWRITES kind, rewrite function, candidate) of the first pattern ``node`` ends, or None."""
     if _is_op(node, "omni_accel::sage_quantize"):  # six outputs: no other pattern ends there
@@ -1356,7 +1463,18 @@ def _match(node: fx.Node):
         return "qk_norm_rope", _rewrite_qk, found
     if LAYERNORM and (found := _norm_candidate(node)) is not None:
         return f"layernorm_modulate_{'int8' if found.int8 is not None else 'fp8'}", _rewrite_norm, found
+    if (found := _gated_residual_candidate(node)) is not None:
+        return "gated_residual_int8", _rewrite_gated_residual, found
     return None
+
+
+def _residual_warp_specialized() -> str:
+    """int8_gemm_triton.RESIDUAL_WARP_SPECIALIZED for the cache key ("" where Triton is missing: no int8 kernels)."""
+    try:
+        from . import int8_gemm_triton
+    except ImportError:
+        return ""
+    return str(int(int8_gemm_triton.RESIDUAL_WARP_SPECIALIZED))
 
 
 class EpilogueFusionPass(CustomGraphPass):
@@ -1402,12 +1520,14 @@ class EpilogueFusionPass(CustomGraphPass):
     def uuid(self):
         # inductor's FX graph cache keys compiled graphs on this: a change to the pass or its kernel recompiles
         here = os.path.dirname(os.path.abspath(__file__))
+        # (int8_gemm_triton.py: residual_in_gemm decides which gated residuals the pass moves into the GEMM)
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py"),
-                                    os.path.join(here, "gemm_tuning.py")))
+                                    os.path.join(here, "gemm_tuning.py"), os.path.join(here, "int8_gemm_triton.py")))
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}{int(QK_NORM_ROPE_16)}"
                 f"{int(QK_NORM_ROPE_JOINT)}"
                 f"-ln{int(LAYERNORM)}"
-                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}-sage{int(SAGE_FROM_NORMS)}"
+                f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}{int(GATED_RESIDUAL_INT8)}"
+                f"{_residual_warp_specialized()}-sage{int(SAGE_FROM_NORMS)}"
                 f"-gg{int(GELU_GEMM)}-tg{int(gemm_tuning.TUNED_GEMMS)}{gemm_tuning.MIN_GFLOP}")
 
 

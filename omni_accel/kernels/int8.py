@@ -137,6 +137,36 @@ def _(x_int8, w_int8, x_scale, w_scale, bias, out_dtype):
     return x_int8.new_empty((x_int8.shape[0], w_int8.shape[0]), dtype=out_dtype)
 
 
+def int8_mm_rescale_residual_reference(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.Tensor,
+                                       w_scale: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor,
+                                       residual: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``residual + gate * product`` with the product as ``int8_mm_rescale_reference`` gives it (rounded to
+    ``out_dtype``), ``gate`` N values (one per output column), ``residual`` (M, N); the sum in float32, rounded once.
+    That is the unfused graph's arithmetic: its GEMM writes the product in 16 bits and inductor's kernel after it
+    computes the gated add in float32 (tests/test_epilogue_fusion.py)."""
+    product = int8_mm_rescale_reference(x_int8, w_int8, x_scale, w_scale, bias, out_dtype)
+    return (residual.float() + gate.float().reshape(1, -1) * product.float()).to(out_dtype)
+
+
+@torch.library.custom_op("omni_accel::int8_mm_rescale_residual", mutates_args=(), schema=(
+    "(Tensor x_int8, Tensor w_int8, Tensor x_scale, Tensor w_scale, Tensor? bias, Tensor gate, Tensor residual, "
+    "ScalarType out_dtype) -> Tensor"))
+def int8_mm_rescale_residual(x_int8, w_int8, x_scale, w_scale, bias, gate, residual, out_dtype):
+    """A DiT block's gated residual after an int8 linear, ``residual + gate * linear(x)``, in the GEMM's epilogue on a
+    GPU (kernels/epilogue_fusion.py's ``GATED_RESIDUAL_INT8`` puts it in): a new tensor, the residual only read."""
+    if x_int8.is_cuda:
+        from . import int8_gemm_triton
+
+        return int8_gemm_triton.int8_mm_rescale(x_int8, w_int8, x_scale, w_scale, bias, out_dtype, gate=gate,
+                                                residual=residual)
+    return int8_mm_rescale_residual_reference(x_int8, w_int8, x_scale, w_scale, bias, gate, residual, out_dtype)
+
+
+@int8_mm_rescale_residual.register_fake
+def _(x_int8, w_int8, x_scale, w_scale, bias, gate, residual, out_dtype):
+    return x_int8.new_empty((x_int8.shape[0], w_int8.shape[0]), dtype=out_dtype)
+
+
 def int8_gemv_reference(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """x (rows, K) @ (w_int8 * w_scale)^T as a float32 multiply-and-sum, one rounding to x's dtype: what the Triton
     GEMV computes (up to the order of its float32 sums), and what Inductor makes one reduction kernel of."""

@@ -28,6 +28,17 @@ Three kernels compute the same sums (integer arithmetic: bit for bit the same ou
   the device, which needs Triton's scratch allocator (``_ensure_scratch_allocator``: torch's, unless the caller set
   one).
 
+Each has a twin (``_int8_gemm_rescale_residual*_kernel``) whose epilogue also applies a DiT block's gated
+residual, ``residual + gate * product`` (``int8_mm_rescale``'s ``gate`` / ``residual``; op
+``omni_accel::int8_mm_rescale_residual`` in kernels/int8.py, put in by kernels/epilogue_fusion.py): the block's hidden
+state leaves the GEMM, and the 16-bit product is never written and read back by a separate kernel. The twins are
+separate entry points so that the plain kernels keep their arguments; they call the same functions (the persistent
+kernels' one body takes ``HAS_RESIDUAL``, a constexpr), and the plain kernels compile to the same code as before.
+The persistent twins compute each tile as two half-width accumulators and read the residual through TMA
+(``_tile_sums_halves``: that is what kept their sm_90 lowering free of spills, on Triton 3.6 and 3.9). The
+split-tail kernel has no twin: a call with the residual keeps its last wave whole. The warp-specialized twin is not
+used unless ``RESIDUAL_WARP_SPECIALIZED`` is set (wrong values on an H100, see there).
+
 ``_int8_gemv_dot_kernel`` and ``_int8_gemv_kernel``: the int8 weight-only layers' matrix-vector product (16-bit x
 of up to 16 rows, int8 weight, per-channel scale; kernels/int8.py's ``TRITON_GEMV``), bound by reading the weight
 once: on the tensor cores with pipelined weight loads (``GEMV_KERNEL``'s default), or summed in registers.
@@ -102,6 +113,12 @@ PERSISTENT_TMA = True
 # Whether the warp-specialized kernel (``WS_TILE``) replaces the TMA kernel on Hopper (sm_90: the only GPUs it was
 # measured on; benchmarks' A/B rows set it). The FLUX forward on an H100: 93.4 against 99.7 ms per step.
 WARP_SPECIALIZE = True
+# Whether a call with the gated residual takes the warp-specialized kernel's twin where the plain call would take the
+# warp-specialized kernel (else the persistent TMA kernel's twin: ``residual_in_gemm`` tells the graph pass). Off: on
+# an H100 with Triton 3.6 the twin wrote wrong values into one or two 64 x 64 boxes of the output per call (0.06-0.3 %
+# of the values, at every shape tried) where the pointer and TMA twins matched Inductor's unfused graph bit for bit;
+# the cause is not found (the sm_90 lowering shows no shared-memory or descriptor overlap).
+RESIDUAL_WARP_SPECIALIZED = False
 WS_TILE = "ws_128x256x128"
 # Whether the warp-specialized kernel leaves a last wave that would fill at most half the SMs to a second kernel that
 # splits each of its tiles along K over idle SMs (integer partial sums, added by the tile's last program). Why:
@@ -134,6 +151,18 @@ def _warp_specialized_here(x_int8: torch.Tensor) -> bool:
     if not (WARP_SPECIALIZE and _WS_BUILDABLE):
         return False
     return INTERPRETED or (x_int8.is_cuda and _capability(x_int8.device.index or 0)[0] == 9)
+
+
+def residual_in_gemm(rows: int, device: torch.device) -> bool:
+    """Whether a GEMM of ``rows`` rows on ``device`` that the graph pass would give the gated residual runs it in
+    the kernel the plain call would run: not where that kernel is the warp-specialized one and
+    ``RESIDUAL_WARP_SPECIALIZED`` is off (the TMA kernel's twin would run instead, a slower main loop than the gated
+    add saves). The TMA alignment of the operands is not known here; a call that misses it takes the pointer kernel
+    either way."""
+    if device.type != "cuda" or rows <= FEW_ROWS or not PERSISTENT_TMA:
+        return True
+    warp_specialized = WARP_SPECIALIZE and _WS_BUILDABLE and _capability(device.index or 0)[0] == 9
+    return RESIDUAL_WARP_SPECIALIZED or not warp_specialized
 
 
 def tma_fits(x_int8: torch.Tensor, w_int8: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -183,6 +212,25 @@ def _int8_gemm_rescale_kernel(
 
 
 @triton.jit
+def _int8_gemm_rescale_residual_kernel(
+    x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, residual_ptr, M, N, K,
+    stride_xm, stride_wn, stride_om, stride_rm,
+    HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # the pointer kernel with the gated residual in its epilogue (_gated_residual)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, 0, tl.cdiv(K, BLOCK_K),
+                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    y = _pointer_rescaled(acc, x_scale_ptr, w_scale_ptr, bias_ptr, rows, cols, M, N, HAS_BIAS)
+    y = _gated_residual(y, gate_ptr, residual_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_rm, ROUND_TO,
+                        BLOCK_M, BLOCK_N)
+    _pointer_store(y, out_ptr, rows, cols, M, N, stride_om)
+
+
+@triton.jit
 def _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, first_step, end_step,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """The int32 sums of one output tile over K steps [first_step, end_step), operands loaded through pointers."""
@@ -208,10 +256,53 @@ def _pointer_tile_sums(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn, 
     return acc
 
 
+# Whether _as_output rounds a bf16 product on its float32 bits: Triton's interpreter truncates float32 -> bf16 casts
+# (the GPU's cast rounds to nearest even), which would make the interpreter's outputs wrong by a step
+_BF16_BY_BITS = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def _as_output(y, ROUND_TO: tl.constexpr):
+    """Products ``y`` (float32) rounded to ROUND_TO (the output's dtype), to nearest even, and widened again: the
+    value the unfused graph's GEMM writes in 16 bits and its next kernel computes with, so that the fused gated add
+    gives the unfused one's output."""
+    if _BF16_BY_BITS and ROUND_TO == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16  # to nearest, ties to even
+        rounded = bits.to(tl.float32, bitcast=True)
+    else:
+        rounded = y.to(ROUND_TO).to(tl.float32)
+    return rounded
+
+
+@triton.jit
+def _gated_residual(y, gate_ptr, residual_ptr, first_row, first_col, M, N, stride_rm, ROUND_TO: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``residual + gate * y`` in float32 for the pointer kernel's tile of products ``y`` (float32) from (first_row,
+    first_col), ``y`` rounded as the output first (``_as_output``); the caller rounds the sum once."""
+    y = _as_output(y, ROUND_TO)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    inside = (first_row + rows < M)[:, None] & (first_col + cols < N)[None, :]
+    gate = tl.load(gate_ptr + first_col + cols, mask=first_col + cols < N, other=0.0).to(tl.float32)
+    # one 64-bit address per tile and 32-bit offsets within it (fewer registers); masks constant along the row (not
+    # clamped indices), so that the loads stay vectorized where N allows
+    tile = residual_ptr + first_row.to(tl.int64) * stride_rm + first_col
+    residual = tl.load(tile + rows[:, None] * stride_rm + cols[None, :], mask=inside, other=0.0)
+    return residual.to(tl.float32) + gate[None, :] * y
+
+
 @triton.jit
 def _pointer_rescale_store(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, rows, cols, M, N, stride_om,
                            HAS_BIAS: tl.constexpr):
     """Sums times the rows' and columns' scales (+ bias), stored to the rows and columns given (masked at M, N)."""
+    y = _pointer_rescaled(acc, x_scale_ptr, w_scale_ptr, bias_ptr, rows, cols, M, N, HAS_BIAS)
+    _pointer_store(y, out_ptr, rows, cols, M, N, stride_om)
+
+
+@triton.jit
+def _pointer_rescaled(acc, x_scale_ptr, w_scale_ptr, bias_ptr, rows, cols, M, N, HAS_BIAS: tl.constexpr):
+    """Sums times the rows' and columns' scales (+ bias), in float32."""
     rows_in = tl.minimum(rows, M - 1).to(tl.int64)
     cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     x_scale = tl.load(x_scale_ptr + rows_in)
@@ -219,6 +310,12 @@ def _pointer_rescale_store(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, row
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def _pointer_store(y, out_ptr, rows, cols, M, N, stride_om):
+    """A float32 tile rounded to the output's dtype, stored to the rows and columns given (masked at M, N)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=mask)
@@ -272,6 +369,23 @@ def _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
+def _tile_sums_halves(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """``_tile_sums`` in two accumulators of half the tile's columns each (``w_desc``'s block half the tile's weight
+    rows), for an epilogue that takes one half after the other. Why not one accumulator cut in two: Triton 3.6's
+    warp-specialized partitioning refuses the reshape and split that would cut it (Triton 3.9 takes them)."""
+    left = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.int32)
+    right = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.int32)
+    for k in range(k_steps):
+        a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        b_left = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+        b_right = w_desc.load([pid_n * BLOCK_N + BLOCK_N // 2, k * BLOCK_K])
+        left = tl.dot(a, b_left.T, left, out_dtype=tl.int32)
+        right = tl.dot(a, b_right.T, right, out_dtype=tl.int32)
+    return left, right
+
+
+@triton.jit
 def _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tile's sums times the rows' and columns' scales (+ bias), stored through the output descriptor (clipped at
@@ -287,11 +401,61 @@ def _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid
 
 
 @triton.jit
+def _residual_halves_store(left, right, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, pid_m,
+                           pid_n, M, N, HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    """The persistent kernels' epilogue with the gated residual, for a tile's two column halves
+    (``_tile_sums_halves``), one after the other; the residual's half tiles come through ``res_desc``, the output's
+    leave through ``out_desc`` (both with blocks of half a tile)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
+    _residual_half_store(left, out_desc, res_desc, x_scale, w_scale_ptr, bias_ptr, gate_ptr, pid_m * BLOCK_M,
+                         pid_n * BLOCK_N, N, HAS_BIAS, ROUND_TO, BLOCK_N // 2)
+    _residual_half_store(right, out_desc, res_desc, x_scale, w_scale_ptr, bias_ptr, gate_ptr, pid_m * BLOCK_M,
+                         pid_n * BLOCK_N + BLOCK_N // 2, N, HAS_BIAS, ROUND_TO, BLOCK_N // 2)
+
+
+@triton.jit
+def _residual_half_store(acc, out_desc, res_desc, x_scale, w_scale_ptr, bias_ptr, gate_ptr, first_row, first_col, N,
+                         HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, HALF_N: tl.constexpr):
+    cols = first_col + tl.arange(0, HALF_N)
+    w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    gate = tl.load(gate_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    # the residual through TMA (shared memory, read in the accumulator's layout): loaded through pointers, its
+    # change of layout spilled 2-3 KB of registers per thread in the warp-specialized kernel's sm_90 lowering
+    residual = res_desc.load([first_row, first_col]).to(tl.float32)
+    out_desc.store([first_row, first_col], (residual + gate[None, :] * _as_output(y, ROUND_TO)).to(out_desc.dtype))
+
+
+@triton.jit
 def _int8_gemm_rescale_tma_kernel(
     x_desc, w_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
+    _tma_tiles(x_desc, w_desc, out_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, x_scale_ptr, M, N, K,
+               HAS_BIAS, False, None, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS)
+
+
+@triton.jit
+def _int8_gemm_rescale_residual_tma_kernel(
+    x_desc, w_desc, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    # w_desc, out_desc and res_desc have blocks of half the tile's columns (_tile_sums_halves)
+    _tma_tiles(x_desc, w_desc, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K,
+               HAS_BIAS, True, ROUND_TO, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS)
+
+
+@triton.jit
+def _tma_tiles(x_desc, w_desc, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K,
+               HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+    """The persistent TMA kernels' program: its share of the output tiles, one after another."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -300,11 +464,18 @@ def _int8_gemm_rescale_tma_kernel(
     epilogue_tile = tl.program_id(0) - PROGRAMS
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_RESIDUAL:
+            left, right = _tile_sums_halves(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
         epilogue_tile += PROGRAMS
         pid_m, pid_n = _tile_coords(epilogue_tile, tiles_m, tiles_n, GROUP_M)
-        _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
-                       BLOCK_N)
+        if HAS_RESIDUAL:
+            _residual_halves_store(left, right, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr,
+                                   pid_m, pid_n, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N)
+        else:
+            _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
+                           BLOCK_N)
 
 
 @triton.jit
@@ -313,23 +484,52 @@ def _int8_gemm_rescale_ws_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
+    _ws_tiles(x_ptr, w_ptr, out_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, x_scale_ptr, M, N, K, stride_xm,
+              stride_wn, 0, tiles, HAS_BIAS, False, None, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS)
+
+
+@triton.jit
+def _int8_gemm_rescale_residual_ws_kernel(
+    x_ptr, w_ptr, out_ptr, residual_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K, stride_xm, stride_wn,
+    stride_rm, tiles, HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    _ws_tiles(x_ptr, w_ptr, out_ptr, residual_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K, stride_xm,
+              stride_wn, stride_rm, tiles, HAS_BIAS, True, ROUND_TO, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS)
+
+
+@triton.jit
+def _ws_tiles(x_ptr, w_ptr, out_ptr, residual_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K, stride_xm,
+              stride_wn, stride_rm, tiles, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_TO: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+              PROGRAMS: tl.constexpr):
     # The persistent TMA kernel's arithmetic, warp specialized: a producer partition issues the TMA loads into a ring
     # of shared-memory stages while two consumer warp groups (half the tile's rows each) multiply and run the
     # epilogue, so loads for the next tile start while this one's epilogue runs without the software pipeline's
     # register cost. The descriptors are built on the device, because Triton's Hopper partitioning rewrites them to
     # the consumers' half tiles (host-built ones keep the whole tile and fail to lower). It computes the first
-    # `tiles` output tiles (all of them, or all but a last partial wave that the split-tail kernel takes).
+    # `tiles` output tiles (all of them, or all but a last partial wave that the split-tail kernel takes). With the
+    # gated residual, each tile is computed and stored in two column halves (_tile_sums_halves).
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
-    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    TILE_N: tl.constexpr = BLOCK_N // 2 if HAS_RESIDUAL else BLOCK_N
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[TILE_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, TILE_N])
+    if HAS_RESIDUAL:
+        res_desc = tl.make_tensor_descriptor(residual_ptr, shape=[M, N], strides=[stride_rm, 1],
+                                             block_shape=[BLOCK_M, TILE_N])
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, warp_specialize=True):
         pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
-        _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
-                       BLOCK_N)
+        if HAS_RESIDUAL:
+            left, right = _tile_sums_halves(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
+            _residual_halves_store(left, right, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr,
+                                   pid_m, pid_n, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N)
+        else:
+            acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
+            _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
+                           BLOCK_N)
 
 
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -374,19 +574,55 @@ def ws_plan(x_int8: torch.Tensor, w_int8: torch.Tensor, tile: tuple,
     return (programs, tiles, *split_tail_plan(tiles, programs, triton.cdiv(k, block_k), split_tail))
 
 
-def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
+# the 16-bit (or float32) output dtype the gated residual's epilogue rounds the product to first
+_ROUND_TO = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _residual_operands(gate: torch.Tensor | None, residual: torch.Tensor | None, m: int, n: int,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(gate as (N,), residual as (M, N) with unit column stride) as the kernels take them, or None without them."""
+    if gate is None and residual is None:
+        return None
+    if gate is None or residual is None:
+        raise ValueError("int8_mm_rescale takes the gated residual's gate and residual together, or neither")
+    if tuple(residual.shape) != (m, n) or gate.numel() != n:
+        raise ValueError(f"int8_mm_rescale's gated residual needs a residual of the output's shape {(m, n)} and one "
+                         f"gate value per output column ({n}); got residual {tuple(residual.shape)}, gate "
+                         f"{tuple(gate.shape)}")
+    if residual.dtype != out_dtype or out_dtype not in _ROUND_TO:
+        raise ValueError(f"int8_mm_rescale's residual must have the output's dtype, 16-bit or float32 (residual "
+                         f"{residual.dtype}, output {out_dtype})")
+    # the kernels read residual rows through a row stride, the gate as one contiguous vector (both no-copy views
+    # for the graph pass's operands: a contiguous hidden state, one row of the modulation's output)
+    return gate.reshape(-1).contiguous(), residual if residual.stride(1) == 1 else residual.contiguous()
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """Whether TMA can read the 2-D tensor ``t``: a 16-byte aligned start and row stride."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
+def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile, gated=None) -> None:
     block_m, block_n, block_k, group_m, warps, stages = tile
     m, k = x_int8.shape
     n = w_int8.shape[0]
-    programs, tiles, whole, splits = ws_plan(x_int8, w_int8, tile)
+    # gated: (gate, residual) from _residual_operands, or None. A call with them keeps its last wave whole: the
+    # split-tail kernel's epilogue has no residual (SPLIT_TAIL is off, measured slower), as with the switch off
+    programs, tiles, whole, splits = ws_plan(x_int8, w_int8, tile, split_tail=False if gated is not None else None)
     if not INTERPRETED:
         _ensure_scratch_allocator()
     bias_arg = bias if bias is not None else out
+    operands = (x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias_arg)
+    tiling = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=programs,
+                  num_warps=warps, num_stages=stages)
+    if gated is not None:
+        gate, rows = gated
+        _launcher(_int8_gemm_rescale_residual_ws_kernel, x_int8.device)[(programs,)](
+            x_int8, w_int8, out, rows, *operands[3:], gate, m, n, k, x_int8.stride(0), w_int8.stride(0),
+            rows.stride(0), whole, HAS_BIAS=bias is not None, ROUND_TO=_ROUND_TO[rows.dtype], **tiling)
+        return
     _launcher(_int8_gemm_rescale_ws_kernel, x_int8.device)[(programs,)](
-        x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias_arg, m, n, k,
-        x_int8.stride(0), w_int8.stride(0), whole,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        PROGRAMS=programs, num_warps=warps, num_stages=stages)
+        *operands, m, n, k, x_int8.stride(0), w_int8.stride(0), whole, HAS_BIAS=bias is not None, **tiling)
     if whole == tiles:
         return
     units = (tiles - whole) * splits
@@ -404,32 +640,45 @@ def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
         num_stages=tail_stages)
 
 
-def _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias, tile) -> None:
+def _launch_tma(x_int8, w_int8, out, x_scale, w_scale, bias, tile, gated=None) -> None:
     block_m, block_n, block_k, group_m, warps, stages = tile
     m, k = x_int8.shape
     n = w_int8.shape[0]
     programs = _persistent_programs(x_int8, m, n, block_m, block_n)
+    scales = (x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out)
+    tiling = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=programs,
+                  num_warps=warps, num_stages=stages)
+    x_desc = TensorDescriptor.from_tensor(x_int8, [block_m, block_k])
+    if gated is not None:  # each tile in two column halves (_tile_sums_halves): half-width blocks
+        gate, rows = gated
+        half = block_n // 2
+        _launcher(_int8_gemm_rescale_residual_tma_kernel, x_int8.device)[(programs,)](
+            x_desc, TensorDescriptor.from_tensor(w_int8, [half, block_k]),
+            TensorDescriptor.from_tensor(out, [block_m, half]), TensorDescriptor.from_tensor(rows, [block_m, half]),
+            *scales, gate, m, n, k, HAS_BIAS=bias is not None, ROUND_TO=_ROUND_TO[rows.dtype], **tiling)
+        return
     _launcher(_int8_gemm_rescale_tma_kernel, x_int8.device)[(programs,)](
-        TensorDescriptor.from_tensor(x_int8, [block_m, block_k]),
-        TensorDescriptor.from_tensor(w_int8, [block_n, block_k]),
-        TensorDescriptor.from_tensor(out, [block_m, block_n]),
-        x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out, m, n, k,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        PROGRAMS=programs, num_warps=warps, num_stages=stages)
+        x_desc, TensorDescriptor.from_tensor(w_int8, [block_n, block_k]),
+        TensorDescriptor.from_tensor(out, [block_m, block_n]), *scales, m, n, k, HAS_BIAS=bias is not None, **tiling)
 
 
 def int8_mm_rescale(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                    bias: torch.Tensor | None, out_dtype: torch.dtype, config: str | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None, out_dtype: torch.dtype, config: str | None = None,
+                    gate: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``(x_int8 @ w_int8.T) * x_scale * w_scale (+ bias)`` in ``out_dtype``, the int32 sums never leaving the chip;
     ``config`` names a tile of CONFIGS, TMA_CONFIGS or WS_CONFIGS (default: ``pick_config`` for the row count, the
     TMA kernel where ``PERSISTENT_TMA`` is set and ``tma_fits``, warp specialized on Hopper where ``WARP_SPECIALIZE``
-    is set)."""
+    is set). With ``gate`` (N values) and ``residual`` ((M, N), ``out_dtype``): ``residual + gate * product``, the
+    product rounded to ``out_dtype`` first and the sum computed in float32 and rounded once (a new tensor; the
+    residual is only read)."""
     m, k = x_int8.shape
     n = w_int8.shape[0]
     if x_int8.stride(1) != 1 or w_int8.stride(1) != 1:
         raise ValueError("int8_mm_rescale needs row-major operands (x: (M, K), w: (N, K), stride 1 along K)")
+    gated = _residual_operands(gate, residual, m, n, out_dtype)
     if config is None:
-        config = pick_config(m, PERSISTENT_TMA and tma_fits(x_int8, w_int8, out_dtype), _warp_specialized_here(x_int8))
+        config = pick_config(m, PERSISTENT_TMA and tma_fits(x_int8, w_int8, out_dtype), _warp_specialized_here(x_int8)
+                             and (gated is None or RESIDUAL_WARP_SPECIALIZED))
     elif (config in TMA_CONFIGS or config in WS_CONFIGS) and not tma_fits(x_int8, w_int8, out_dtype):
         raise ValueError(f"config={config!r}: these operands cannot use TMA (needs a Hopper-or-newer GPU and 16-byte "
                          "aligned rows: K a multiple of 16, N of 8); use a config without 'tma_' or 'ws_'")
@@ -437,17 +686,27 @@ def int8_mm_rescale(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.T
     out = torch.empty((m, n), dtype=torch.float32 if INTERPRETED else out_dtype, device=x_int8.device)
     for tiles, launch in ((TMA_CONFIGS, _launch_tma), (WS_CONFIGS, _launch_ws)):
         if config in tiles:
+            if gated is not None and not _tma_aligned(gated[1]):  # the persistent kernels read it through TMA
+                gated = (gated[0], gated[1].clone(memory_format=torch.contiguous_format))
             with _on_device(x_int8):
-                launch(x_int8, w_int8, out, x_scale, w_scale, bias, _INTERPRETER_TILE if INTERPRETED else tiles[config])
+                launch(x_int8, w_int8, out, x_scale, w_scale, bias, _INTERPRETER_TILE if INTERPRETED else tiles[config],
+                       gated=gated)
             return out.to(out_dtype)
     block_m, block_n, block_k, group_m, warps, stages = _INTERPRETER_TILE if INTERPRETED else CONFIGS[config]
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    operands = (x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out)
+    tiling = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, EVEN_K=k % block_k == 0,
+                  num_warps=warps, num_stages=stages)
     with _on_device(x_int8):
-        _launcher(_int8_gemm_rescale_kernel, x_int8.device)[grid](
-            x_int8, w_int8, out, x_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out, m, n, k,
-            x_int8.stride(0), w_int8.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-            EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+        if gated is not None:
+            gate, rows = gated
+            _launcher(_int8_gemm_rescale_residual_kernel, x_int8.device)[grid](
+                *operands, gate, rows, m, n, k, x_int8.stride(0), w_int8.stride(0), out.stride(0), rows.stride(0),
+                HAS_BIAS=bias is not None, ROUND_TO=_ROUND_TO[out_dtype], **tiling)
+        else:
+            _launcher(_int8_gemm_rescale_kernel, x_int8.device)[grid](
+                *operands, m, n, k, x_int8.stride(0), w_int8.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                **tiling)
     return out.to(out_dtype)
 
 
