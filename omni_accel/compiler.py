@@ -337,7 +337,7 @@ class CompilePass(AccelPass):
 def _prefetches_modulation(ctx: PassContext) -> bool:
     """Whether the family's modulation linears are computed ahead on a second stream (modulation_prefetch.py): inside
     the whole-forward CUDA graph only. Measured on an H100 at FLUX 1024² (docs/kernels.md): in the graph of the int8
-    stack 0.7-0.8 ms per step faster; in the bf16 forward without a graph no faster, the host's extra launches and
+    stack 0.3-0.8 ms per forward faster (0.7-0.8 in loops); in the bf16 forward without a graph no faster, the host's extra launches and
     events in front of the blocks for nothing. ``MODULATION_PREFETCH = "always"`` takes any GPU forward but one whose
     offload moves the weights during it or whose tensor parallelism shards them (the graph rules both out).)"""
     where = modulation_prefetch.MODULATION_PREFETCH

@@ -49,6 +49,7 @@ class _Slot:
     out: torch.Tensor
     event: object  # torch.cuda.Event, or None off a GPU
     activation: torch.Tensor  # the input the output was computed from
+    owner: int = 0  # the handle of the stream that enqueued it (0 off a GPU)
 
 
 _ONE_ULP = 2.0 ** -7  # of a bfloat16 value, relative
@@ -56,16 +57,17 @@ _lock = threading.Lock()
 _slots: dict[int, _Slot] = {}  # weight address -> this forward's prefetched output, until taken
 _verified: set[int] = set()  # weight addresses whose block input was seen to equal the prefetched one
 _refused: set[int] = set()  # ... and those whose block input differed: computed in place from then on
-_side_streams: dict[int, object] = {}  # device index -> the side stream
-_forked_in_capture: set[int] = set()  # devices whose side stream took work of the capture under way
+# stream handle -> the side stream of the forwards enqueued on that stream: one each, so that another thread's forward
+# (on its own stream) never puts work on a side stream that a capture has joined
+_side_streams: dict[int, object] = {}
+_forked_in_capture: set[int] = set()  # handles of capturing streams whose side stream took work of the capture
 
 
-def _side_stream(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _side_stream(main):
     with _lock:
-        if index not in _side_streams:
-            _side_streams[index] = torch.cuda.Stream(device=index)
-        return _side_streams[index]
+        if main.cuda_stream not in _side_streams:
+            _side_streams[main.cuda_stream] = torch.cuda.Stream(device=main.device)
+        return _side_streams[main.cuda_stream]
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -81,10 +83,8 @@ def _take(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if slot.event is not None:
         torch.cuda.current_stream(x.device).wait_event(slot.event)
-    if key in _verified:
-        return slot.out
     same_kind = x.shape == slot.activation.shape and x.dtype == slot.activation.dtype
-    if same_kind and _capturing(x):  # no comparison inside a capture: checked on the next call outside one
+    if same_kind and (key in _verified or _capturing(x)):  # inside a capture: compared on a call outside one
         return slot.out
     # inductor's silu may round a value to the neighbouring 16-bit number where eager's does not: equal up to that
     if not (same_kind and torch.allclose(x, slot.activation, rtol=_ONE_ULP, atol=_ONE_ULP * 1e-3)):
@@ -113,14 +113,15 @@ def _join_side_stream(capturing: torch.cuda.Stream) -> None:
     """Before a graph of a capture ends (cuda_graphs.SEGMENT_END_JOINS): the capturing stream waits for this device's
     side stream, and the outputs not taken yet need no wait any more -- an event of an ended capture cannot be
     waited on in the next one (a capture breaks into graphs around calls that run outside it, e.g. SageAttention)."""
-    index = getattr(getattr(capturing, "device", None), "index", None)
-    if index not in _forked_in_capture:
+    handle = getattr(capturing, "cuda_stream", None)
+    if handle not in _forked_in_capture:
         return  # nothing of this capture on it (an event recorded outside a capture may not be waited on in one)
-    _forked_in_capture.discard(index)
-    capturing.wait_stream(_side_streams[index])
+    _forked_in_capture.discard(handle)
+    capturing.wait_stream(_side_streams[handle])
     with _lock:
         for slot in _slots.values():
-            slot.event = None
+            if slot.owner == handle:  # another thread's forward keeps its own waits
+                slot.event = None
 
 
 cuda_graphs.SEGMENT_END_JOINS.append(_join_side_stream)
@@ -150,13 +151,16 @@ class _PrefetchHook(ModelHook):
 def prefetch(temb: torch.Tensor, linears: list[torch.nn.Linear]) -> None:
     """Compute ``F.linear(silu(temb))`` of each of ``linears`` -- on a side stream on a GPU, in order, an event after
     each -- and leave the outputs for their ``PrefetchedLinear`` calls."""
-    on_gpu, side = temb.is_cuda, None
+    on_gpu, side, owner = temb.is_cuda, None, 0
     if on_gpu:
         main = torch.cuda.current_stream(temb.device)
-        side = _side_stream(temb.device)
-        side.wait_stream(main)  # temb is ready, and the previous forward's readers of these outputs are queued
+        side, owner = _side_stream(main), main.cuda_stream
+        # temb is ready, and the previous forward's readers of these outputs are queued. Nothing else allocates on
+        # the side stream, and it always waits here first: outputs freed after their main-stream readers go back
+        # to its pool, where only the next forward's GEMVs, queued after those readers, can take them.
+        side.wait_stream(main)
         if torch.cuda.is_current_stream_capturing():
-            _forked_in_capture.add(side.device.index)
+            _forked_in_capture.add(owner)
     slots = {}
     with torch.cuda.stream(side) if on_gpu else contextlib.nullcontext():
         activations: dict[torch.dtype, torch.Tensor] = {}
@@ -171,7 +175,7 @@ def prefetch(temb: torch.Tensor, linears: list[torch.nn.Linear]) -> None:
             if on_gpu:
                 event = torch.cuda.Event()
                 event.record(side)
-            slots[linear.weight.data_ptr()] = _Slot(out, event, activations[dtype])
+            slots[linear.weight.data_ptr()] = _Slot(out, event, activations[dtype], owner)
     with _lock:
         _slots.update(slots)
 

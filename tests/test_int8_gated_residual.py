@@ -37,6 +37,7 @@ CASES = {
     "tma-40x48x72-bias-bf16-strided": (40, 48, 72, True, "bfloat16", "bfloat16", "tma_128x256x128", 8, 0),
     "tma-40x48x72-bias-bf16-misaligned": (40, 48, 72, True, "bfloat16", "bfloat16", "tma_128x256x128", 8, 3),
     "ws-70x128x64-nobias-bf16": (70, 128, 64, False, "bfloat16", "bfloat16", "ws_128x256x128", 0, 0),
+    "ws-as-tma-70x128x64-nobias-bf16": (70, 128, 64, False, "bfloat16", "bfloat16", "ws_128x256x128", 0, 0),
     "ws-40x48x72-bias-fp16-strided": (40, 48, 72, True, "float16", "float16", "ws_128x256x128", 8, 0),
     "ws-40x48x72-bias-fp16-misaligned": (40, 48, 72, True, "float16", "float16", "ws_128x256x128", 8, 1),
     "ws-40x48x72-bias-fp32": (40, 48, 72, True, "float32", "float32", "ws_128x256x128", 0, 0),
@@ -51,7 +52,8 @@ POINTER, TMA, WS = ("_int8_gemm_rescale_residual_kernel", "_int8_gemm_rescale_re
                     "_int8_gemm_rescale_residual_ws_kernel")
 LAUNCHED = {case: {None: POINTER, "tma_128x256x128": TMA, "ws_128x256x128": WS}[config]
             for case, (_, _, _, _, _, _, config, _, _) in CASES.items()}
-LAUNCHED.update({"default-1040x32x40-nobias-bf16": TMA, "default-1040x32x40-nobias-bf16-wsresidual": WS})
+LAUNCHED.update({"default-1040x32x40-nobias-bf16": TMA, "default-1040x32x40-nobias-bf16-wsresidual": WS,
+                 "ws-as-tma-70x128x64-nobias-bf16": TMA})
 
 
 def _operands(m: int, k: int, n: int, has_bias: bool, dtype, gate_dtype, padding: int, offset: int):
@@ -90,7 +92,8 @@ def interpreted_cases() -> dict:
     results = {}
     for key, (m, k, n, has_bias, dtype_name, gate_dtype_name, config, padding, offset) in CASES.items():
         g.SPLIT_TAIL = key.endswith("splittail")
-        g.RESIDUAL_WARP_SPECIALIZED = key.endswith("wsresidual")
+        # the ws- cases ask for the warp-specialized twin; "ws-as-tma" asks for it with the switch off
+        g.RESIDUAL_WARP_SPECIALIZED = key.endswith("wsresidual") or (key.startswith("ws-") and "as-tma" not in key)
         launched.clear()
         try:
             dtype = getattr(torch, dtype_name)

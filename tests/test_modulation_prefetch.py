@@ -154,22 +154,42 @@ def test_the_compile_pass_prefetches_inside_the_whole_forward_cuda_graph_only(fl
 
 
 def test_a_capture_segment_ends_joined_to_the_side_stream_only_when_it_forked_work_there(monkeypatch):
-    """Before each graph of a capture ends (cuda_graphs.SEGMENT_END_JOINS), the capturing stream waits for the side
-    stream if this capture forked onto it, and the outputs left untaken need no event wait in the next graph."""
+    """Before each graph of a capture ends (cuda_graphs.SEGMENT_END_JOINS), the capturing stream waits for its side
+    stream if this capture forked onto it, and its outputs left untaken need no event wait in the next graph; another
+    stream's (another thread's forward) keep theirs."""
     from types import SimpleNamespace
 
     from omni_accel import cuda_graphs
 
     assert modulation_prefetch._join_side_stream in cuda_graphs.SEGMENT_END_JOINS
     waits = []
-    side = SimpleNamespace(device=torch.device("cuda", 0))
-    capturing = SimpleNamespace(device=torch.device("cuda", 0), wait_stream=waits.append)
-    monkeypatch.setattr(modulation_prefetch, "_side_streams", {0: side})
+    side = SimpleNamespace(name="side of stream 7")
+    capturing = SimpleNamespace(cuda_stream=7, wait_stream=waits.append)
+    monkeypatch.setattr(modulation_prefetch, "_side_streams", {7: side, 9: SimpleNamespace(name="other")})
     monkeypatch.setattr(modulation_prefetch, "_forked_in_capture", set())
-    slot = modulation_prefetch._Slot(torch.zeros(1), object(), torch.zeros(1))
-    monkeypatch.setattr(modulation_prefetch, "_slots", {1: slot})
+    mine = modulation_prefetch._Slot(torch.zeros(1), object(), torch.zeros(1), owner=7)
+    other = modulation_prefetch._Slot(torch.zeros(1), object(), torch.zeros(1), owner=9)
+    monkeypatch.setattr(modulation_prefetch, "_slots", {1: mine, 2: other})
     modulation_prefetch._join_side_stream(capturing)
-    assert waits == [] and slot.event is not None  # nothing of this capture went to the side stream
-    modulation_prefetch._forked_in_capture.add(0)
+    assert waits == [] and mine.event is not None  # nothing of this capture went to the side stream
+    modulation_prefetch._forked_in_capture.update({7, 9})
     modulation_prefetch._join_side_stream(capturing)
-    assert waits == [side] and slot.event is None and not modulation_prefetch._forked_in_capture
+    assert waits == [side] and mine.event is None and other.event is not None
+    assert modulation_prefetch._forked_in_capture == {9}
+
+
+def test_a_verified_linear_still_computes_itself_for_an_input_of_another_shape(flux):
+    pipe, _ = flux
+    transformer = pipe.transformer
+    linear = transformer.transformer_blocks[0].norm1_context.linear
+    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
+    try:
+        temb = torch.randn(1, linear.in_features)
+        modulation_prefetch.prefetch(temb, [linear])
+        linear(torch.nn.functional.silu(temb))  # verified
+        assert linear.weight.data_ptr() in modulation_prefetch._verified
+        modulation_prefetch.prefetch(temb, [linear])
+        half = torch.randn(2, linear.in_features)
+        assert torch.equal(linear(half), torch.nn.functional.linear(half, linear.weight, linear.bias))
+    finally:
+        undo()

@@ -46,6 +46,10 @@ def _expected(temb: torch.Tensor, linears: list, host_call: bool) -> list[torch.
 def _check(host_call: bool) -> None:
     linears = _linears()
     temb = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    # the side stream held back ~20 ms: a block that took its output without waiting for the event would read memory
+    # the GEMV has not written yet
+    with torch.cuda.stream(modulation_prefetch._side_stream(torch.cuda.current_stream())):
+        torch.cuda._sleep(20_000_000)
     for outs, want in zip(_forward(temb, linears, host_call), _expected(temb, linears, host_call)):
         torch.testing.assert_close(outs, want, rtol=0, atol=0)
     outputs, replay = cuda_graphs.CudaGraphBackend(torch.device("cuda")).capture(

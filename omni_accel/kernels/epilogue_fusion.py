@@ -1474,7 +1474,10 @@ def _residual_warp_specialized() -> str:
         from . import int8_gemm_triton
     except ImportError:
         return ""
-    return str(int(int8_gemm_triton.RESIDUAL_WARP_SPECIALIZED))
+    g = int8_gemm_triton
+    # everything residual_in_gemm reads: which GEMMs the pass moves the residual into
+    return (f"{int(g.RESIDUAL_WARP_SPECIALIZED)}{int(g.WARP_SPECIALIZE)}{int(g.PERSISTENT_TMA)}"
+            f"{getattr(g, 'FEW_ROWS', '')}")
 
 
 class EpilogueFusionPass(CustomGraphPass):

@@ -679,7 +679,11 @@ def int8_mm_rescale(x_int8: torch.Tensor, w_int8: torch.Tensor, x_scale: torch.T
     if config is None:
         config = pick_config(m, PERSISTENT_TMA and tma_fits(x_int8, w_int8, out_dtype), _warp_specialized_here(x_int8)
                              and (gated is None or RESIDUAL_WARP_SPECIALIZED))
-    elif (config in TMA_CONFIGS or config in WS_CONFIGS) and not tma_fits(x_int8, w_int8, out_dtype):
+    elif gated is not None and config in WS_CONFIGS and not RESIDUAL_WARP_SPECIALIZED:
+        # the warp-specialized kernel's residual twin wrote wrong values on an H100: the TMA kernel's twin instead
+        twin = config.replace("ws_", "tma_", 1)
+        config = twin if twin in TMA_CONFIGS else "tma_128x256x128"
+    if (config in TMA_CONFIGS or config in WS_CONFIGS) and not tma_fits(x_int8, w_int8, out_dtype):
         raise ValueError(f"config={config!r}: these operands cannot use TMA (needs a Hopper-or-newer GPU and 16-byte "
                          "aligned rows: K a multiple of 16, N of 8); use a config without 'tma_' or 'ws_'")
     # the interpreter's float32 -> bf16 cast does not round to nearest even: it stores fp32 and torch casts
