@@ -144,6 +144,23 @@ INT8_SPLIT_TAIL_CASES = tuple(f"int8_split_tail-{m}x{k}x{n}-{'bias' if b else 'n
                               for m, k, n, b, d in INT8_SPLIT_TAIL_SHAPES)
 
 
+def record_launches(g, launched: list):
+    """Make kernels/int8_gemm_triton.py (``g``) note (kernel name, programs) of every launch in ``launched``, to show
+    which path a case took; returns the undo."""
+    real_launcher = g._launcher
+
+    class Recording:  # kernel[grid](...) as Triton's, noting the launch
+        def __init__(self, kernel, device):
+            self.kernel, self.launch = kernel, real_launcher(kernel, device)
+
+        def __getitem__(self, grid):
+            launched.append((self.kernel.__name__, grid[0]))
+            return self.launch[grid]
+
+    g._launcher = Recording
+    return lambda: setattr(g, "_launcher", real_launcher)
+
+
 def int8_gemm_cases() -> dict:
     """Both Triton int8 GEMMs + rescale against the PyTorch reference (torch._int_mm, the same fp32 rescale): equal."""
     import torch
@@ -158,20 +175,7 @@ def int8_gemm_cases() -> dict:
     cases += [(shape, key, "ws_128x256x128") for shape, key in zip(INT8_TMA_SHAPES, INT8_WS_CASES)]
     cases += [(shape, key, "ws_128x256x128") for shape, key in zip(INT8_SPLIT_TAIL_SHAPES, INT8_SPLIT_TAIL_CASES)]
     launched = []  # (kernel name, programs) of every launch, to show which path a case took
-    real_launcher = g._launcher
-
-    class Recording:  # kernel[grid](...) as Triton's, noting the launch
-        def __init__(self, kernel, device):
-            self.kernel, self.launch = kernel, real_launcher(kernel, device)
-
-        def __getitem__(self, grid):
-            launched.append((self.kernel.__name__, grid[0]))
-            return self.launch[grid]
-
-    def recording_launcher(kernel, device):
-        return Recording(kernel, device)
-
-    g._launcher = recording_launcher
+    stop_recording = record_launches(g, launched)
     for (m, k, n, has_bias, dtype_name), key, config in cases:
         g.SPLIT_TAIL = key.startswith("int8_split_tail")
         launched.clear()
@@ -190,7 +194,7 @@ def int8_gemm_cases() -> dict:
             results[key] = {"error": traceback.format_exc()[-2000:]}
         finally:
             g.SPLIT_TAIL = False
-    g._launcher = real_launcher
+    stop_recording()
     return results
 
 

@@ -77,18 +77,10 @@ def interpreted_cases() -> dict:
     from omni_accel.kernels import int8
     from omni_accel.kernels import int8_gemm_triton as g
 
+    from kernels_worker import record_launches
+
     launched = []
-    real_launcher = g._launcher
-
-    class Recording:  # kernel[grid](...) as Triton's, noting the launch
-        def __init__(self, kernel, device):
-            self.kernel, self.launch = kernel, real_launcher(kernel, device)
-
-        def __getitem__(self, grid):
-            launched.append((self.kernel.__name__, grid[0]))
-            return self.launch[grid]
-
-    g._launcher = lambda kernel, device: Recording(kernel, device)
+    stop_recording = record_launches(g, launched)
     results = {}
     for key, (m, k, n, has_bias, dtype_name, gate_dtype_name, config, padding, offset) in CASES.items():
         g.SPLIT_TAIL = key.endswith("splittail")
@@ -114,7 +106,7 @@ def interpreted_cases() -> dict:
         finally:
             g.SPLIT_TAIL = False
             g.RESIDUAL_WARP_SPECIALIZED = False
-    g._launcher = real_launcher
+    stop_recording()
     return results
 
 

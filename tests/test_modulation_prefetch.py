@@ -2,6 +2,7 @@
 plain pipeline's output, fall back to computing themselves for any other input, and undo cleanly. (The side stream
 and its events exist on GPUs only; here the same slots are filled in order on the one CPU stream.)"""
 
+import contextlib
 import logging
 
 import pytest
@@ -31,6 +32,16 @@ def _prefetched_calls(monkeypatch) -> list:
     return outcomes
 
 
+@contextlib.contextmanager
+def _prefetched(pipe):
+    """The family's modulation linears prefetched while inside; yields how many, undone after."""
+    count, undo = modulation_prefetch.use_modulation_prefetch(pipe.transformer, adapter_for(pipe).modulation_prefetch)
+    try:
+        yield count
+    finally:
+        undo()
+
+
 def _linear_count(transformer) -> int:
     return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks) + 1
 
@@ -40,13 +51,10 @@ def test_flux_modulation_linears_taken_from_the_prefetch_give_the_plain_output_a
     transformer = pipe.transformer
     plain = run(pipe, kwargs)
     outcomes = _prefetched_calls(monkeypatch)
-    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
-    try:
+    with _prefetched(pipe) as count:
         assert count == _linear_count(transformer)
         assert type(transformer.transformer_blocks[0].norm1.linear) is modulation_prefetch.PrefetchedLinear
         prefetched = run(pipe, kwargs)
-    finally:
-        undo()
     assert torch.equal(prefetched, plain)
     # every modulation linear of every step took its prefetched output
     assert outcomes and all(outcomes) and len(outcomes) == count * kwargs["num_inference_steps"]
@@ -60,13 +68,10 @@ def test_qwen_image_img_and_txt_mod_linears_are_prefetched_with_the_plain_output
     pipe, kwargs = tiny_pipeline("qwen_image")
     transformer = pipe.transformer
     plain = run(pipe, kwargs)
-    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
-    try:
+    with _prefetched(pipe) as count:
         assert count == 2 * len(transformer.transformer_blocks) + 1
         assert type(transformer.transformer_blocks[0].img_mod[1]) is modulation_prefetch.PrefetchedLinear
         prefetched = run(pipe, kwargs)
-    finally:
-        undo()
     assert torch.equal(prefetched, plain)
 
 
@@ -74,8 +79,7 @@ def test_a_linear_called_with_another_input_computes_itself_and_is_never_prefetc
     pipe, _ = flux
     transformer = pipe.transformer
     linear = transformer.transformer_blocks[0].norm1.linear
-    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
-    try:
+    with _prefetched(pipe):
         temb = torch.randn(1, linear.in_features)
         modulation_prefetch.prefetch(temb, [linear])
         other = torch.randn(1, linear.in_features)
@@ -88,8 +92,6 @@ def test_a_linear_called_with_another_input_computes_itself_and_is_never_prefetc
         # the right input now computes in place too, with the linear's output
         act = torch.nn.functional.silu(temb)
         assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
-    finally:
-        undo()
     assert linear.weight.data_ptr() not in modulation_prefetch._refused
 
 
@@ -97,15 +99,12 @@ def test_a_linear_with_nothing_prefetched_or_another_shape_computes_itself(flux)
     pipe, _ = flux
     transformer = pipe.transformer
     linear = transformer.single_transformer_blocks[0].norm.linear
-    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
-    try:
+    with _prefetched(pipe):
         act = torch.randn(2, linear.in_features)
         assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
         modulation_prefetch.prefetch(torch.randn(1, linear.in_features), [linear])
         assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
         assert linear.weight.data_ptr() in modulation_prefetch._refused
-    finally:
-        undo()
 
 
 def test_absent_embedding_or_linears_prefetch_nothing(flux):
@@ -182,8 +181,7 @@ def test_a_verified_linear_still_computes_itself_for_an_input_of_another_shape(f
     pipe, _ = flux
     transformer = pipe.transformer
     linear = transformer.transformer_blocks[0].norm1_context.linear
-    count, undo = modulation_prefetch.use_modulation_prefetch(transformer, adapter_for(pipe).modulation_prefetch)
-    try:
+    with _prefetched(pipe):
         temb = torch.randn(1, linear.in_features)
         modulation_prefetch.prefetch(temb, [linear])
         linear(torch.nn.functional.silu(temb))  # verified
@@ -191,5 +189,3 @@ def test_a_verified_linear_still_computes_itself_for_an_input_of_another_shape(f
         modulation_prefetch.prefetch(temb, [linear])
         half = torch.randn(2, linear.in_features)
         assert torch.equal(linear(half), torch.nn.functional.linear(half, linear.weight, linear.bias))
-    finally:
-        undo()
