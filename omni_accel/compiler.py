@@ -274,6 +274,10 @@ class CompilePass(AccelPass):
                 f"{CUDA_GRAPHS_ENV}={graphs_env!r} is not understood; set it to 0 to turn off the CUDA graphs of "
                 "compile='max', or to 1 (or unset it) to keep them."
             )
+        where = modulation_prefetch.MODULATION_PREFETCH
+        if where not in modulation_prefetch.WHERE:
+            raise AccelError(f"omni_accel.modulation_prefetch.MODULATION_PREFETCH={where!r} is not one of "
+                             f"{modulation_prefetch.WHERE}; set it to \"graphs\" (the default), \"always\" or \"off\".")
         if ctx.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
             raise AccelError(
                 "compile=True on CPU needs a C++ compiler for inductor and none was found on PATH; "

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 # forward; measured no faster without the graph, compiler._prefetches_modulation) or "off"; benchmarks' A/B rows
 # set it.
 MODULATION_PREFETCH = "graphs"
+WHERE = ("graphs", "always", "off")  # its values (the compile pass refuses others)
 
 
 @dataclass

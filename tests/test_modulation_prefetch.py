@@ -189,3 +189,16 @@ def test_a_verified_linear_still_computes_itself_for_an_input_of_another_shape(f
         modulation_prefetch.prefetch(temb, [linear])
         half = torch.randn(2, linear.in_features)
         assert torch.equal(linear(half), torch.nn.functional.linear(half, linear.weight, linear.bias))
+
+
+def test_an_unknown_prefetch_setting_is_refused_before_anything_is_patched(flux, monkeypatch):
+    import omni_accel
+    from omni_accel.errors import AccelError
+
+    pipe, _ = flux
+    monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "Graphs")
+    with pytest.raises(AccelError, match=r"MODULATION_PREFETCH='Graphs' is not one of \('graphs', 'always', 'off'\); "
+                                         r"set it to \"graphs\" \(the default\)"):
+        omni_accel.accelerate(pipe, compile=True)
+    assert not hasattr(pipe, "omni_accel") or pipe.omni_accel is None
+    assert type(pipe.transformer.norm_out.linear) is torch.nn.Linear
