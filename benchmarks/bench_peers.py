@@ -171,6 +171,10 @@ class Row:
     modulation_prefetch: str = "off"
     # kernels.epilogue_fusion.GATED_RESIDUAL_INT8 (True: a block's gated residual in the int8 GEMM's epilogue)
     int8_gated_residual: bool = False
+    # kernels.int8_gemm_triton.RESIDUAL_WARP_SPECIALIZED / RESIDUAL_WS_IO (the gated residual in the warp-specialized
+    # kernel's twin, with its residual / output through TMA or pointers)
+    int8_residual_ws: bool = False
+    int8_residual_ws_io: int = 0
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -208,7 +212,9 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("compiler", "COMPLEX_ROTARY_PAIR_SWAP", "complex_rotary_pair_swap"),
             ("kernels.gemm_tuning", "TUNED_GEMMS", "tuned_gemm"),
             ("modulation_prefetch", "MODULATION_PREFETCH", "modulation_prefetch"),
-            ("kernels.epilogue_fusion", "GATED_RESIDUAL_INT8", "int8_gated_residual"))
+            ("kernels.epilogue_fusion", "GATED_RESIDUAL_INT8", "int8_gated_residual"),
+            ("kernels.int8_gemm_triton", "RESIDUAL_WARP_SPECIALIZED", "int8_residual_ws"),
+            ("kernels.int8_gemm_triton", "RESIDUAL_WS_IO", "int8_residual_ws_io"))
 
 
 @contextlib.contextmanager
@@ -738,6 +744,12 @@ ROWS["ours_bf16_mk_pdl_max_noprefetch"] = _switched("ours_bf16_mk_pdl_max", "nop
 for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
     ROWS[f"{_name}_gatedres"] = _switched(_name, "gatedres", "a block's gated residual in the int8 GEMM's epilogue",
                                           int8_gated_residual=True)
+# ... and in the warp-specialized kernel's twin too (above FEW_ROWS rows on Hopper), its residual and / or output
+# through pointers (RESIDUAL_WS_IO 1-3: the TMA-only epilogue, 0, wrote wrong values on an H100)
+for _io in (1, 2, 3):
+    ROWS[f"ours_int8_gatedres_ws{_io}"] = _switched("ours_int8_gatedres", f"ws{_io}", "the gated residual in the "
+                                                    f"warp-specialized int8 GEMM too (epilogue IO {_io})",
+                                                    int8_residual_ws=True, int8_residual_ws_io=_io)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

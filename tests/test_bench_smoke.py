@@ -377,6 +377,30 @@ def test_gemm_gelu_bench_tiny_cpu_rows_and_its_refusal(tmp_path, capsys):
     assert "--warm-s -1.0: give the seconds of warm-up GEMMs (>= 0), or 0 for none" in capsys.readouterr().err
 
 
+def test_int8_residual_bench_checks_every_way_bit_for_bit_in_the_interpreter(tmp_path, capsys):
+    """bench_int8_residual.py's GPU-run code on tiny shapes in Triton's interpreter (a subprocess): above FEW_ROWS
+    rows every way runs -- the plain GEMM, the separate add, the library's twin and the warp-specialized twin with
+    each epilogue IO -- and, at a few rows, the first three; each way's output equals the reference bit for bit
+    (0 mismatches over the values checked); --checks 0 is refused with the fix."""
+    out = tmp_path / "int8_residual.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_int8_residual.py"), "--device",
+                           "cpu", "--tiny", "--iters", "1", "--reps", "1", "--checks", "1", "--warm-s", "0",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
+    ways = {(r["shape_name"], r["way"]) for r in rows}
+    basic = ("gemm_only", "separate", "twin")
+    assert ways == {("tiny_many_rows", w) for w in basic + tuple(f"ws_io{io}" for io in range(4))} \
+        | {("tiny_few_rows", w) for w in basic}
+    assert all(r["mismatches"] == 0 and r["checked_values"] == r["shape"][0] * r["shape"][2] for r in rows), rows
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_int8_residual.py"), "--device",
+                           "cpu", "--tiny", "--checks", "0", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "--checks 0: give at least 1 call to check each way on" in proc.stderr
+
+
 def test_attention_study_int8_rounding_has_one_scale_per_head_and_run_of_tokens():
     """study_fp8_attention_error.py's int8 Q / K: each (run of tokens, head) group is rounded to 255 levels of its
     own max |x| (error <= half a level, the max itself exact), a short last run gets its own scale, and a large value

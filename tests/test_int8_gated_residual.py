@@ -41,6 +41,11 @@ CASES = {
     "ws-40x48x72-bias-fp16-strided": (40, 48, 72, True, "float16", "float16", "ws_128x256x128", 8, 0),
     "ws-40x48x72-bias-fp16-misaligned": (40, 48, 72, True, "float16", "float16", "ws_128x256x128", 8, 1),
     "ws-40x48x72-bias-fp32": (40, 48, 72, True, "float32", "float32", "ws_128x256x128", 0, 0),
+    # the warp-specialized twin's epilogue with its residual and / or output through pointers (RESIDUAL_WS_IO 1-3),
+    # with a residual of wider rows so that the pointer load's row stride is not N
+    "ws-70x128x64-bias-bf16-strided-io1": (70, 128, 64, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
+    "ws-70x128x64-bias-bf16-strided-io2": (70, 128, 64, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
+    "ws-70x128x64-bias-bf16-strided-io3": (70, 128, 64, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
     # with SPLIT_TAIL on, 14 tiles of which the last 2 would be split along K: the residual call keeps them whole
     "ws-64x96x224-bias-bf16-splittail": (64, 96, 224, True, "bfloat16", "bfloat16", "ws_128x256x128", 0, 0),
     # more than FEW_ROWS rows, no config: where the plain call takes the warp-specialized kernel (the interpreter
@@ -86,6 +91,7 @@ def interpreted_cases() -> dict:
         g.SPLIT_TAIL = key.endswith("splittail")
         # the ws- cases ask for the warp-specialized twin; "ws-as-tma" asks for it with the switch off
         g.RESIDUAL_WARP_SPECIALIZED = key.endswith("wsresidual") or (key.startswith("ws-") and "as-tma" not in key)
+        g.RESIDUAL_WS_IO = int(key[-1]) if "-io" in key else 0
         launched.clear()
         try:
             dtype = getattr(torch, dtype_name)
@@ -106,6 +112,7 @@ def interpreted_cases() -> dict:
         finally:
             g.SPLIT_TAIL = False
             g.RESIDUAL_WARP_SPECIALIZED = False
+            g.RESIDUAL_WS_IO = 0
     stop_recording()
     return results
 
@@ -231,7 +238,8 @@ def test_residual_kernels_lower_for_hopper(name):
                             w_desc=f"tensordesc<i8[{block_n // 2}, {block_k}]>",
                             out_desc=f"tensordesc<bf16[{block_m}, {block_n // 2}]>",
                             res_desc=f"tensordesc<bf16[{block_m}, {block_n // 2}]>")
-        consts = _residual_consts(tile, EVEN_K=True) if name == "pointer" else _residual_consts(tile, PROGRAMS=132)
+        consts = (_residual_consts(tile, EVEN_K=True) if name == "pointer" else
+                  _residual_consts(tile, PROGRAMS=132, **({"IO": g.RESIDUAL_WS_IO} if name == "ws" else {})))
         compiled = compile_for_hopper(kernel, pointers, consts, {"num_warps": warps, "num_stages": stages},
                                       floats=(), aligned=True)
         ptx = compiled.asm["ptx"]

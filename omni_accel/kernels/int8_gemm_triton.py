@@ -119,6 +119,10 @@ WARP_SPECIALIZE = True
 # of the values, at every shape tried) where the pointer and TMA twins matched Inductor's unfused graph bit for bit;
 # the cause is not found (the sm_90 lowering shows no shared-memory or descriptor overlap).
 RESIDUAL_WARP_SPECIALIZED = False
+# How the warp-specialized twin's epilogue reads the residual and writes the output: 0 both through TMA (the twin
+# above), 1 the output stored through pointers, 2 the residual loaded through pointers, 3 both through pointers
+# (bench_int8_residual.py checks and times each on a GPU).
+RESIDUAL_WS_IO = 0
 WS_TILE = "ws_128x256x128"
 # Whether the warp-specialized kernel leaves a last wave that would fill at most half the SMs to a second kernel that
 # splits each of its tiles along K over idle SMs (integer partial sums, added by the tile's last program). Why:
@@ -403,31 +407,53 @@ def _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid
 @triton.jit
 def _residual_halves_store(left, right, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, pid_m,
                            pid_n, M, N, HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           BLOCK_N: tl.constexpr, out_ptr, residual_ptr, stride_rm, IO: tl.constexpr):
     """The persistent kernels' epilogue with the gated residual, for a tile's two column halves
     (``_tile_sums_halves``), one after the other; the residual's half tiles come through ``res_desc``, the output's
-    leave through ``out_desc`` (both with blocks of half a tile)."""
+    leave through ``out_desc`` (both with blocks of half a tile). ``IO`` (a ``RESIDUAL_WS_IO`` value) moves the
+    residual's load and / or the output's store to pointers (``residual_ptr`` with row stride ``stride_rm``,
+    ``out_ptr`` with row stride N)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     x_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
     _residual_half_store(left, out_desc, res_desc, x_scale, w_scale_ptr, bias_ptr, gate_ptr, pid_m * BLOCK_M,
-                         pid_n * BLOCK_N, N, HAS_BIAS, ROUND_TO, BLOCK_N // 2)
+                         pid_n * BLOCK_N, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N // 2, out_ptr, residual_ptr,
+                         stride_rm, IO)
     _residual_half_store(right, out_desc, res_desc, x_scale, w_scale_ptr, bias_ptr, gate_ptr, pid_m * BLOCK_M,
-                         pid_n * BLOCK_N + BLOCK_N // 2, N, HAS_BIAS, ROUND_TO, BLOCK_N // 2)
+                         pid_n * BLOCK_N + BLOCK_N // 2, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N // 2, out_ptr,
+                         residual_ptr, stride_rm, IO)
+
+
+# ``IO`` of the residual epilogue: how the residual comes in and the output goes out (TMA or pointers)
+_IO_TMA = tl.constexpr(0)
+_IO_POINTER_STORE = tl.constexpr(1)
+_IO_POINTER_LOAD = tl.constexpr(2)
+_IO_POINTERS = tl.constexpr(3)
 
 
 @triton.jit
-def _residual_half_store(acc, out_desc, res_desc, x_scale, w_scale_ptr, bias_ptr, gate_ptr, first_row, first_col, N,
-                         HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, HALF_N: tl.constexpr):
+def _residual_half_store(acc, out_desc, res_desc, x_scale, w_scale_ptr, bias_ptr, gate_ptr, first_row, first_col, M,
+                         N, HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr,
+                         HALF_N: tl.constexpr, out_ptr, residual_ptr, stride_rm, IO: tl.constexpr):
     cols = first_col + tl.arange(0, HALF_N)
     w_scale = tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     gate = tl.load(gate_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    # the residual through TMA (shared memory, read in the accumulator's layout): loaded through pointers, its
-    # change of layout spilled 2-3 KB of registers per thread in the warp-specialized kernel's sm_90 lowering
-    residual = res_desc.load([first_row, first_col]).to(tl.float32)
-    out_desc.store([first_row, first_col], (residual + gate[None, :] * _as_output(y, ROUND_TO)).to(out_desc.dtype))
+    rows = first_row + tl.arange(0, BLOCK_M)
+    inside = (rows < M)[:, None] & (cols < N)[None, :]
+    if IO == _IO_POINTER_LOAD or IO == _IO_POINTERS:
+        residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=inside,
+                           other=0.0).to(tl.float32)
+    else:
+        # the residual through TMA (shared memory, read in the accumulator's layout): loaded through pointers, its
+        # change of layout spilled 2-3 KB of registers per thread in the warp-specialized kernel's sm_90 lowering
+        residual = res_desc.load([first_row, first_col]).to(tl.float32)
+    out = (residual + gate[None, :] * _as_output(y, ROUND_TO)).to(out_desc.dtype)
+    if IO == _IO_POINTER_STORE or IO == _IO_POINTERS:
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=inside)
+    else:
+        out_desc.store([first_row, first_col], out)
 
 
 @triton.jit
@@ -472,7 +498,8 @@ def _tma_tiles(x_desc, w_desc, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bia
         pid_m, pid_n = _tile_coords(epilogue_tile, tiles_m, tiles_n, GROUP_M)
         if HAS_RESIDUAL:
             _residual_halves_store(left, right, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr,
-                                   pid_m, pid_n, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N)
+                                   pid_m, pid_n, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N, x_scale_ptr,
+                                   x_scale_ptr, 0, _IO_TMA)
         else:
             _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
                            BLOCK_N)
@@ -485,24 +512,24 @@ def _int8_gemm_rescale_ws_kernel(
     GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     _ws_tiles(x_ptr, w_ptr, out_ptr, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, x_scale_ptr, M, N, K, stride_xm,
-              stride_wn, 0, tiles, HAS_BIAS, False, None, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS)
+              stride_wn, 0, tiles, HAS_BIAS, False, None, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS, _IO_TMA)
 
 
 @triton.jit
 def _int8_gemm_rescale_residual_ws_kernel(
     x_ptr, w_ptr, out_ptr, residual_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K, stride_xm, stride_wn,
     stride_rm, tiles, HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, IO: tl.constexpr,
 ):
     _ws_tiles(x_ptr, w_ptr, out_ptr, residual_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K, stride_xm,
-              stride_wn, stride_rm, tiles, HAS_BIAS, True, ROUND_TO, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS)
+              stride_wn, stride_rm, tiles, HAS_BIAS, True, ROUND_TO, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PROGRAMS, IO)
 
 
 @triton.jit
 def _ws_tiles(x_ptr, w_ptr, out_ptr, residual_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K, stride_xm,
               stride_wn, stride_rm, tiles, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_TO: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-              PROGRAMS: tl.constexpr):
+              PROGRAMS: tl.constexpr, IO: tl.constexpr):
     # The persistent TMA kernel's arithmetic, warp specialized: a producer partition issues the TMA loads into a ring
     # of shared-memory stages while two consumer warp groups (half the tile's rows each) multiply and run the
     # epilogue, so loads for the next tile start while this one's epilogue runs without the software pipeline's
@@ -525,7 +552,8 @@ def _ws_tiles(x_ptr, w_ptr, out_ptr, residual_ptr, x_scale_ptr, w_scale_ptr, bia
         if HAS_RESIDUAL:
             left, right = _tile_sums_halves(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
             _residual_halves_store(left, right, out_desc, res_desc, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr,
-                                   pid_m, pid_n, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N)
+                                   pid_m, pid_n, M, N, HAS_BIAS, ROUND_TO, BLOCK_M, BLOCK_N, out_ptr, residual_ptr,
+                                   stride_rm, IO)
         else:
             acc = _tile_sums(x_desc, w_desc, pid_m, pid_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K)
             _rescale_store(acc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, pid_m, pid_n, M, N, HAS_BIAS, BLOCK_M,
@@ -619,7 +647,8 @@ def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile, gated=None) ->
         gate, rows = gated
         _launcher(_int8_gemm_rescale_residual_ws_kernel, x_int8.device)[(programs,)](
             x_int8, w_int8, out, rows, *operands[3:], gate, m, n, k, x_int8.stride(0), w_int8.stride(0),
-            rows.stride(0), whole, HAS_BIAS=bias is not None, ROUND_TO=_ROUND_TO[rows.dtype], **tiling)
+            rows.stride(0), whole, HAS_BIAS=bias is not None, ROUND_TO=_ROUND_TO[rows.dtype], IO=RESIDUAL_WS_IO,
+            **tiling)
         return
     _launcher(_int8_gemm_rescale_ws_kernel, x_int8.device)[(programs,)](
         *operands, m, n, k, x_int8.stride(0), w_int8.stride(0), whole, HAS_BIAS=bias is not None, **tiling)
