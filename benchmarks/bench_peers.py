@@ -745,7 +745,8 @@ for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
     ROWS[f"{_name}_gatedres"] = _switched(_name, "gatedres", "a block's gated residual in the int8 GEMM's epilogue",
                                           int8_gated_residual=True)
 # ... and in the warp-specialized kernel's twin too (above FEW_ROWS rows on Hopper), its residual and / or output
-# through pointers (RESIDUAL_WS_IO 1-3: the TMA-only epilogue, 0, wrote wrong values on an H100)
+# through pointers (RESIDUAL_WS_IO 1-3). A/B rows only: on an H100 every variant wrote wrong values (the _ws1 row's
+# output error 1.42; bench_int8_residual.py counts them per GEMM)
 for _io in (1, 2, 3):
     ROWS[f"ours_int8_gatedres_ws{_io}"] = _switched("ours_int8_gatedres", f"ws{_io}", "the gated residual in the "
                                                     f"warp-specialized int8 GEMM too (epilogue IO {_io})",

@@ -144,9 +144,10 @@ INT8_SPLIT_TAIL_CASES = tuple(f"int8_split_tail-{m}x{k}x{n}-{'bias' if b else 'n
                               for m, k, n, b, d in INT8_SPLIT_TAIL_SHAPES)
 
 
-def record_launches(g, launched: list):
+def record_launches(g, launched: list, keywords: tuple = ()):
     """Make kernels/int8_gemm_triton.py (``g``) note (kernel name, programs) of every launch in ``launched``, to show
-    which path a case took; returns the undo."""
+    which path a case took, and with ``keywords`` a third entry: {keyword: value} of those launch arguments the call
+    passed (constexpr switches such as ``IO``); returns the undo."""
     real_launcher = g._launcher
 
     class Recording:  # kernel[grid](...) as Triton's, noting the launch
@@ -154,8 +155,15 @@ def record_launches(g, launched: list):
             self.kernel, self.launch = kernel, real_launcher(kernel, device)
 
         def __getitem__(self, grid):
-            launched.append((self.kernel.__name__, grid[0]))
-            return self.launch[grid]
+            launch = self.launch[grid]
+            if not keywords:
+                launched.append((self.kernel.__name__, grid[0]))
+                return launch
+
+            def call(*args, **kwargs):
+                launched.append((self.kernel.__name__, grid[0], {k: kwargs[k] for k in keywords if k in kwargs}))
+                return launch(*args, **kwargs)
+            return call
 
     g._launcher = Recording
     return lambda: setattr(g, "_launcher", real_launcher)

@@ -381,7 +381,8 @@ def test_int8_residual_bench_checks_every_way_bit_for_bit_in_the_interpreter(tmp
     """bench_int8_residual.py's GPU-run code on tiny shapes in Triton's interpreter (a subprocess): above FEW_ROWS
     rows every way runs -- the plain GEMM, the separate add, the library's twin and the warp-specialized twin with
     each epilogue IO -- and, at a few rows, the first three; each way's output equals the reference bit for bit
-    (0 mismatches over the values checked); --checks 0 is refused with the fix."""
+    (0 mismatches over the values checked); --checks 0, and the CPU without the interpreter, are refused with the
+    fix."""
     out = tmp_path / "int8_residual.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_int8_residual.py"), "--device",
@@ -399,6 +400,12 @@ def test_int8_residual_bench_checks_every_way_bit_for_bit_in_the_interpreter(tmp
                            "cpu", "--tiny", "--checks", "0", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "--checks 0: give at least 1 call to check each way on" in proc.stderr
+    env.pop("TRITON_INTERPRET")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_int8_residual.py"), "--device",
+                           "cpu", "--tiny", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 2 and ("--device cpu: the Triton kernels run off a GPU only in Triton's interpreter; "
+                                     "set TRITON_INTERPRET=1 in the environment") in proc.stderr, proc.stderr[-2000:]
 
 
 def test_attention_study_int8_rounding_has_one_scale_per_head_and_run_of_tokens():

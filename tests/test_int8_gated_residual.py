@@ -43,9 +43,10 @@ CASES = {
     "ws-40x48x72-bias-fp32": (40, 48, 72, True, "float32", "float32", "ws_128x256x128", 0, 0),
     # the warp-specialized twin's epilogue with its residual and / or output through pointers (RESIDUAL_WS_IO 1-3),
     # with a residual of wider rows so that the pointer load's row stride is not N
-    "ws-70x128x64-bias-bf16-strided-io1": (70, 128, 64, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
-    "ws-70x128x64-bias-bf16-strided-io2": (70, 128, 64, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
-    "ws-70x128x64-bias-bf16-strided-io3": (70, 128, 64, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
+    # (72 columns: the last 16-column half tile partial, so the pointer paths' column masks are exercised)
+    "ws-70x128x72-bias-bf16-strided-io1": (70, 128, 72, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
+    "ws-70x128x72-bias-bf16-strided-io2": (70, 128, 72, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
+    "ws-70x128x72-bias-bf16-strided-io3": (70, 128, 72, True, "bfloat16", "bfloat16", "ws_128x256x128", 8, 0),
     # with SPLIT_TAIL on, 14 tiles of which the last 2 would be split along K: the residual call keeps them whole
     "ws-64x96x224-bias-bf16-splittail": (64, 96, 224, True, "bfloat16", "bfloat16", "ws_128x256x128", 0, 0),
     # more than FEW_ROWS rows, no config: where the plain call takes the warp-specialized kernel (the interpreter
@@ -85,7 +86,7 @@ def interpreted_cases() -> dict:
     from kernels_worker import record_launches
 
     launched = []
-    stop_recording = record_launches(g, launched)
+    stop_recording = record_launches(g, launched, keywords=("IO",))
     results = {}
     for key, (m, k, n, has_bias, dtype_name, gate_dtype_name, config, padding, offset) in CASES.items():
         g.SPLIT_TAIL = key.endswith("splittail")
@@ -117,10 +118,25 @@ def interpreted_cases() -> dict:
     return results
 
 
+def unknown_io_refusal() -> str:
+    """The message of the warp-specialized twin's call with RESIDUAL_WS_IO set to a value it does not take."""
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    operands, gate, residual = _operands(70, 128, 64, False, torch.bfloat16, torch.bfloat16, 0, 0)
+    g.RESIDUAL_WARP_SPECIALIZED, g.RESIDUAL_WS_IO = True, 7
+    try:
+        g.int8_mm_rescale(*operands, torch.bfloat16, config="ws_128x256x128", gate=gate, residual=residual)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        g.RESIDUAL_WARP_SPECIALIZED, g.RESIDUAL_WS_IO = False, 0
+
+
 def main(out_path: str) -> int:
     from omni_accel.kernels import fused
 
-    result = {"interpreted": fused.interpreted(), "cases": interpreted_cases()}
+    result = {"interpreted": fused.interpreted(), "cases": interpreted_cases(), "unknown_io": unknown_io_refusal()}
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
     return 0
@@ -157,8 +173,17 @@ def test_residual_kernels_equal_the_reference_bit_for_bit(interpreted, case):
     assert r["equal"] and r["max_abs_err"] == 0, r
     assert r["dtype"] == f"torch.{dtype}" and r["shape"] == [m, n] and r["residual_unchanged"], r
     assert [launch[0] for launch in r["launched"]] == [LAUNCHED[case]], r
+    # the warp-specialized twin's epilogue IO as the case asked (RESIDUAL_WS_IO); the other twins take none
+    want_io = {"IO": int(case[-1]) if "-io" in case else 0} if LAUNCHED[case] == WS else {}
+    assert r["launched"][0][2] == want_io, r
     if dtype != "float32":
         assert r["differs_from_one_rounding"], r
+
+
+def test_an_unknown_epilogue_io_is_refused_naming_the_values_it_takes(interpreted):
+    assert interpreted["unknown_io"] == (
+        "int8_gemm_triton.RESIDUAL_WS_IO=7: use 0 (residual and output through TMA), 1 (output through pointers), "
+        "2 (residual through pointers) or 3 (both)")
 
 
 def test_the_residual_stays_out_of_the_warp_specialized_kernel_unless_switched_on(monkeypatch):
@@ -252,6 +277,34 @@ def test_residual_kernels_lower_for_hopper(name):
         spills[tile_name] = _spilled_bytes(ptxas_report(ptx))
     assert all(spills[tile_name] == 0 for tile_name in no_spill), spills
 
+
+
+@pytest.mark.parametrize("io", [1, 2, 3])
+def test_warp_specialized_epilogue_io_variants_lower_for_hopper(io):
+    """RESIDUAL_WS_IO 1-3 (the residual and / or the output through pointers) lower for sm_90 into Triton's
+    producer / consumer partitions with s8 warp-group MMAs and TMA operand loads; they may spill (they are A/B
+    variants, not defaults), and with both through pointers the epilogue needs no shared-memory staging, so the
+    kernel takes less shared memory than with TMA in and out."""
+    from omni_accel.kernels import fused
+    from omni_accel.kernels import int8_gemm_triton as g
+
+    if fused.interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1; the worker covers that path")
+    pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
+    compile_for_hopper, _ = _hopper_tools()
+    tile = g.WS_CONFIGS[g.WS_TILE]
+    launch = {"num_warps": tile[4], "num_stages": tile[5]}
+    shared = {}
+    for variant in (0, io):
+        compiled = compile_for_hopper(g._int8_gemm_rescale_residual_ws_kernel, dict(_POINTERS),
+                                      _residual_consts(tile, PROGRAMS=132, IO=variant), launch, floats=(),
+                                      aligned=True)
+        ptx = compiled.asm["ptx"]
+        assert "wgmma" in ptx and ".s8" in ptx and "cp.async.bulk.tensor" in ptx, variant
+        assert "ttg.warp_specialize" in compiled.asm["ttgir"] and "setmaxnreg" in ptx, variant
+        shared[variant] = compiled.metadata.shared
+    if io == 3:
+        assert shared[3] < shared[0], shared
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)

@@ -37,7 +37,8 @@ kernels' one body takes ``HAS_RESIDUAL``, a constexpr), and the plain kernels co
 The persistent twins compute each tile as two half-width accumulators and read the residual through TMA
 (``_tile_sums_halves``: that is what kept their sm_90 lowering free of spills, on Triton 3.6 and 3.9). The
 split-tail kernel has no twin: a call with the residual keeps its last wave whole. The warp-specialized twin is not
-used unless ``RESIDUAL_WARP_SPECIALIZED`` is set (wrong values on an H100, see there).
+used unless ``RESIDUAL_WARP_SPECIALIZED`` is set (wrong values on an H100, see there); ``RESIDUAL_WS_IO`` moves its
+epilogue's residual load and / or output store to pointers (A/B variants, wrong on an H100 too).
 
 ``_int8_gemv_dot_kernel`` and ``_int8_gemv_kernel``: the int8 weight-only layers' matrix-vector product (16-bit x
 of up to 16 rows, int8 weight, per-channel scale; kernels/int8.py's ``TRITON_GEMV``), bound by reading the weight
@@ -115,13 +116,15 @@ PERSISTENT_TMA = True
 WARP_SPECIALIZE = True
 # Whether a call with the gated residual takes the warp-specialized kernel's twin where the plain call would take the
 # warp-specialized kernel (else the persistent TMA kernel's twin: ``residual_in_gemm`` tells the graph pass). Off: on
-# an H100 with Triton 3.6 the twin wrote wrong values into one or two 64 x 64 boxes of the output per call (0.06-0.3 %
-# of the values, at every shape tried) where the pointer and TMA twins matched Inductor's unfused graph bit for bit;
-# the cause is not found (the sm_90 lowering shows no shared-memory or descriptor overlap).
+# an H100 with Triton 3.6 the twin wrote wrong values into a few 64 x 64 boxes of the output per call (0.1-0.3 % of
+# the values, at every shape tried) where the pointer and TMA twins matched Inductor's unfused graph bit for bit; the
+# sm_90 lowering shows no shared-memory or descriptor overlap, and every RESIDUAL_WS_IO variant is wrong too
+# (benchmarks/results/bench_int8_residual_h100_20261206.json), so the cause is likely the main loop's two half-width
+# accumulators. Even right, its half-width MMAs cost about what the fused add saves (docs/kernels.md).
 RESIDUAL_WARP_SPECIALIZED = False
 # How the warp-specialized twin's epilogue reads the residual and writes the output: 0 both through TMA (the twin
-# above), 1 the output stored through pointers, 2 the residual loaded through pointers, 3 both through pointers
-# (bench_int8_residual.py checks and times each on a GPU).
+# above), 1 the output stored through pointers, 2 the residual loaded through pointers, 3 both through pointers. A/B
+# variants: 1-3 spill registers, and on an H100 all four wrote wrong values (1 in most of the output).
 RESIDUAL_WS_IO = 0
 WS_TILE = "ws_128x256x128"
 # Whether the warp-specialized kernel leaves a last wave that would fill at most half the SMs to a second kernel that
@@ -644,6 +647,9 @@ def _launch_ws(x_int8, w_int8, out, x_scale, w_scale, bias, tile, gated=None) ->
     tiling = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=programs,
                   num_warps=warps, num_stages=stages)
     if gated is not None:
+        if RESIDUAL_WS_IO not in (0, 1, 2, 3):
+            raise ValueError(f"int8_gemm_triton.RESIDUAL_WS_IO={RESIDUAL_WS_IO!r}: use 0 (residual and output through "
+                             "TMA), 1 (output through pointers), 2 (residual through pointers) or 3 (both)")
         gate, rows = gated
         _launcher(_int8_gemm_rescale_residual_ws_kernel, x_int8.device)[(programs,)](
             x_int8, w_int8, out, rows, *operands[3:], gate, m, n, k, x_int8.stride(0), w_int8.stride(0),
