@@ -30,6 +30,14 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
   weights in int8 too (``quant_config={"modulation": "int8"}``).
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
   linears): each attention module's q / k / v descales and K mean calibrated on the same first call.
+- ``int8_requant_g16`` / ``int8_requant_g64``: ``int8`` with the feed-forward's hidden state (the input of each dual
+  block's two down projections, and the MLP part of each single block's ``proj_out`` input) rounded twice, as a
+  GEMM epilogue that quantizes its own tile could produce it: first to int8 with one scale per row and group of 16 /
+  64 columns (the producing GEMM's tile width; FLUX.1-dev's 12,288-wide hidden state in 256-wide tiles has 48
+  groups, the built-in model's 1,024-wide one 64 / 16), then requantized to the row's own scale, which the
+  per-token int8 GEMM takes. The attention part of ``proj_out``'s input is rounded once, to the same row scale.
+  Emulated on the input of those layers (``requantized_hidden``); the question is whether the extra rounding keeps
+  the quality bound, not a speed.
 
 What a PSNR figure means here, from a change that loses nothing (a row, not FP8): ``fp32`` renders with the model in
 float32, more precise than the bf16 reference. Some held-out captions sit where the sampler's path is unstable, so a
@@ -54,6 +62,9 @@ change of rounding moves their image more than others'; this row shows how far b
     # the AdaLN modulation linears' weights in int8 beside int8 and static FP8 linears
     python benchmarks/bench_fp8_quality.py --modes int8,int8_modulation,fp8_static,fp8_static_modulation \
         --out benchmarks/results/modulation_int8_quality.json
+    # the feed-forward's hidden state rounded per group in the producing GEMM, then requantized per row
+    python benchmarks/bench_fp8_quality.py --modes int8,int8_requant_g16,int8_requant_g64 --adherence 100 \
+        --out benchmarks/results/int8_requant_hidden_quality.json
 """
 
 from __future__ import annotations
@@ -141,9 +152,42 @@ def adherence(got: torch.Tensor, captions: list[str], reference: torch.Tensor | 
 
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
          "fp8_static_promoted", "fp8attn", "int8", "int8_fp8attn", "int8_modulation", "fp8_static_modulation",
-         "sage", "int8_sage", "fp32")
+         "sage", "int8_sage", "fp32", "int8_requant_g16", "int8_requant_g64")
 GPU_ONLY = ("sage", "int8_sage")  # SageAttention has CUDA kernels only
 LOSSLESS = ("fp32",)  # reference-noise rows: no FP8 anywhere
+
+
+def requantized_hidden(x: torch.Tensor, group: int, skip: int = 0) -> torch.Tensor:
+    """``x`` (..., C) with its columns from ``skip`` on rounded to int8 per row and group of ``group`` columns, then
+    requantized to the row's int8 scale (max |row| / 127 over all C columns), and its first ``skip`` columns left as
+    they are (the per-token quantization after it rounds them to that scale once): returned dequantized, in x's dtype,
+    on the grid of the row's scale, so that the layer's own per-token quantization reproduces the twice-rounded
+    integers."""
+    xf = x.float()
+    row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    hidden = xf[..., skip:]
+    if hidden.shape[-1] % group:
+        raise ValueError(f"requantized_hidden: {hidden.shape[-1]} columns are not a multiple of group={group}")
+    groups = hidden.reshape(*hidden.shape[:-1], -1, group)
+    group_scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    once = (torch.round(groups / group_scale).clamp(-127, 127) * group_scale).reshape(hidden.shape)
+    twice = torch.round(once / row_scale).clamp(-127, 127) * row_scale
+    return torch.cat([xf[..., :skip], twice], dim=-1).to(x.dtype)
+
+
+def hidden_state_hooks(transformer, group: int) -> list:
+    """Forward pre-hooks on the linears that read a FLUX-family transformer's feed-forward hidden state (the dual
+    blocks' ``ff.net.2`` / ``ff_context.net.2``, the single blocks' ``proj_out``, whose first ``dim`` input columns
+    are the attention output), replacing their input by ``requantized_hidden``; returns the handles."""
+    dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    handles = []
+    for name, module in transformer.named_modules():
+        if name.endswith(("ff.net.2", "ff_context.net.2")) or (name.startswith("single_transformer_blocks.")
+                                                               and name.endswith(".proj_out")):
+            skip = dim if name.endswith("proj_out") else 0
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, args, skip=skip: (requantized_hidden(args[0], group, skip), *args[1:])))
+    return handles
 
 
 def worst_png(worst: list, path: str) -> list[dict]:
@@ -255,6 +299,7 @@ def main(argv=None) -> int:
         elif attention != "auto":
             omni_accel.accelerate(pipe, attention=attention)
         undo_route = _route_fp8_attention(pipe, mode.endswith("_static")) if "fp8attn" in mode else None
+        hooks = hidden_state_hooks(pipe.transformer, int(mode.rsplit("_g", 1)[1])) if "_requant_g" in mode else []
         if mode.startswith("fp8_static"):
             images(pipe, [calibration_prompt], args.seed + 1000)  # observes; the next call freezes the scales
         t0 = time.perf_counter()
@@ -265,6 +310,8 @@ def main(argv=None) -> int:
         attention_states = [m.activations for m in pipe.transformer.modules() if isinstance(m, AttentionScales)]
         if undo_route is not None:
             undo_route()
+        for handle in hooks:
+            handle.remove()
         if linears or attention != "auto":
             omni_accel.restore(pipe)
         p, s = psnr(got, reference), ssim(got, reference)
@@ -277,6 +324,8 @@ def main(argv=None) -> int:
             rows[mode]["adherence"], _ = adherence(many_got, many, many_reference, reference_verdicts)
         if mode.startswith("fp8_static"):
             rows[mode]["calibration_prompt"] = calibration_prompt
+        if hooks:
+            rows[mode]["requantized_layers"] = len(hooks)
         if attention_states:
             rows[mode]["attention_scales"] = {state: attention_states.count(state) for state in set(attention_states)}
         print(mode, {k: v for k, v in rows[mode].items() if k != "psnr"}, flush=True)

@@ -480,6 +480,42 @@ def test_fp8_quality_fp32_row_measures_bf16_rounding_against_the_reference(tmp_p
     assert len(row["psnr"]) == 2 and 30 < row["psnr_min"] < float("inf")
 
 
+def test_requantized_hidden_rounds_twice_within_a_row_step_and_leaves_the_attention_part_once():
+    """bench_fp8_quality.py's emulation of a feed-forward hidden state quantized per group in its GEMM's epilogue and
+    requantized per row: the per-token quantization after it finds the row's own scale and the twice-rounded
+    integers; each value is within one row step of the original (half a group step + half a row step), the
+    attention columns are quantized once, as directly, a group as wide as the row gives the direct rounding, and
+    the double rounding does move some values; a width that groups do not divide is refused."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_fp8_quality import requantized_hidden
+    from omni_accel.kernels.int8 import quantize_rows_int8
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 16 + 64, generator=gen) * torch.logspace(-1, 1, 80)).to(torch.bfloat16)
+    direct_int8, direct_scale = quantize_rows_int8(x)
+    got_int8, got_scale = quantize_rows_int8(requantized_hidden(x, 16, skip=16))
+    assert torch.equal(got_scale, direct_scale) and torch.equal(got_int8[:, :16], direct_int8[:, :16])
+    error = (got_int8.float() * got_scale - x.float()).abs()
+    assert bool((error <= direct_scale * (1 + 1e-3)).all())
+    assert (got_int8 != direct_int8).any() and (got_int8 - direct_int8).abs().max() <= 1
+    whole_int8, _ = quantize_rows_int8(requantized_hidden(x, 80))
+    assert torch.equal(whole_int8, direct_int8)
+    with pytest.raises(ValueError, match="requantized_hidden: 64 columns are not a multiple of group=48"):
+        requantized_hidden(x, 48, skip=16)
+
+
+def test_fp8_quality_requant_row_hooks_every_feed_forward_down_projection(tmp_path):
+    """bench_fp8_quality.py --modes int8_requant_g16 on the built-in model (2 dual blocks, 4 single blocks): the
+    hidden-state rounding reaches 2 x 2 down projections and 4 proj_out layers, and the images stay close to bf16."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_fp8_quality as quality
+
+    out = tmp_path / "requant.json"
+    assert quality.main(["--modes", "int8_requant_g16", "--prompts", "2", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"]["int8_requant_g16"]
+    assert row["requantized_layers"] == 8 and len(row["psnr"]) == 2 and row["psnr_min"] > 30
+
+
 def test_flux_dev_linear_share_counts_the_flops_a_bf16_fallback_keeps():
     """study_fp8_attention_error.py's FLOP shares: FLUX.1-dev's linears split 22 / 22 / 28 / 28 % over the dual
     blocks' MLPs, the single blocks' proj_mlp, their proj_out and every attention projection; one block is 1.75 %;
