@@ -491,24 +491,51 @@ def test_requantized_hidden_rounds_twice_within_a_row_step_and_leaves_the_attent
     from omni_accel.kernels.int8 import quantize_rows_int8
 
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(6, 16 + 64, generator=gen) * torch.logspace(-1, 1, 80)).to(torch.bfloat16)
+    x = torch.randn(6, 16 + 64, generator=gen) * torch.logspace(-1, 1, 80)
+    x[1, 3] = 40.0  # a row whose largest value is an attention column: the hidden part rounds to that row's scale
+    x[2] = 0.0  # a zero row stays zero
+    x = x.to(torch.bfloat16)
     direct_int8, direct_scale = quantize_rows_int8(x)
     got_int8, got_scale = quantize_rows_int8(requantized_hidden(x, 16, skip=16))
     assert torch.equal(got_scale, direct_scale) and torch.equal(got_int8[:, :16], direct_int8[:, :16])
     error = (got_int8.float() * got_scale - x.float()).abs()
     assert bool((error <= direct_scale * (1 + 1e-3)).all())
     assert (got_int8 != direct_int8).any() and (got_int8 - direct_int8).abs().max() <= 1
+    assert not got_int8[2].any() and got_scale[1] == x[1].float().abs().max() / 127
     whole_int8, _ = quantize_rows_int8(requantized_hidden(x, 80))
     assert torch.equal(whole_int8, direct_int8)
     with pytest.raises(ValueError, match="requantized_hidden: 64 columns are not a multiple of group=48"):
         requantized_hidden(x, 48, skip=16)
 
 
-def test_fp8_quality_requant_row_hooks_every_feed_forward_down_projection(tmp_path):
-    """bench_fp8_quality.py --modes int8_requant_g16 on the built-in model (2 dual blocks, 4 single blocks): the
-    hidden-state rounding reaches 2 x 2 down projections and 4 proj_out layers, and the images stay close to bf16."""
+def test_fp8_quality_requant_row_hooks_every_feed_forward_down_projection(tmp_path, monkeypatch):
+    """bench_fp8_quality.py's hidden-state hooks on the built-in model (2 dual blocks, 4 single blocks) after
+    quant="int8": they sit on the 2 x 2 down projections and the 4 proj_out layers, all int8 linears, and in a
+    forward each replaces its input by requantized_hidden's (the single blocks' first 256 columns, the attention
+    output, left to the row scale); --modes int8_requant_g16 runs and its images stay close to bf16."""
     sys.path.insert(0, ROOT)
+    import omni_accel
     from benchmarks import bench_fp8_quality as quality
+    from omni_accel.builtin import load_builtin
+    from omni_accel.kernels.int8 import Int8Linear
+
+    pipe = load_builtin(dtype=torch.bfloat16)
+    omni_accel.accelerate(pipe, quant="int8")
+    calls, real = [], quality.requantized_hidden
+    monkeypatch.setattr(quality, "requantized_hidden", lambda x, group, skip=0: calls.append((group, skip)) or
+                        real(x, group, skip))
+    handles = quality.hidden_state_hooks(pipe.transformer, 16)
+    modules = dict(pipe.transformer.named_modules())
+    hooked = [name for name, m in modules.items() if m._forward_pre_hooks]
+    assert len(handles) == 8 and all(isinstance(modules[name], Int8Linear) for name in hooked), hooked
+    hidden = torch.randn(1, 16, 64, dtype=torch.bfloat16)
+    pipe.transformer(hidden_states=hidden, encoder_hidden_states=torch.randn(1, 8, 128, dtype=torch.bfloat16),
+                     pooled_projections=torch.randn(1, 128, dtype=torch.bfloat16), timestep=torch.tensor([0.5]),
+                     img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3))
+    assert sorted(calls) == [(16, 0)] * 4 + [(16, 256)] * 4
+    for handle in handles:
+        handle.remove()
+    omni_accel.restore(pipe)
 
     out = tmp_path / "requant.json"
     assert quality.main(["--modes", "int8_requant_g16", "--prompts", "2", "--out", str(out)]) == 0
