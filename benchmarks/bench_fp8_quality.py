@@ -164,16 +164,17 @@ def requantized_hidden(x: torch.Tensor, group: int, skip: int = 0) -> torch.Tens
     they are (the per-token quantization after it rounds them to that scale once): returned dequantized, in x's dtype,
     on the grid of the row's scale, so that the layer's own per-token quantization reproduces the twice-rounded
     integers."""
-    xf = x.float()
-    row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
-    hidden = xf[..., skip:]
+    from omni_accel.kernels.int8 import INT8_MAX, quantize_rows_int8
+
+    xf = x.float().reshape(-1, x.shape[-1])
+    hidden = xf[:, skip:]
     if hidden.shape[-1] % group:
         raise ValueError(f"requantized_hidden: {hidden.shape[-1]} columns are not a multiple of group={group}")
-    groups = hidden.reshape(*hidden.shape[:-1], -1, group)
-    group_scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
-    once = (torch.round(groups / group_scale).clamp(-127, 127) * group_scale).reshape(hidden.shape)
-    twice = torch.round(once / row_scale).clamp(-127, 127) * row_scale
-    return torch.cat([xf[..., :skip], twice], dim=-1).to(x.dtype)
+    _, row_scale = quantize_rows_int8(xf)  # the per-token scale over the whole row
+    group_int8, group_scale = quantize_rows_int8(hidden.reshape(-1, group))  # each group of a row as a row
+    once = (group_int8.float() * group_scale).reshape(hidden.shape)
+    twice = torch.round(once / row_scale).clamp(-INT8_MAX, INT8_MAX) * row_scale
+    return torch.cat([xf[:, :skip], twice], dim=-1).reshape(x.shape).to(x.dtype)
 
 
 def hidden_state_hooks(transformer, group: int) -> list:

@@ -32,6 +32,11 @@ def _prefetched_calls(monkeypatch) -> list:
     return outcomes
 
 
+def _computed_in_place(linear, x) -> torch.Tensor:
+    """What ``linear`` computes for ``x`` without any prefetched output: the plain linear."""
+    return torch.nn.functional.linear(x, linear.weight, linear.bias)
+
+
 @contextlib.contextmanager
 def _prefetched(pipe):
     """The family's modulation linears prefetched while inside; yields how many, undone after."""
@@ -85,13 +90,13 @@ def test_a_linear_called_with_another_input_computes_itself_and_is_never_prefetc
         other = torch.randn(1, linear.in_features)
         with caplog.at_level(logging.WARNING, logger="omni_accel.modulation_prefetch"):
             out = linear(other)
-        assert torch.equal(out, torch.nn.functional.linear(other, linear.weight, linear.bias))
+        assert torch.equal(out, _computed_in_place(linear, other))
         assert "input other than silu(temb)" in caplog.text
         modulation_prefetch.prefetch(temb, [linear])  # refused: not computed ahead any more
         assert linear.weight.data_ptr() not in modulation_prefetch._slots
         # the right input now computes in place too, with the linear's output
         act = torch.nn.functional.silu(temb)
-        assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
+        assert torch.equal(linear(act), _computed_in_place(linear, act))
     assert linear.weight.data_ptr() not in modulation_prefetch._refused
 
 
@@ -101,9 +106,9 @@ def test_a_linear_with_nothing_prefetched_or_another_shape_computes_itself(flux)
     linear = transformer.single_transformer_blocks[0].norm.linear
     with _prefetched(pipe):
         act = torch.randn(2, linear.in_features)
-        assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
+        assert torch.equal(linear(act), _computed_in_place(linear, act))
         modulation_prefetch.prefetch(torch.randn(1, linear.in_features), [linear])
-        assert torch.equal(linear(act), torch.nn.functional.linear(act, linear.weight, linear.bias))
+        assert torch.equal(linear(act), _computed_in_place(linear, act))
         assert linear.weight.data_ptr() in modulation_prefetch._refused
 
 
@@ -188,7 +193,7 @@ def test_a_verified_linear_still_computes_itself_for_an_input_of_another_shape(f
         assert linear.weight.data_ptr() in modulation_prefetch._verified
         modulation_prefetch.prefetch(temb, [linear])
         half = torch.randn(2, linear.in_features)
-        assert torch.equal(linear(half), torch.nn.functional.linear(half, linear.weight, linear.bias))
+        assert torch.equal(linear(half), _computed_in_place(linear, half))
 
 
 def test_an_unknown_prefetch_setting_is_refused_before_anything_is_patched(flux, monkeypatch):

@@ -1468,14 +1468,14 @@ def _match(node: fx.Node):
     return None
 
 
-def _residual_warp_specialized() -> str:
-    """int8_gemm_triton.RESIDUAL_WARP_SPECIALIZED for the cache key ("" where Triton is missing: no int8 kernels)."""
+def _residual_in_gemm_key() -> str:
+    """The int8_gemm_triton switches that residual_in_gemm reads (which GEMMs the pass moves the residual into), for
+    the cache key ("" where Triton is missing: no int8 kernels)."""
     try:
         from . import int8_gemm_triton
     except ImportError:
         return ""
     g = int8_gemm_triton
-    # everything residual_in_gemm reads: which GEMMs the pass moves the residual into
     return (f"{int(g.RESIDUAL_WARP_SPECIALIZED)}{int(g.WARP_SPECIALIZE)}{int(g.PERSISTENT_TMA)}"
             f"{getattr(g, 'FEW_ROWS', '')}")
 
@@ -1530,7 +1530,7 @@ class EpilogueFusionPass(CustomGraphPass):
                 f"{int(QK_NORM_ROPE_JOINT)}"
                 f"-ln{int(LAYERNORM)}"
                 f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}{int(GATED_RESIDUAL_INT8)}"
-                f"{_residual_warp_specialized()}-sage{int(SAGE_FROM_NORMS)}"
+                f"{_residual_in_gemm_key()}-sage{int(SAGE_FROM_NORMS)}"
                 f"-gg{int(GELU_GEMM)}-tg{int(gemm_tuning.TUNED_GEMMS)}{gemm_tuning.MIN_GFLOP}")
 
 
