@@ -20,7 +20,9 @@ INSTALL = {
     "flash_attn": "pip install flash-attn",
     "flash_attn_interface": "build FlashAttention-3 from the flash-attention repository's hopper/ folder",
     "flash_attn.cute": "pip install flash-attn-4 (with a CUDA 13 build of torch: pip install 'flash-attn-4[cu13]')",
-    "sageattention": "pip install sageattention",
+    # PyPI's sageattention is the 1.x Triton package; SageAttention 2's CUDA kernels ship no wheel
+    "sageattention": ("build SageAttention 2 from source on the GPU machine: pip install --no-build-isolation "
+                      "git+https://github.com/thu-ml/SageAttention.git"),
     "xformers": "pip install xformers",
 }
 

@@ -699,3 +699,15 @@ def test_gemm_algos_summary_weighs_each_shape_by_its_calls_and_keeps_torch_where
     assert summary["shapes"]["a"] == {"torch_us": 100.0, "best": "algo_3", "best_us": 91.0, "vs_torch": 1.1}
     assert summary["shapes"]["b"]["best"] == "algo_0" and summary["shapes"]["b"]["vs_torch"] == 0.95
     assert summary["step_ms_torch"] == 1.1 and summary["step_ms_best"] == 1.009  # b keeps torch's 50 us
+
+
+def test_torchao_fp8_row_quantizes_only_the_bf16_linears_of_a_model_with_float32_modules(bench_peers):
+    """Wan keeps its time embedder in float32 (diffusers' _keep_in_fp32_modules), which torchao's per-row FP8
+    refuses: the row's filter takes every bf16 linear and leaves those out, as diffusers' TorchAoConfig does."""
+    transformer = bench_peers.build_transformer(bench_peers.wan81_spec(True), torch.device("cpu"), torch.bfloat16)
+    linears = {name: m for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    kept = sorted(name for name, m in linears.items() if not bench_peers.bf16_linear(m, name))
+    assert kept and all("time_embedder" in name for name in kept)
+    assert all(linears[name].weight.dtype == torch.float32 for name in kept)
+    assert sum(bench_peers.bf16_linear(m, name) for name, m in linears.items()) == len(linears) - len(kept)
+    assert not bench_peers.bf16_linear(torch.nn.LayerNorm(4).to(torch.bfloat16), "norm")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import omni_accel
-from omni_accel import AccelError
+from omni_accel import AccelError, deps
 from omni_accel.kernels import attention as attn
 from omni_accel.kernels import fp8_attention as route
 from omni_accel.kernels import sage_attention as sage
@@ -176,6 +176,7 @@ def test_auto_routes_long_calls_to_sage_beside_cudnn_also_under_a_graph_and_rest
     undo()
     keys = {shape[1] for shape in sage_on_cpu}.pop()  # NHD: (batch, tokens, heads, head dim)
     monkeypatch.setattr(sage, "installed", lambda package: True)
+    monkeypatch.setattr(sage, "hopper_kernel_built", lambda: True)
     rule = attn.choose_auto(torch.device("cuda"), torch.bfloat16, True, 128, False, (9, 0), int8_stack=True)
     assert (rule.backend, rule.long_backend) == ("cudnn", "sage")
     monkeypatch.setattr(attn, "_graph_captured", lambda ctx: graph_captured)
@@ -285,6 +286,83 @@ def test_the_prep_kernels_run_only_where_triton_casts_to_e4m3(monkeypatch, capab
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert sage.prep_kernels_run_on(torch.device("cuda", 0)) is runs
     assert sage.prep_kernels_run_on(torch.device("cpu")) is False
+
+
+def test_the_hopper_kernel_is_found_by_its_extension_file_without_importing_the_package(monkeypatch, tmp_path):
+    """PyPI's sageattention 1.x and builds made on other GPUs lack SageAttention 2's _qattn_sm90 extension, the kernel
+    the quantized route calls: auto refuses its Hopper route there, naming the source build."""
+    package = tmp_path / "sageattention"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('the check must not import the package')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "sageattention", raising=False)
+    assert sage.hopper_kernel_built() is False
+    assert sage.auto_refusal((9, 0)) == (
+        "the installed sageattention has no Hopper kernel (its _qattn_sm90 extension: PyPI's sageattention 1.x ships "
+        "none, and a build on another GPU leaves it out); build SageAttention 2 from source on the GPU machine: pip "
+        "install --no-build-isolation git+https://github.com/thu-ml/SageAttention.git")
+    (package / "_qattn_sm90.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    assert sage.hopper_kernel_built() is True and sage.auto_refusal((9, 0)) is None
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # how tests hide a package
+    assert sage.hopper_kernel_built() is False
+
+
+@pytest.mark.parametrize("capability, built, implementation", [
+    ((9, 0), True, "sage"), ((9, 0), False, "sage_package"), ((8, 9), True, "sage_package"),
+    ((8, 0), False, "sage_package")])
+def test_the_quantized_route_is_taken_only_where_the_hopper_kernel_is_built(monkeypatch, capability, built,
+                                                                           implementation):
+    """Elsewhere the quantized operands would have no kernel and be attended in float32 by PyTorch (many times
+    slower): an RTX 4090 or an A100 gets the package's own sageattn, which picks its kernels for the GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(sage, "hopper_kernel_built", lambda: built)
+    assert sage.route_implementation(torch.device("cuda", 0)) == implementation
+    assert sage.route_implementation(torch.device("cpu")) == "sage"  # the float32 stand-in the CPU tests run
+
+
+def test_on_a_gpu_without_the_hopper_kernel_the_route_calls_the_package_even_with_prep_in_the_graph(
+        sage_on_cpu, monkeypatch):
+    """PREP_IN_GRAPH is on by default; on the package route every eligible call still reaches sageattn itself, the
+    quantized op never runs, and the report names the route."""
+    monkeypatch.setattr(sage, "PREP_IN_GRAPH", True)
+    monkeypatch.setattr(sage, "route_implementation", lambda device: "sage_package")
+    quantized = []
+    monkeypatch.setattr(sage, "_quantized_call", lambda *args, **kwargs: quantized.append(args))
+    pipe, kwargs = tiny_pipeline("flux")
+    # every call reached the stand-in sageattn, with the plain output (the quantized route's would be 8-bit off)
+    applied = check_route_takes_every_call(pipe, kwargs, sage_on_cpu, attention="sage")
+    assert (applied["route"], applied["implementation"]) == ("omni_accel::sage_attention", "sage_package")
+    assert not quantized
+
+
+def test_auto_reports_the_kernels_it_passed_over_and_why(monkeypatch, caplog):
+    """On a compiled Hopper int8 pipeline without sageattention or flash-attn-4, auto keeps cuDNN everywhere and the
+    report (and the log) say which long-sequence kernels it would have taken from how many keys, and the fix."""
+    monkeypatch.setattr(sage, "installed", lambda package: False)
+    monkeypatch.setattr(attn, "_fa4_refusal", lambda device, capability=None: "refused")
+    monkeypatch.setattr(attn, "_installed", lambda package: package != "flash_attn.cute")
+    rule = attn.choose_auto(torch.device("cuda"), torch.bfloat16, True, 128, False, (9, 0), int8_stack=True)
+    assert (rule.backend, rule.long_backend) == ("cudnn", None)
+    assert rule.passed_over == (
+        f"sage from 16384 keys: sageattention is not installed ({deps.INSTALL['sageattention']})",
+        f"fa4 from 16384 keys: flash-attn-4 is not installed ({deps.INSTALL['flash_attn.cute']})")
+    monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: rule)
+    pipe, _ = tiny_pipeline("flux")
+    caplog.set_level(logging.INFO, logger="omni_accel")
+    omni_accel.accelerate(pipe, attention="auto")
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert applied["passed_over"] == list(rule.passed_over)
+    assert f"attention='auto' passed over {rule.passed_over[0]}" in caplog.text
+    omni_accel.restore(pipe)
+    # under a CUDA graph auto keeps cuDNN for FA4's calls even where it is installed: only SageAttention is missed
+    monkeypatch.setattr(attn, "_graph_captured", lambda ctx: True)
+    omni_accel.accelerate(pipe, attention="auto")
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert applied["passed_over"] == [rule.passed_over[0]]
+    omni_accel.restore(pipe)
+    omni_accel.accelerate(pipe, attention="sdpa")  # a backend asked for by name: nothing passed over
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert "passed_over" not in applied
 
 
 def test_the_quantized_ops_fake_implementation_gives_the_output_shape():

@@ -27,7 +27,7 @@ import torch
 from diffusers.hooks import ModelHook
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..deps import installed, missing_message
+from ..deps import INSTALL, installed, missing_message
 from ..errors import AccelError
 from ..hooks import add_hook
 from ..pass_base import AccelPass, PassContext
@@ -103,6 +103,9 @@ class AutoRule:
     long_backend: str | None = None
     long_min_tokens: int = 0
     int8_stack: bool | None = None  # quant="int8"; None = either
+    # faster kernels an earlier or this row would take here but cannot, each with why and the fix (the report's
+    # "passed_over": a user learns what installing a package would give)
+    passed_over: tuple[str, ...] = ()
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -133,6 +136,7 @@ def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_d
     """The rule ``attention="auto"`` follows here. ``capability`` defaults to the device's (tests fake it)."""
     if device.type == "cuda" and capability is None and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
+    passed_over: list[str] = []
     for rule in AUTO_TABLE:
         if rule.device != device.type:
             continue
@@ -148,13 +152,17 @@ def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_d
             continue
         if rule.int8_stack is not None and rule.int8_stack != int8_stack:
             continue
-        if rule.long_backend == "sage" and sage_attention.auto_refusal(capability) is not None:
+        if rule.long_backend == "sage" and (refusal := sage_attention.auto_refusal(capability)) is not None:
+            passed_over.append(f"sage from {rule.long_min_tokens} keys: {refusal}")
             continue
         if rule.backend == "fp8" and _fp8_stack_attention_refusal(device) is not None:
             continue
-        if rule.long_backend == "fa4" and _fa4_refusal(device, capability) is not None:
-            return replace(rule, long_backend=None, long_min_tokens=0)
-        return rule
+        if rule.long_backend == "fa4" and (refusal := _fa4_refusal(device, capability)) is not None:
+            if not _installed(fa4_attention.PACKAGE):  # the refusal's own text is written for attention="fa4"
+                refusal = f"flash-attn-4 is not installed ({INSTALL[fa4_attention.PACKAGE]})"
+            passed_over.append(f"fa4 from {rule.long_min_tokens} keys: {refusal}")
+            rule = replace(rule, long_backend=None, long_min_tokens=0)
+        return replace(rule, passed_over=tuple(passed_over)) if passed_over else rule
     return AutoRule(device.type, None, None, None, None, None, "sdpa", "no rule for this device type")
 
 
@@ -278,11 +286,16 @@ class AttentionPass(AccelPass):
     def wanted(self, config) -> bool:
         return True
 
+    @staticmethod
+    def _decision(ctx: PassContext) -> dict:
+        """What auto's table reads of this pipeline (``choose_auto``'s arguments besides the device)."""
+        transformer = ctx.adapter.transformers_of(ctx.pipe)[0][1]  # Wan 2.2 may hold only transformer_2
+        return dict(dtype=transformer.dtype, compiled=bool(ctx.config.compile), head_dim=_head_dim(transformer),
+                    fp8_stack=_fp8_stack(ctx), int8_stack=_int8_stack(ctx))
+
     def _plan(self, ctx: PassContext) -> tuple[Backend, tuple[str, int] | None]:
         """The backend, and auto's long-sequence route: (kernel, the key count from which calls take it), or None."""
-        transformer = ctx.adapter.transformers_of(ctx.pipe)[0][1]  # Wan 2.2 may hold only transformer_2
-        decision = dict(dtype=transformer.dtype, compiled=bool(ctx.config.compile), head_dim=_head_dim(transformer),
-                        fp8_stack=_fp8_stack(ctx), int8_stack=_int8_stack(ctx))
+        decision = self._decision(ctx)
         backend = resolve_backend(ctx.config.attention, ctx.device, **decision)
         if not ctx.adapter.attention_via_dispatcher and backend.sdpa is None and backend.name != "sdpa":
             # only SDPA kernels reach processors that call F.scaled_dot_product_attention themselves
@@ -319,8 +332,9 @@ class AttentionPass(AccelPass):
         from .fp8_attention import route_transformer
 
         backend, long_route = self._plan(ctx)
+        passed_over = self._passed_over(ctx)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
-            details = {}
+            details = {"passed_over": list(passed_over)} if passed_over else {}
             if backend.name == "sdpa":
                 undo = lambda: None  # noqa: E731 -- default path: nothing to patch
             elif backend.name == "fp8":
@@ -339,8 +353,9 @@ class AttentionPass(AccelPass):
                 undo = route_transformer(transformer, "fa4")
             elif backend.name == "sage" and ctx.config.sequence_degree == 1:
                 # our op, not diffusers' sage backend: its Python breaks compiled blocks (sage_attention.py)
-                undo = route_transformer(transformer, "sage")
-                details["route"] = "omni_accel::sage_attention"
+                implementation = sage_attention.route_implementation(ctx.device)
+                undo = route_transformer(transformer, implementation)
+                details.update(route="omni_accel::sage_attention", implementation=implementation)
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
                 if long_route:  # auto: long sequences to FlashAttention-4 / SageAttention, the rest to the SDPA kernel
@@ -352,6 +367,20 @@ class AttentionPass(AccelPass):
             ctx.state.record("attention", undo, component=name, backend=backend.name, requested=ctx.config.attention,
                              **details)
         logger.info("omni_accel: attention backend %s (%s)", backend.name, backend.note)
+        for line in passed_over:
+            logger.info("omni_accel: attention='auto' passed over %s", line)
+
+    def _passed_over(self, ctx: PassContext) -> tuple[str, ...]:
+        """The faster kernels auto's table would take for this pipeline but cannot here, with why: only where a
+        long-sequence route could run at all (the conditions of ``_plan``), so that installing the package named
+        would route calls."""
+        if not (ctx.config.attention == "auto" and ctx.adapter.attention_via_dispatcher
+                and ctx.config.sequence_degree == 1):
+            return ()
+        lines = choose_auto(ctx.device, **self._decision(ctx)).passed_over
+        if _graph_captured(ctx):  # a captured forward keeps cuDNN for FA4's calls even where it is installed
+            lines = tuple(line for line in lines if not line.startswith("fa4 "))
+        return lines
 
 
 def _both(first, second):

@@ -155,7 +155,8 @@ def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             and query.dtype.is_floating_point)
 
 
-IMPLEMENTATIONS = ("cudnn", "triton")  # FP8 ones; the route also carries "fa4" (fa4_attention.py) and "sage"
+IMPLEMENTATIONS = ("cudnn", "triton")  # FP8 ones; the route also carries "fa4" (fa4_attention.py), "sage" and
+# "sage_package" (sage_attention.route_implementation)
 
 
 def implementation_for(device: torch.device) -> str:
@@ -243,7 +244,7 @@ def attach_attention_scales(transformer: torch.nn.Module, prefix: str) -> tuple[
 
 
 def _served(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
-    if _Route.implementation == "sage":
+    if _Route.implementation in ("sage", "sage_package"):
         return sage_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal, _Route.min_tokens)
     if _Route.implementation == "fa4":
         return fa4_attention.eligible(query, key, value, attn_mask, dropout_p, is_causal, _Route.min_tokens)
@@ -251,8 +252,9 @@ def _served(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
 
 
 def _routed_attention(query, key, value, scale):
-    if _Route.implementation == "sage":
-        if sage_attention.PREP_IN_GRAPH:  # traced: inductor fuses Q, K and V's quantization into their kernels
+    if _Route.implementation in ("sage", "sage_package"):
+        # "sage_package": a GPU without the package's Hopper kernel, where sageattn picks its own kernels
+        if sage_attention.PREP_IN_GRAPH and _Route.implementation == "sage":  # traced: inductor fuses the quantization
             return sage_attention.prepared_attention(query, key, value, scale)
         if sage_attention.SMOOTH_KEYS_IN_GRAPH:  # traced: inductor fuses the mean and subtraction into K's kernels
             return sage_attention.sage_attention(query, sage_attention.smoothed_keys(key), value, scale, True)

@@ -46,12 +46,15 @@ either (benchmarks/results/bench_peers_h100_wan81_int8_keysmooth_20261205.json),
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import logging
+import os
 
 import torch
 
 from ..cuda_graphs import run_outside_graph
-from ..deps import installed
+from ..deps import INSTALL, installed
 from .fa4_attention import _REFUSED_LOCK, attention_output_like, attention_output_shape, call_or_sdpa, listed_shapes
 
 logger = logging.getLogger(__name__)
@@ -77,12 +80,40 @@ def auto_refusal(capability: tuple[int, int] | None) -> str | None:
     """Why auto cannot route long sequences to SageAttention here (None: it can): the package's Hopper kernel is the
     one measured."""
     if not installed(PACKAGE):
-        return f"{PACKAGE} is not installed"
+        return f"{PACKAGE} is not installed ({INSTALL[PACKAGE]})"
     if capability is None:
         return "no CUDA GPU to read the compute capability of"
     if capability[0] != 9:
         return f"SageAttention was measured on Hopper (sm_90) only; this GPU is sm_{capability[0]}{capability[1]}"
+    if not hopper_kernel_built():
+        return (f"the installed {PACKAGE} has no Hopper kernel (its _qattn_sm90 extension: PyPI's sageattention 1.x "
+                f"ships none, and a build on another GPU leaves it out); {INSTALL[PACKAGE]}")
     return None
+
+
+def hopper_kernel_built() -> bool:
+    """Whether the installed package holds SageAttention 2's Hopper extension (``_qattn_sm90``), the kernel the
+    quantized route calls; found by its file, without importing the package (which takes seconds)."""
+    try:
+        spec = importlib.util.find_spec(PACKAGE)
+    except (ImportError, ValueError):  # ValueError: a stand-in module without a spec (tests)
+        return False
+    folders = (spec.submodule_search_locations or ()) if spec is not None else ()
+    return any(glob.glob(os.path.join(folder, "_qattn_sm90*")) for folder in folders)
+
+
+def route_implementation(device: torch.device) -> str:
+    """The route for ``attention="sage"`` on ``device``: "sage" (Q, K and V quantized in the compiled graph for the
+    package's Hopper kernel, ``PREP_IN_GRAPH``; off the GPU the operands' float32 attention stands in), or
+    "sage_package" (the package's own ``sageattn``, which picks its kernels for the GPU) on a GPU without that kernel
+    -- an Ampere or Ada card, or a build without sm_90 -- where the quantized operands would have no kernel to run
+    on and be attended in float32 by PyTorch."""
+    if device.type != "cuda":
+        return "sage"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index)[0] == 9 and hopper_kernel_built():
+        return "sage"
+    return "sage_package"
 
 
 def refused_shapes() -> dict[str, str]:
