@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -701,7 +702,7 @@ def test_gemm_algos_summary_weighs_each_shape_by_its_calls_and_keeps_torch_where
     assert summary["step_ms_torch"] == 1.1 and summary["step_ms_best"] == 1.009  # b keeps torch's 50 us
 
 
-def test_torchao_fp8_row_quantizes_only_the_bf16_linears_of_a_model_with_float32_modules(bench_peers):
+def test_torchao_fp8_row_quantizes_only_the_bf16_linears_of_a_model_with_float32_modules(bench_peers, monkeypatch):
     """Wan keeps its time embedder in float32 (diffusers' _keep_in_fp32_modules), which torchao's per-row FP8
     refuses: the row's filter takes every bf16 linear and leaves those out, as diffusers' TorchAoConfig does."""
     transformer = bench_peers.build_transformer(bench_peers.wan81_spec(True), torch.device("cpu"), torch.bfloat16)
@@ -711,3 +712,13 @@ def test_torchao_fp8_row_quantizes_only_the_bf16_linears_of_a_model_with_float32
     assert all(linears[name].weight.dtype == torch.float32 for name in kept)
     assert sum(bench_peers.bf16_linear(m, name) for name, m in linears.items()) == len(linears) - len(kept)
     assert not bench_peers.bf16_linear(torch.nn.LayerNorm(4).to(torch.bfloat16), "norm")
+    # and the row hands that filter to torchao (a stand-in records the call; the compile after it is not run here)
+    calls = []
+    stand_in = types.SimpleNamespace(
+        Float8DynamicActivationFloat8WeightConfig=lambda granularity: ("fp8", granularity), PerRow=lambda: "per-row",
+        quantize_=lambda model, config, filter_fn=None: calls.append((model, config, filter_fn)))
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.quantization", stand_in)
+    monkeypatch.setattr(bench_peers, "_cudnn_regional_compile", lambda model, inputs: "compiled")
+    assert bench_peers._torchao_fp8(None, transformer, {}, "wan81") == "compiled"
+    assert calls == [(transformer, ("fp8", "per-row"), bench_peers.bf16_linear)]

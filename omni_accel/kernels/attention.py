@@ -153,13 +153,14 @@ def choose_auto(device: torch.device, dtype: torch.dtype, compiled: bool, head_d
         if rule.int8_stack is not None and rule.int8_stack != int8_stack:
             continue
         if rule.long_backend == "sage" and (refusal := sage_attention.auto_refusal(capability)) is not None:
-            passed_over.append(f"sage from {rule.long_min_tokens} keys: {refusal}")
+            if capability is not None and capability[0] == 9:  # a package or its kernel missing: installing helps
+                passed_over.append(f"sage from {rule.long_min_tokens} keys: {refusal}")
             continue
         if rule.backend == "fp8" and _fp8_stack_attention_refusal(device) is not None:
             continue
         if rule.long_backend == "fa4" and (refusal := _fa4_refusal(device, capability)) is not None:
             if not _installed(fa4_attention.PACKAGE):  # the refusal's own text is written for attention="fa4"
-                refusal = f"flash-attn-4 is not installed ({INSTALL[fa4_attention.PACKAGE]})"
+                refusal = f"flash-attn-4 is not installed; {INSTALL[fa4_attention.PACKAGE]}"
             passed_over.append(f"fa4 from {rule.long_min_tokens} keys: {refusal}")
             rule = replace(rule, long_backend=None, long_min_tokens=0)
         return replace(rule, passed_over=tuple(passed_over)) if passed_over else rule

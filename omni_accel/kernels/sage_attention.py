@@ -79,12 +79,12 @@ AUTO_MIN_TOKENS = 16384
 def auto_refusal(capability: tuple[int, int] | None) -> str | None:
     """Why auto cannot route long sequences to SageAttention here (None: it can): the package's Hopper kernel is the
     one measured."""
-    if not installed(PACKAGE):
-        return f"{PACKAGE} is not installed ({INSTALL[PACKAGE]})"
     if capability is None:
         return "no CUDA GPU to read the compute capability of"
     if capability[0] != 9:
         return f"SageAttention was measured on Hopper (sm_90) only; this GPU is sm_{capability[0]}{capability[1]}"
+    if not installed(PACKAGE):
+        return f"{PACKAGE} is not installed; {INSTALL[PACKAGE]}"
     if not hopper_kernel_built():
         return (f"the installed {PACKAGE} has no Hopper kernel (its _qattn_sm90 extension: PyPI's sageattention 1.x "
                 f"ships none, and a build on another GPU leaves it out); {INSTALL[PACKAGE]}")
