@@ -325,14 +325,15 @@ def test_on_a_gpu_without_the_hopper_kernel_the_route_calls_the_package_even_wit
     """PREP_IN_GRAPH is on by default; on the package route every eligible call still reaches sageattn itself, the
     quantized op never runs, and the report names the route."""
     monkeypatch.setattr(sage, "PREP_IN_GRAPH", True)
-    monkeypatch.setattr(sage, "route_implementation", lambda device: "sage_package")
+    asked = []
+    monkeypatch.setattr(sage, "route_implementation", lambda device: asked.append(device) or "sage_package")
     quantized = []
     monkeypatch.setattr(sage, "_quantized_call", lambda *args, **kwargs: quantized.append(args))
     pipe, kwargs = tiny_pipeline("flux")
     # every call reached the stand-in sageattn, with the plain output (the quantized route's would be 8-bit off)
     applied = check_route_takes_every_call(pipe, kwargs, sage_on_cpu, attention="sage")
     assert (applied["route"], applied["implementation"]) == ("omni_accel::sage_attention", "sage_package")
-    assert not quantized
+    assert not quantized and asked == [pipe.transformer.device]  # decided from the device the weights are on
 
 
 def test_auto_reports_the_kernels_it_passed_over_and_why(monkeypatch, caplog):

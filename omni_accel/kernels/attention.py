@@ -354,7 +354,8 @@ class AttentionPass(AccelPass):
                 undo = route_transformer(transformer, "fa4")
             elif backend.name == "sage" and ctx.config.sequence_degree == 1:
                 # our op, not diffusers' sage backend: its Python breaks compiled blocks (sage_attention.py)
-                implementation = sage_attention.route_implementation(ctx.device)
+                # per transformer, from the GPU its weights are on (a pipeline's device may carry no index)
+                implementation = sage_attention.route_implementation(_weights_device(transformer, ctx.device))
                 undo = route_transformer(transformer, implementation)
                 details.update(route="omni_accel::sage_attention", implementation=implementation)
             elif backend.sdpa is not None:
@@ -382,6 +383,12 @@ class AttentionPass(AccelPass):
         if _graph_captured(ctx):  # a captured forward keeps cuDNN for FA4's calls even where it is installed
             lines = tuple(line for line in lines if not line.startswith("fa4 "))
         return lines
+
+
+def _weights_device(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """The device of ``module``'s first parameter (``default`` for a module without any)."""
+    first = next(module.parameters(), None)
+    return first.device if first is not None else default
 
 
 def _both(first, second):
