@@ -175,6 +175,9 @@ class Row:
     # kernel's twin, with its residual / output through TMA or pointers)
     int8_residual_ws: bool = False
     int8_residual_ws_io: int = 0
+    # kernels.epilogue_fusion.QK_NORM_ROPE_DIFFUSERS_RMS (True: the q / k kernel also takes diffusers' RMSNorm and
+    # tables the graph builds: Qwen-Image's q / k)
+    qk_diffusers_rms: bool = False
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -214,7 +217,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("modulation_prefetch", "MODULATION_PREFETCH", "modulation_prefetch"),
             ("kernels.epilogue_fusion", "GATED_RESIDUAL_INT8", "int8_gated_residual"),
             ("kernels.int8_gemm_triton", "RESIDUAL_WARP_SPECIALIZED", "int8_residual_ws"),
-            ("kernels.int8_gemm_triton", "RESIDUAL_WS_IO", "int8_residual_ws_io"))
+            ("kernels.int8_gemm_triton", "RESIDUAL_WS_IO", "int8_residual_ws_io"),
+            ("kernels.epilogue_fusion", "QK_NORM_ROPE_DIFFUSERS_RMS", "qk_diffusers_rms"))
 
 
 @contextlib.contextmanager
@@ -765,6 +769,11 @@ for _io in (1, 2, 3):
     ROWS[f"ours_int8_gatedres_ws{_io}"] = _switched("ours_int8_gatedres", f"ws{_io}", "the gated residual in the "
                                                     f"warp-specialized int8 GEMM too (epilogue IO {_io})",
                                                     int8_residual_ws=True, int8_residual_ws_io=_io)
+# Qwen-Image's q / k norm + rotary in the graph pass's kernel (kernels.epilogue_fusion.QK_NORM_ROPE_DIFFUSERS_RMS,
+# off until timed): the _qwenqk rows are today's with it on (FLUX and Wan do not change: their norms are torch's)
+for _name in ("ours_int8", "ours_bf16_mk_pdl"):
+    ROWS[f"{_name}_qwenqk"] = _switched(_name, "qwenqk", "Qwen-Image's q / k norm + rotary in the graph pass's "
+                                        "kernel", qk_diffusers_rms=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

@@ -536,6 +536,41 @@ def test_16_bit_q_and_k_become_the_operation_without_the_cast_when_switched_on(m
         assert ((o - r).abs() <= 2.0 ** -8 * r.abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_qkv"])
+def test_qwen_image_blocks_q_and_k_become_the_16_bit_operation_with_diffusers_rms_norm(monkeypatch, fused):
+    """Qwen-Image's q / k norms are diffusers' RMSNorm (the normalized value rounded to bf16 before the weight, its
+    16-bit input read twice) and its rotary tables per stream, (1, S, 1, D) views the complex rotary's real form
+    builds. With QK_NORM_ROPE_DIFFUSERS_RMS the four q / k (image and text) become the operation, its tables
+    materialized as (S, D), from separate or fused projections; the block's output is inductor's bit for bit on the
+    CPU (inductor's fused kernel keeps the intermediate rounding out, as the kernel does). Off, nothing is replaced."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
+    heads, head_dim = 2, 64
+    torch.manual_seed(0)
+    block = transformer_qwenimage.QwenImageTransformerBlock(heads * head_dim, heads, head_dim).to(BF16).eval()
+    if fused:
+        block.attn.fuse_projections()
+    count, undo = compiler.use_complex_rotary_pair_swap(block, ("apply_rotary_emb_qwen",))
+    g = torch.Generator().manual_seed(3)
+    image, text = (torch.randn(1, n, heads * head_dim, generator=g).to(BF16) for n in (16, 6))
+    temb = torch.randn(1, heads * head_dim, generator=g).to(BF16)
+    rotary = tuple(torch.polar(torch.ones(n, head_dim // 2), torch.rand(n, head_dim // 2, generator=g) * 6.28)
+                   for n in (16, 6))
+    args = (image, text, None, temb, rotary)
+    try:
+        with torch.no_grad():
+            ref, _ = _compiled(block, *args, with_pass=False)
+            _, off = _compiled_with_pass(block, *args)
+            monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_DIFFUSERS_RMS", True)
+            out, delta = _compiled_with_pass(block, *args)
+    finally:
+        undo()
+    assert count == 1 and off == {} and delta == {"qk_norm_rope": 4}
+    for o, r in zip(out, ref):
+        assert torch.equal(o, r)
+
+
 @pytest.mark.parametrize("kind", ["single", "dual"])
 def test_flux_blocks_q_and_k_become_the_16_bit_operation(monkeypatch, kind):
     """diffusers' FLUX blocks in bf16 with the pair-swap rotary compile=True installs: q and k are replaced (switches

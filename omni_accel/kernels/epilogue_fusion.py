@@ -100,6 +100,12 @@ QK_NORM_ROPE_16 = True
 # dual-stream blocks), reading both projections in place; else those stay with inductor. FLUX's static FP8 stack on an
 # H100: 80.7 -> 80.1 ms per step (same file). Benchmarks' A/B rows set both.
 QK_NORM_ROPE_JOINT = True
+# Whether the 16-bit q / k form also takes diffusers' own RMSNorm class, which rounds the normalized value to 16 bits
+# before the weight (Qwen-Image's q / k norms; FLUX's are torch's RMSNorm), and rotary tables the graph builds in
+# (1, S, 1, D) views (Qwen-Image's per-stream tables from its complex rotary), which the operation reads
+# materialized as (S, D). The kernel computes the norm in float32 as inductor's fused kernel does (it keeps the
+# intermediate rounding out, torch's default). Off until timed on a GPU (benchmarks' `_qwenqk` rows).
+QK_NORM_ROPE_DIFFUSERS_RMS = False
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
 # Whether a concatenation + GELU feeding an int8 linear's row quantization becomes one operation that writes the
@@ -933,7 +939,10 @@ def _skip_round_trip(node):
 
 def _rms_norm_source(y16):
     """``y16`` = 16-bit of x * rsqrt(mean(x^2, -1) + eps) * w with x = float32 of a source (torch's rms_norm as it
-    decomposes), or the first output of ``_fused_rms_norm``: (source, weight, eps) or None."""
+    decomposes), or the first output of ``_fused_rms_norm``, or (``QK_NORM_ROPE_DIFFUSERS_RMS``) diffusers' RMSNorm:
+    16-bit(x * rsqrt(...)) * w in 16 bits. Returns (source, weight, eps) or None."""
+    if QK_NORM_ROPE_DIFFUSERS_RMS and (found := _diffusers_rms_norm_source(y16)) is not None:
+        return found
     if _call(y16, operator.getitem) and y16.args[1] == 0 and _call(y16.args[0], _FUSED_RMS_NORM):
         x, _, weight, eps = (list(y16.args[0].args) + [None, None])[:4]
         return (x, weight, eps) if weight is not None and isinstance(eps, float) else None
@@ -941,9 +950,21 @@ def _rms_norm_source(y16):
         return None
     factors = _mul_factors(y16.args[0])
     rsqrt = [f for f in factors if _call(f, aten.rsqrt.default)]
-    if len(factors) != 3 or len(rsqrt) != 1:
+    if len(factors) != 3 or len(rsqrt) != 1 or (found := _mean_square(rsqrt[0])) is None:
         return None
-    total = rsqrt[0].args[0]
+    xf, eps = found
+    rest = [f for f in factors if f is not rsqrt[0]]
+    if xf not in rest:
+        return None
+    weight = rest[1] if rest[0] is xf else rest[0]
+    if not (isinstance(_val(weight), torch.Tensor) and _val(weight).dim() == 1):
+        return None
+    return _float32_source(xf), weight, eps
+
+
+def _mean_square(rsqrt):
+    """``rsqrt`` = rsqrt(mean(xf^2, -1) + eps): (xf, eps) or None."""
+    total = rsqrt.args[0]
     if not (_call(total, aten.add.Scalar, aten.add.Tensor) and isinstance(total.args[1], float)):
         return None
     mean = total.args[0]
@@ -952,15 +973,43 @@ def _rms_norm_source(y16):
     square = mean.args[0]
     if not (_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
         return None
-    xf = square.args[0]
-    rest = [f for f in factors if f is not rsqrt[0]]
-    if xf not in rest:
+    return square.args[0], total.args[1]
+
+
+def _float32_source(xf):
+    """What ``xf`` converts to float32 (``xf`` itself where it is no such conversion)."""
+    return xf.args[0] if _call(xf, _CONVERT) and xf.args[1] == torch.float32 else xf
+
+
+def _normalized_source(z):
+    """``z`` = x * rsqrt(mean(xf^2, -1) + eps) with xf = float32 of the source x, and x the source itself or xf
+    (diffusers' RMSNorm multiplies its 16-bit input, which promotes to float32): (source, eps) or None."""
+    factors = _mul_factors(z)
+    rsqrt = [f for f in factors if _call(f, aten.rsqrt.default)]
+    if len(factors) != 2 or len(rsqrt) != 1 or (found := _mean_square(rsqrt[0])) is None:
         return None
-    weight = rest[1] if rest[0] is xf else rest[0]
-    if not (isinstance(_val(weight), torch.Tensor) and _val(weight).dim() == 1):
+    (xf, eps), x = found, [f for f in factors if f is not rsqrt[0]][0]
+    source = _float32_source(xf)
+    return (source, eps) if x is xf or x is source else None
+
+
+def _diffusers_rms_norm_source(y16):
+    """``y16`` = 16-bit(x * rsqrt(mean(x^2, -1) + eps)) * w, both 16-bit (diffusers' RMSNorm with a 16-bit weight):
+    (source, weight, eps) or None."""
+    out = _val(y16)
+    if not (_call(y16, aten.mul.Tensor) and isinstance(out, torch.Tensor)
+            and out.dtype in (torch.bfloat16, torch.float16)):
         return None
-    x = xf.args[0] if _call(xf, _CONVERT) and xf.args[1] == torch.float32 else xf
-    return x, weight, total.args[1]
+    for rounded, weight in ((y16.args[0], y16.args[1]), (y16.args[1], y16.args[0])):
+        w = _val(weight) if isinstance(weight, fx.Node) else None
+        if not (isinstance(w, torch.Tensor) and w.dim() == 1 and w.dtype == out.dtype):
+            continue
+        if not (_call(rounded, _CONVERT) and rounded.args[1] == out.dtype):
+            continue
+        found = _normalized_source(rounded.args[0])
+        if found is not None:
+            return found[0], weight, found[1]
+    return None
 
 
 def _is_pair_sign(node) -> bool:
@@ -1002,6 +1051,9 @@ def _projection_part(x, width: int):
     """Where ``x`` (a view of ``width`` columns) comes from: a column slice of a fused projection's output, its bias
     added on the way. Returns (the projection's output, bias or None, first column) or None."""
     n = _up_views(x)
+    if QK_NORM_ROPE_DIFFUSERS_RMS:  # diffusers' RMSNorm reads its input twice (the square and the product)
+        while _call(n, *_VIEWS):
+            n = n.args[0]
     first_col = 0
     if _call(n, operator.getitem) and _call(n.args[0], aten.split.Tensor, aten.split_with_sizes.default):
         split, index = n.args[0], n.args[1]
@@ -1114,7 +1166,9 @@ def _qk_parts(final: fx.Node, z, inverse, k_mean):
             return None
         source = _up_views(table)
         if not (tuple(_val(source).shape) == (seq, d) and _val(source).is_contiguous()):
-            return None
+            if not QK_NORM_ROPE_DIFFUSERS_RMS:
+                return None
+            source = table  # a table the graph builds (Qwen-Image's): the rewrite materializes it as (S, D)
         tables.append(source)
     if not _kernel_takes(out, lambda kernels: kernels.qk_norm_rope_supported(d)):
         return None
@@ -1122,6 +1176,20 @@ def _qk_parts(final: fx.Node, z, inverse, k_mean):
     if len(parts) == 2:
         second = (*parts[1], tokens[0])
     return _QkCandidate(final, inverse, k_mean, src, bias, first_col, weight, eps, *tables, heads, second)
+
+
+def _table_rows(graph: fx.Graph, table: fx.Node) -> fx.Node:
+    """A rotary table as the operation reads it, (S, D) contiguous: ``table`` itself, or a (1, S, 1, D) table
+    reshaped and, where that is not contiguous, copied (the rows of a table the graph builds)."""
+    val = _val(table)
+    if val.dim() == 2:
+        return table
+    rows = _node(graph, aten.reshape.default, table, [val.shape[1], val.shape[3]])
+    if _val(rows).is_contiguous():
+        return rows
+    copy = graph.call_function(aten.clone.default, (rows,), {"memory_format": torch.contiguous_format})
+    copy.meta["val"] = _fake(lambda t: t.clone(memory_format=torch.contiguous_format), rows)
+    return copy
 
 
 def _rewrite_qk(graph: fx.Graph, c: _QkCandidate) -> None:
@@ -1133,12 +1201,13 @@ def _rewrite_qk(graph: fx.Graph, c: _QkCandidate) -> None:
             src2, bias2, first_col2, weight2, tokens_a = c.second
             src2 = _node(graph, aten.reshape.default, src2, [-1, _val(src2).shape[-1]])
             second = (src2, bias2, first_col2, weight2, tokens_a)
+        cos, sin = (_table_rows(graph, table) for table in (c.cos, c.sin))
         if c.inverse is None:  # the 16-bit form: no mean, no cast
             fused = _node(graph, torch.ops.omni_accel.qk_norm_rope.default, src, c.bias, c.first_col, c.heads,
-                          c.weight, c.eps, c.cos, c.sin, out.dtype, _pdl(out.device), *second)
+                          c.weight, c.eps, cos, sin, out.dtype, _pdl(out.device), *second)
         else:
             fused = _node(graph, torch.ops.omni_accel.qk_norm_rope_fp8.default, src, c.bias, c.first_col, c.heads,
-                          c.weight, c.eps, c.cos, c.sin, c.k_mean, c.inverse, _pdl(out.device), *second)
+                          c.weight, c.eps, cos, sin, c.k_mean, c.inverse, _pdl(out.device), *second)
         result = _node(graph, aten.reshape.default, fused, list(out.shape))
     c.cast.replace_all_uses_with(result)
 
@@ -1527,7 +1596,7 @@ class EpilogueFusionPass(CustomGraphPass):
         files = get_hash_for_files((os.path.join(here, "epilogue_fusion.py"), os.path.join(here, "epilogue_triton.py"),
                                     os.path.join(here, "gemm_tuning.py"), os.path.join(here, "int8_gemm_triton.py")))
         return (f"{files.hex() if isinstance(files, bytes) else files}-qk{int(QK_NORM_ROPE)}{int(QK_NORM_ROPE_16)}"
-                f"{int(QK_NORM_ROPE_JOINT)}"
+                f"{int(QK_NORM_ROPE_JOINT)}{int(QK_NORM_ROPE_DIFFUSERS_RMS)}"
                 f"-ln{int(LAYERNORM)}"
                 f"-pdl{int(PDL)}-int8{int(INT8)}{int(GELU_INT8)}{int(LAYERNORM_INT8)}{int(GATED_RESIDUAL_INT8)}"
                 f"{_residual_in_gemm_key()}-sage{int(SAGE_FROM_NORMS)}"
