@@ -541,8 +541,9 @@ def test_qwen_image_blocks_q_and_k_become_the_16_bit_operation_with_diffusers_rm
     """Qwen-Image's q / k norms are diffusers' RMSNorm (the normalized value rounded to bf16 before the weight, its
     16-bit input read twice) and its rotary tables per stream, (1, S, 1, D) views the complex rotary's real form
     builds. With QK_NORM_ROPE_DIFFUSERS_RMS the four q / k (image and text) become the operation, its tables
-    materialized as (S, D), from separate or fused projections; the block's output is inductor's bit for bit on the
-    CPU (inductor's fused kernel keeps the intermediate rounding out, as the kernel does). Off, nothing is replaced."""
+    materialized as (S, D), from separate or fused projections, for a batch of two; the block's output is inductor's
+    bit for bit on the CPU (inductor's fused kernel keeps the intermediate rounding out, as the kernel does). Off, or
+    where inductor emulates precision casts (its kernel would then round before the weight), nothing is replaced."""
     from diffusers.models.transformers import transformer_qwenimage
 
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
@@ -553,8 +554,8 @@ def test_qwen_image_blocks_q_and_k_become_the_16_bit_operation_with_diffusers_rm
         block.attn.fuse_projections()
     count, undo = compiler.use_complex_rotary_pair_swap(block, ("apply_rotary_emb_qwen",))
     g = torch.Generator().manual_seed(3)
-    image, text = (torch.randn(1, n, heads * head_dim, generator=g).to(BF16) for n in (16, 6))
-    temb = torch.randn(1, heads * head_dim, generator=g).to(BF16)
+    image, text = (torch.randn(2, n, heads * head_dim, generator=g).to(BF16) for n in (16, 6))
+    temb = torch.randn(2, heads * head_dim, generator=g).to(BF16)
     rotary = tuple(torch.polar(torch.ones(n, head_dim // 2), torch.rand(n, head_dim // 2, generator=g) * 6.28)
                    for n in (16, 6))
     args = (image, text, None, temb, rotary)
@@ -564,9 +565,11 @@ def test_qwen_image_blocks_q_and_k_become_the_16_bit_operation_with_diffusers_rm
             _, off = _compiled_with_pass(block, *args)
             monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_DIFFUSERS_RMS", True)
             out, delta = _compiled_with_pass(block, *args)
+            with torch._inductor.config.patch(emulate_precision_casts=True):
+                _, emulated = _compiled_with_pass(block, *args)
     finally:
         undo()
-    assert count == 1 and off == {} and delta == {"qk_norm_rope": 4}
+    assert count == 1 and off == {} and emulated == {} and delta == {"qk_norm_rope": 4}
     for o, r in zip(out, ref):
         assert torch.equal(o, r)
 

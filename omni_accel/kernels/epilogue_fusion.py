@@ -104,7 +104,8 @@ QK_NORM_ROPE_JOINT = True
 # before the weight (Qwen-Image's q / k norms; FLUX's are torch's RMSNorm), and rotary tables the graph builds in
 # (1, S, 1, D) views (Qwen-Image's per-stream tables from its complex rotary), which the operation reads
 # materialized as (S, D). The kernel computes the norm in float32 as inductor's fused kernel does (it keeps the
-# intermediate rounding out, torch's default). Off until timed on a GPU (benchmarks' `_qwenqk` rows).
+# intermediate rounding out, torch's default; not where inductor emulates precision casts). The 16-bit operation only
+# (the bf16 and int8 stacks' attention), not the FP8 form. Off until timed on a GPU (benchmarks' `_qwenqk` rows).
 QK_NORM_ROPE_DIFFUSERS_RMS = False
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
@@ -937,11 +938,11 @@ def _skip_round_trip(node):
     return node
 
 
-def _rms_norm_source(y16):
+def _rms_norm_source(y16, diffusers_rms: bool = False):
     """``y16`` = 16-bit of x * rsqrt(mean(x^2, -1) + eps) * w with x = float32 of a source (torch's rms_norm as it
-    decomposes), or the first output of ``_fused_rms_norm``, or (``QK_NORM_ROPE_DIFFUSERS_RMS``) diffusers' RMSNorm:
-    16-bit(x * rsqrt(...)) * w in 16 bits. Returns (source, weight, eps) or None."""
-    if QK_NORM_ROPE_DIFFUSERS_RMS and (found := _diffusers_rms_norm_source(y16)) is not None:
+    decomposes), or the first output of ``_fused_rms_norm``, or (``diffusers_rms``) diffusers' RMSNorm: 16-bit(x *
+    rsqrt(...)) * w in 16 bits. Returns (source, weight, eps) or None."""
+    if diffusers_rms and (found := _diffusers_rms_norm_source(y16)) is not None:
         return found
     if _call(y16, operator.getitem) and y16.args[1] == 0 and _call(y16.args[0], _FUSED_RMS_NORM):
         x, _, weight, eps = (list(y16.args[0].args) + [None, None])[:4]
@@ -968,7 +969,8 @@ def _mean_square(rsqrt):
     if not (_call(total, aten.add.Scalar, aten.add.Tensor) and isinstance(total.args[1], float)):
         return None
     mean = total.args[0]
-    if not (_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [_val(mean).dim() - 1])):
+    if not (_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [_val(mean).dim() - 1])
+            and _val(mean).shape[-1] == 1):  # keepdim: one mean per row, broadcast over it
         return None
     square = mean.args[0]
     if not (_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
@@ -995,7 +997,12 @@ def _normalized_source(z):
 
 def _diffusers_rms_norm_source(y16):
     """``y16`` = 16-bit(x * rsqrt(mean(x^2, -1) + eps)) * w, both 16-bit (diffusers' RMSNorm with a 16-bit weight):
-    (source, weight, eps) or None."""
+    (source, weight, eps) or None. Not where inductor emulates precision casts: its kernel would round before the
+    weight, the operation does not (it matches inductor's default, which keeps the product in float32)."""
+    from torch._inductor import config as inductor_config
+
+    if inductor_config.emulate_precision_casts:
+        return None
     out = _val(y16)
     if not (_call(y16, aten.mul.Tensor) and isinstance(out, torch.Tensor)
             and out.dtype in (torch.bfloat16, torch.float16)):
@@ -1047,11 +1054,11 @@ def _pair_swap_rope(r):
     return None
 
 
-def _projection_part(x, width: int):
+def _projection_part(x, width: int, through_shared_views: bool = False):
     """Where ``x`` (a view of ``width`` columns) comes from: a column slice of a fused projection's output, its bias
     added on the way. Returns (the projection's output, bias or None, first column) or None."""
     n = _up_views(x)
-    if QK_NORM_ROPE_DIFFUSERS_RMS:  # diffusers' RMSNorm reads its input twice (the square and the product)
+    if through_shared_views:  # diffusers' RMSNorm reads its input twice (the square and the product)
         while _call(n, *_VIEWS):
             n = n.args[0]
     first_col = 0
@@ -1121,24 +1128,26 @@ def _qk16_candidate(node: fx.Node):
     return found if found is not None and not _fp8_form_takes(node) else None
 
 
-def _normed_streams(y):
+def _normed_streams(y, diffusers_rms: bool = False):
     """The RMSNorms behind the rotary's input ``y``: [(x, weight, eps)] for one norm, or two for a concatenation of
     two normalized streams along the tokens (FLUX's dual-stream blocks: text, then image); None otherwise."""
     if _call(y, aten.cat.default) and len(y.args[0]) == 2 and QK_NORM_ROPE_JOINT:
         dim = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim", 0)
         if dim not in (1, -3):
             return None
-        norms = [_rms_norm_source(part) for part in y.args[0]]
+        norms = [_rms_norm_source(part, diffusers_rms) for part in y.args[0]]
         return norms if all(n is not None for n in norms) else None
-    norm = _rms_norm_source(y)
+    norm = _rms_norm_source(y, diffusers_rms)
     return [norm] if norm is not None else None
 
 
 def _qk_parts(final: fx.Node, z, inverse, k_mean):
     """The rotary and norm(s) behind ``z`` (float32) and the projection(s) they read, for the node ``final`` that the
     operation replaces: a _QkCandidate or None."""
+    # Qwen-Image's form (QK_NORM_ROPE_DIFFUSERS_RMS) only for the 16-bit operation, the one it was written for
+    qwen_form = QK_NORM_ROPE_DIFFUSERS_RMS and inverse is None
     rope = _pair_swap_rope(z)
-    streams = _normed_streams(rope[0]) if rope is not None else None
+    streams = _normed_streams(rope[0], qwen_form) if rope is not None else None
     out = _val(final)
     if streams is None or out.dim() != 4 or not out.is_contiguous():
         return None
@@ -1153,7 +1162,7 @@ def _qk_parts(final: fx.Node, z, inverse, k_mean):
         if (xv.dim() != 4 or xv.shape[0] != batch or tuple(xv.shape[2:]) != (heads, d) or stream_eps != eps
                 or _val(weight).shape[0] != d):
             return None
-        part = _projection_part(x, heads * d)
+        part = _projection_part(x, heads * d, qwen_form)
         if part is None or _val(part[0]).numel() != batch * xv.shape[1] * _val(part[0]).shape[-1]:
             return None
         parts.append((*part, weight))
@@ -1166,7 +1175,7 @@ def _qk_parts(final: fx.Node, z, inverse, k_mean):
             return None
         source = _up_views(table)
         if not (tuple(_val(source).shape) == (seq, d) and _val(source).is_contiguous()):
-            if not QK_NORM_ROPE_DIFFUSERS_RMS:
+            if not qwen_form:
                 return None
             source = table  # a table the graph builds (Qwen-Image's): the rewrite materializes it as (S, D)
         tables.append(source)
