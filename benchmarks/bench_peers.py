@@ -298,12 +298,6 @@ def _torchao_fp8(pipe, transformer, inputs, model):
     return _cudnn_regional_compile(transformer, inputs)
 
 
-def sage_hopper_kernel_built() -> bool:
-    from omni_accel.kernels.sage_attention import hopper_kernel_built
-
-    return hopper_kernel_built()
-
-
 def bf16_linear(module: torch.nn.Module, name: str) -> bool:
     """torchao's filter for the FP8 per-row row: only the bf16 linears. Per-row FP8 refuses other weight dtypes
     (Wan failed with "PerRow quantization only works for bfloat16 precision input weight"), and models keep some
@@ -1417,6 +1411,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    from omni_accel.kernels.sage_attention import hopper_kernel_built
+
     packages = ("torchao", "nvidia-cudnn-frontend", "triton", "flash-attn-4", "sageattention")
     versions = {p: _version(p) for p in packages}
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -1424,7 +1420,7 @@ def main(argv=None) -> int:
            "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
            "python": platform.python_version(), **versions,
            # whether attention="sage" / auto's long route can run the quantized Hopper route (a 1.x install cannot)
-           "sageattention_hopper_kernel": sage_hopper_kernel_built()}
+           "sageattention_hopper_kernel": hopper_kernel_built()}
     clocks = ClockLog(enabled=args.log_clocks and device.type == "cuda")
     gemm = measure_gemm_tflops(device, args.tiny)
     result = {"benchmark": "bench_peers", "env": env, "gemm_bf16_tflops": round(gemm, 1),

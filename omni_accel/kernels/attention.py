@@ -307,8 +307,7 @@ class AttentionPass(AccelPass):
             )
         if backend.name == "fa4":
             return backend, None
-        if (ctx.config.attention == "auto" and ctx.adapter.attention_via_dispatcher
-                and ctx.config.sequence_degree == 1):  # sp: the ring / Ulysses paths need the dispatcher's kernels
+        if self._long_routes_apply(ctx):
             rule = choose_auto(ctx.device, **decision)
             # SageAttention runs between graph segments (sage_attention.py); FA4's launches under a graph are not
             # verified, so a captured forward keeps cuDNN for every call
@@ -372,12 +371,19 @@ class AttentionPass(AccelPass):
         for line in passed_over:
             logger.info("omni_accel: attention='auto' passed over %s", line)
 
+    @staticmethod
+    def _long_routes_apply(ctx: PassContext) -> bool:
+        """Whether auto's long-sequence routes (FA4, SageAttention) can serve this pipeline: its attention goes
+        through diffusers' dispatcher and no sequence parallelism (the ring / Ulysses paths need the dispatcher's
+        kernels)."""
+        return (ctx.config.attention == "auto" and ctx.adapter.attention_via_dispatcher
+                and ctx.config.sequence_degree == 1)
+
     def _passed_over(self, ctx: PassContext) -> tuple[str, ...]:
         """The faster kernels auto's table would take for this pipeline but cannot here, with why: only where a
-        long-sequence route could run at all (the conditions of ``_plan``), so that installing the package named
-        would route calls."""
-        if not (ctx.config.attention == "auto" and ctx.adapter.attention_via_dispatcher
-                and ctx.config.sequence_degree == 1):
+        long-sequence route could run at all (``_long_routes_apply``), so that installing the package named would
+        route calls."""
+        if not self._long_routes_apply(ctx):
             return ()
         lines = choose_auto(ctx.device, **self._decision(ctx)).passed_over
         if _graph_captured(ctx):  # a captured forward keeps cuDNN for FA4's calls even where it is installed

@@ -480,8 +480,9 @@ def _is_scalar_tensor(node) -> bool:
     return isinstance(val, torch.Tensor) and val.numel() == 1 and val.dtype == torch.float32
 
 
-def _up_views(node):
-    while _call(node, *_VIEWS) and len(node.users) == 1:
+def _up_views(node, shared: bool = False):
+    """The node behind a chain of views of ``node``; with ``shared``, also through views that other nodes read."""
+    while _call(node, *_VIEWS) and (shared or len(node.users) == 1):
         node = node.args[0]
     return node
 
@@ -1057,10 +1058,7 @@ def _pair_swap_rope(r):
 def _projection_part(x, width: int, through_shared_views: bool = False):
     """Where ``x`` (a view of ``width`` columns) comes from: a column slice of a fused projection's output, its bias
     added on the way. Returns (the projection's output, bias or None, first column) or None."""
-    n = _up_views(x)
-    if through_shared_views:  # diffusers' RMSNorm reads its input twice (the square and the product)
-        while _call(n, *_VIEWS):
-            n = n.args[0]
+    n = _up_views(x, through_shared_views)  # shared: diffusers' RMSNorm reads its input twice
     first_col = 0
     if _call(n, operator.getitem) and _call(n.args[0], aten.split.Tensor, aten.split_with_sizes.default):
         split, index = n.args[0], n.args[1]
