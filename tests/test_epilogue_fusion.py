@@ -574,6 +574,30 @@ def test_qwen_image_blocks_q_and_k_become_the_16_bit_operation_with_diffusers_rm
         assert torch.equal(o, r)
 
 
+@pytest.mark.parametrize("layout", ["rows", "view", "broadcast"])
+def test_rotary_tables_reach_the_operation_as_contiguous_rows(layout):
+    """The q / k operation reads its rotary tables as (S, D) contiguous rows: a 2-D table goes in as it is, a
+    (1, S, 1, D) table the graph builds contiguously as a reshape of it, and one that is not contiguous once
+    reshaped (here broadcast along the tokens) through a copy; every form holds the table's values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    table = {"rows": torch.randn(S, D), "view": torch.randn(1, S, 1, D),
+             "broadcast": torch.randn(1, 1, 1, D).expand(1, S, 1, D)}[layout]
+    graph = torch.fx.Graph()
+    node = graph.placeholder("table")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        node.meta["val"] = mode.from_tensor(table)
+        rows = epilogue_fusion._table_rows(graph, node)
+    graph.output(rows)
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    expected = {"rows": [], "view": [torch.ops.aten.reshape.default],
+                "broadcast": [torch.ops.aten.reshape.default, torch.ops.aten.clone.default]}[layout]
+    assert targets == expected
+    assert rows.meta["val"].shape == (S, D) and rows.meta["val"].is_contiguous()
+    out = torch.fx.GraphModule(torch.nn.Module(), graph)(table)
+    assert out.is_contiguous() and torch.equal(out, table.reshape(S, D))
+
+
 @pytest.mark.parametrize("kind", ["single", "dual"])
 def test_flux_blocks_q_and_k_become_the_16_bit_operation(monkeypatch, kind):
     """diffusers' FLUX blocks in bf16 with the pair-swap rotary compile=True installs: q and k are replaced (switches
