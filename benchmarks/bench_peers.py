@@ -175,9 +175,9 @@ class Row:
     # kernel's twin, with its residual / output through TMA or pointers)
     int8_residual_ws: bool = False
     int8_residual_ws_io: int = 0
-    # kernels.epilogue_fusion.QK_NORM_ROPE_DIFFUSERS_RMS (True: the q / k kernel also takes diffusers' RMSNorm and
-    # tables the graph builds: Qwen-Image's q / k)
-    qk_diffusers_rms: bool = False
+    # kernels.epilogue_fusion.QK_NORM_ROPE_DIFFUSERS_RMS (True, the default: the q / k kernel also takes diffusers'
+    # RMSNorm and tables the graph builds: Qwen-Image's q / k)
+    qk_diffusers_rms: bool = True
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -764,10 +764,11 @@ for _io in (1, 2, 3):
                                                     f"warp-specialized int8 GEMM too (epilogue IO {_io})",
                                                     int8_residual_ws=True, int8_residual_ws_io=_io)
 # Qwen-Image's q / k norm + rotary in the graph pass's kernel (kernels.epilogue_fusion.QK_NORM_ROPE_DIFFUSERS_RMS,
-# off until timed): the _qwenqk rows are today's with it on (FLUX and Wan do not change: their norms are torch's)
+# on by default since timed): the _noqwenqk rows leave it to inductor, as before (FLUX and Wan do not change: their
+# norms are torch's). The 2026-12-07 result files name the rows with it on `_qwenqk` (then not the default).
 for _name in ("ours_int8", "ours_bf16_mk_pdl"):
-    ROWS[f"{_name}_qwenqk"] = _switched(_name, "qwenqk", "Qwen-Image's q / k norm + rotary in the graph pass's "
-                                        "kernel", qk_diffusers_rms=True)
+    ROWS[f"{_name}_noqwenqk"] = _switched(_name, "noqwenqk", "Qwen-Image's q / k norm + rotary left to inductor",
+                                          qk_diffusers_rms=False)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1017,8 +1018,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks, flops) -> dict:
     from omni_accel import compiler
 
+    # the env's package versions are read once at the start; SageAttention's is read again per row, since a build
+    # can finish (and install) while the first rows run
     result = {"model": spec["model"], "config": row.name, "note": row.note, "lossless": row.lossless,
-              "inductor_options": row.inductor}
+              "inductor_options": row.inductor, "sageattention": _version("sageattention")}
     if not row.cuda_graphs:
         result["cuda_graphs_env"] = "0"
     saved = compiler.INDUCTOR_OPTIONS

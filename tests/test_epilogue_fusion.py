@@ -540,12 +540,14 @@ def test_16_bit_q_and_k_become_the_operation_without_the_cast_when_switched_on(m
 def test_qwen_image_blocks_q_and_k_become_the_16_bit_operation_with_diffusers_rms_norm(monkeypatch, fused):
     """Qwen-Image's q / k norms are diffusers' RMSNorm (the normalized value rounded to bf16 before the weight, its
     16-bit input read twice) and its rotary tables per stream, (1, S, 1, D) views the complex rotary's real form
-    builds. With QK_NORM_ROPE_DIFFUSERS_RMS the four q / k (image and text) become the operation, its tables
-    materialized as (S, D), from separate or fused projections, for a batch of two; the block's output is inductor's
-    bit for bit on the CPU (inductor's fused kernel keeps the intermediate rounding out, as the kernel does). Off, or
-    where inductor emulates precision casts (its kernel would then round before the weight), nothing is replaced."""
+    builds. With QK_NORM_ROPE_DIFFUSERS_RMS (the default) the four q / k (image and text) become the operation, its
+    tables materialized as (S, D), from separate or fused projections, for a batch of two; the block's output is
+    inductor's bit for bit on the CPU (inductor's fused kernel keeps the intermediate rounding out, as the kernel
+    does). Off, or where inductor emulates precision casts (its kernel would then round before the weight), nothing
+    is replaced."""
     from diffusers.models.transformers import transformer_qwenimage
 
+    assert epilogue_fusion.QK_NORM_ROPE_DIFFUSERS_RMS  # on by default (timed on a GPU)
     monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_16", True)
     heads, head_dim = 2, 64
     torch.manual_seed(0)
@@ -562,6 +564,7 @@ def test_qwen_image_blocks_q_and_k_become_the_16_bit_operation_with_diffusers_rm
     try:
         with torch.no_grad():
             ref, _ = _compiled(block, *args, with_pass=False)
+            monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_DIFFUSERS_RMS", False)
             _, off = _compiled_with_pass(block, *args)
             monkeypatch.setattr(epilogue_fusion, "QK_NORM_ROPE_DIFFUSERS_RMS", True)
             out, delta = _compiled_with_pass(block, *args)

@@ -105,8 +105,10 @@ QK_NORM_ROPE_JOINT = True
 # (1, S, 1, D) views (Qwen-Image's per-stream tables from its complex rotary), which the operation reads
 # materialized as (S, D). The kernel computes the norm in float32 as inductor's fused kernel does (it keeps the
 # intermediate rounding out, torch's default; not where inductor emulates precision casts). The 16-bit operation only
-# (the bf16 and int8 stacks' attention), not the FP8 form. Off until timed on a GPU (benchmarks' `_qwenqk` rows).
-QK_NORM_ROPE_DIFFUSERS_RMS = False
+# (the bf16 and int8 stacks' attention), not the FP8 form. Qwen-Image 1024² on an H100, two rounds each: the int8
+# stack 204.2 -> 198.4 ms per step, bf16 265.0 -> 262.3 (bench_peers_h100_qwen_image_qwenqk[_bf16]_20261207.json);
+# the benchmarks' `_noqwenqk` rows run without it.
+QK_NORM_ROPE_DIFFUSERS_RMS = True
 # Whether it also replaces LayerNorm + modulate + static cast(s) (the AdaLN norms in front of FP8 linears).
 LAYERNORM = True
 # Whether a concatenation + GELU feeding an int8 linear's row quantization becomes one operation that writes the
