@@ -4,6 +4,9 @@
     python benchmarks/bench_attention.py --log-clocks --out benchmarks/results/bench_attention_h200.json
     # a subset
     python benchmarks/bench_attention.py --shapes flux,qwen_image --backends sdpa_cudnn,sage --iters 100
+    # omni_accel's TMA-fed 8-bit attention kernel, one row per tile, beside cuDNN and SageAttention's kernel
+    python benchmarks/bench_attention.py --shapes flux,wan --inputs randn --tma-tiles \
+        --backends sdpa_cudnn,omni_sage_kernel,omni_int8_block_fp8_core
     # smoke test on the CPU (fp32, tiny shapes, SDPA math / default only; seconds)
     python benchmarks/bench_attention.py --device cpu --tiny --out /tmp/bench_attention.json
 
@@ -114,6 +117,27 @@ def _sage(layout: str, smooth_k: bool) -> Callable:
 
     def call(q, k, v):
         return sageattn(q, k, v, tensor_layout=layout, is_causal=False, smooth_k=smooth_k)
+
+    return call
+
+
+def _omni_tma(warp_specialize: bool, tile: tuple[int, int, int, int] | None = None) -> Callable:
+    """omni_accel's int8 / e4m3 attention kernel in its TMA form (``fp8_attention_triton.launch(design=...)``),
+    kernel only, on operands quantized once (mode "int8_block_fp8"); autotuned, or with one ``tile``."""
+    from omni_accel.kernels import fp8_attention_triton
+    from omni_accel.kernels.fp8_attention import K_BLOCKS, quantize_qkv
+
+    cache: dict = {}
+
+    def call(q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in cache:
+            cache.clear()
+            cache[key] = quantize_qkv(q, k, v, "int8_block_fp8")
+        out = torch.empty_like(q)
+        return fp8_attention_triton.launch(*cache[key], q.shape[-1] ** -0.5, out, True, True, interpreted=False,
+                                           k_block=K_BLOCKS["int8_block_fp8"],
+                                           design="tma_ws" if warp_specialize else "tma", tile=tile)
 
     return call
 
@@ -229,8 +253,25 @@ def _omni_fa4() -> Callable:
     return lambda q, k, v: fa4_attention(q, k, v, None)
 
 
-def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Kernel], dict[str, str]]:
-    """The kernels that can run here (restricted to ``wanted`` if given), and why each of the others cannot."""
+# --tma-tiles: one row per tile of the TMA attention kernel, (BLOCK_M, BLOCK_N, warps, stages) without / with warp
+# specialization: the autotuner's lists and neighbours of them
+TMA_TILES = {False: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3)],
+             True: [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3),
+                    (64, 64, 4, 3)]}
+
+
+def _tma_tile_candidates() -> list:
+    from omni_accel.kernels.fp8_attention_triton import tile_name
+
+    return [(f"omni_tma{'_ws' if ws else ''}_{tile_name(tile)}", "BSHD",
+             (lambda ws=ws, tile=tile: _omni_tma(ws, tile)), f"TMA kernel{', warp specialized' if ws else ''}, "
+             f"tile {tile_name(tile)}; kernel only", "triton") for ws in (False, True) for tile in TMA_TILES[ws]]
+
+
+def kernels_for(device: torch.device, wanted: set[str] | None,
+                tma_tiles: bool = False) -> tuple[list[Kernel], dict[str, str]]:
+    """The kernels that can run here (restricted to ``wanted`` if given; with ``tma_tiles`` also one row per tile
+    of the TMA attention kernel), and why each of the others cannot."""
     candidates: list[tuple[str, str, Callable[[], Callable], str, str | None]] = [
         # name, layout, builder, note, package that must be importable
         ("sdpa_math", "BSHD", lambda: _sdpa(SDPBackend.MATH), "SDPA math kernel, input dtype", None),
@@ -255,6 +296,10 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         ("omni_int8_core", "BSHD", lambda: _omni("int8", True), "omni_accel: int8 QK, bf16 PV, kernel only", "triton"),
         ("omni_int8_block_fp8_core", "BSHD", lambda: _omni("int8_block_fp8", True), "omni_accel fp8 attention: int8 "
          "Q per token, K per block of 128 keys, e4m3 PV; kernel only", "triton"),
+        ("omni_int8_block_fp8_tma_core", "BSHD", lambda: _omni_tma(False), "the same arithmetic, TMA-fed kernel; "
+         "kernel only", "triton"),
+        ("omni_int8_block_fp8_tma_ws_core", "BSHD", lambda: _omni_tma(True), "the same, TMA-fed and warp "
+         "specialized; kernel only", "triton"),
         ("omni_cudnn_fp8", "BSHD", lambda: _cudnn_fp8(False), "omni_accel fp8 attention on cuDNN's FP8 SDPA: "
          "smoothed K, per-tensor e4m3 q/k/v, e4m3 out; incl. eager quantization", "cudnn"),
         ("omni_cudnn_fp8_core", "BSHD", lambda: _cudnn_fp8(True), "same, cuDNN call + output dequantization only",
@@ -265,6 +310,10 @@ def kernels_for(device: torch.device, wanted: set[str] | None) -> tuple[list[Ker
         ("omni_fa4", "BSHD", _omni_fa4, "omni_accel's omni_accel::fa4_attention op (attention='fa4'): flash-attn-4 "
          "behind a torch custom op", "flash_attn.cute"),
     ]
+    if tma_tiles:
+        tiles = _tma_tile_candidates()
+        candidates += tiles
+        wanted = None if wanted is None else wanted | {tile[0] for tile in tiles}
     # on the CPU only the two SDPA entries that have CPU kernels: the smoke test checks the harness, not kernels
     cpu_ok = {"sdpa_math", "sdpa_default"}
     # the GPU run leaves sdpa_math out unless asked: it materializes the S x S scores (bf16 Wan: 86 GB)
@@ -516,6 +565,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, choices=list(DTYPES),
                     help="default bf16 on CUDA; fp32 on the CPU, where bf16's own output rounding (1.6e-3 rel) would "
                          "hide a harness error from the smoke test's 1e-3 bound")
+    ap.add_argument("--tma-tiles", action="store_true",
+                    help="add one row per tile of omni_accel's TMA attention kernel (with and without warp "
+                         "specialization; a tile that does not compile costs its row only)")
     ap.add_argument("--iters", type=int, default=None, help="timed samples per kernel (default 30; tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; tiny 1)")
     ap.add_argument("--seed", type=int, default=0)
@@ -545,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     args.iters = args.iters or (3 if args.tiny else 30)
     args.warmup = args.warmup or (1 if args.tiny else 10)
-    kernels, skipped = kernels_for(device, set(args.backends.split(",")) if args.backends else None)
+    kernels, skipped = kernels_for(device, set(args.backends.split(",")) if args.backends else None,
+                                   tma_tiles=args.tma_tiles)
     result = {"benchmark": "bench_attention", "env": environment(device),
               "config": {"dtype": str(dtype).replace("torch.", ""), "batch": 1, "causal": False, "mask": None,
                          "iters": args.iters, "warmup": args.warmup, "seed": args.seed,

@@ -59,6 +59,7 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable
+from unittest import mock
 
 import torch
 
@@ -375,6 +376,18 @@ def _int8_sage(name: str, note: str, **switches) -> Row:
                inductor=_MK_PDL, needs=("sageattention",), cuda_only=True, note=note, **switches)
 
 
+def _with_fp8_implementation(implementation: str, setup):
+    """``setup`` with attention="fp8" served by ``implementation`` whatever packages are installed (an A/B of the
+    FP8 attention kernels inside the model)."""
+    def forced(pipe, transformer, inputs, model):
+        from omni_accel.kernels import fp8_attention
+
+        with mock.patch.object(fp8_attention, "implementation_for", lambda device: implementation):
+            return setup(pipe, transformer, inputs, model)
+
+    return forced
+
+
 ROWS: dict[str, Row] = {r.name: r for r in (
     Row("diffusers_eager", _plain, True, note="plain diffusers, PyTorch's own SDPA choice"),
     Row("diffusers_best", _diffusers_best, True, note="set_attention_backend('_native_cudnn') + "
@@ -539,6 +552,10 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("ours_int8", _ours(attention="cudnn", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, note="quant='int8', fuse_qkv, cuDNN attention (auto's choice), compile=True: the library's "
                                "defaults otherwise"),
+    Row("ours_int8_fp8attn_tma", _with_fp8_implementation("triton_tma", _ours(
+        attention="fp8", quant="int8", fuse_if_supported=True, compile=True)), False, inductor=_MK_PDL, cuda_only=True,
+        note="quant='int8' + attention='fp8' on omni_accel's TMA-fed Triton kernel (int8 Q K^T with K per block of "
+             "128 keys, e4m3 P V; Q / K / V quantized by inductor-compiled torch ops), fuse_qkv, compile=True"),
     _int8_sage("ours_int8_sage",
                "quant='int8' + attention='sage', fuse_qkv, compile=True: the 8-bit stack that holds the quality bound"),
     Row("ours_int8_auto", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,

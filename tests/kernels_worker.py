@@ -550,10 +550,36 @@ def emulate_fp8_attention(q, k, v, mode: str, block: int):
     return out.transpose(1, 2)
 
 
+def tma_attention_diffs(q, k, v, mode: str, pointer_out) -> dict:
+    """Largest absolute difference between the pointer kernel's output and each TMA design's, same operands."""
+    import torch
+
+    from omni_accel.kernels import fp8_attention as fa
+    from omni_accel.kernels import fp8_attention_triton as fat
+
+    operands = fa.quantize_qkv(q, k, v, mode)
+    diffs = {}
+    for design in ("tma", "tma_ws"):
+        out = torch.empty_like(pointer_out)
+        fat.launch(*operands, q.shape[-1] ** -0.5, out, True, True, interpreted=True, k_block=fa.K_BLOCKS[mode],
+                   design=design)
+        diffs[f"{design}_max_diff_vs_pointer"] = (out.double() - pointer_out.double()).abs().max().item()
+    # what the route sends a call to where the implementation is "triton_tma" (Hopper without cuDNN's package)
+    outer = fa._Route.implementation
+    fa._Route.implementation = "triton_tma"
+    try:
+        routed = fa._routed_attention(q, k, v, None)
+    finally:
+        fa._Route.implementation = outer
+    diffs["routed_tma_max_diff_vs_pointer"] = (routed.double() - pointer_out.double()).abs().max().item()
+    return diffs
+
+
 def fp8_attention_cases() -> dict:
     """Kernel vs its float64 emulation (is the kernel right) and vs exact attention (what the precision costs)."""
     import torch
 
+    from omni_accel.kernels import fp8_attention as fa
     from omni_accel.kernels.fp8_attention import fp8_attention
 
     results = {}
@@ -581,6 +607,8 @@ def fp8_attention_cases() -> dict:
                              "rel_err_vs_exact": rel(out),
                              "bf16_sdpa_rel_err_vs_exact": rel(torch.nn.functional.scaled_dot_product_attention(
                                  *(t.bfloat16().transpose(1, 2) for t in (q, k, v))).transpose(1, 2))}
+            if mode in fa.K_BLOCKS:  # the TMA-fed kernel forms run the same arithmetic on the same operands
+                results[case].update(tma_attention_diffs(q, k, v, mode, out))
         except Exception:  # noqa: BLE001
             results[case] = {"error": traceback.format_exc()}
     return results

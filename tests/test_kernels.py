@@ -192,6 +192,9 @@ def test_fp8_attention_kernel_reproduces_its_arithmetic_and_bounds_the_error(int
     assert r["rel_err_vs_emulation"] <= (1e-5 if mode == "int8" else 0.08), r
     bound = {"int8": 0.04, "int8_fp8": 0.08, "int8_block_fp8": 0.08, "fp8": 0.1 if inputs == "randn" else 0.3}[mode]
     assert r["rel_err_vs_exact"] <= bound, r
+    if mode == "int8_block_fp8":  # the TMA-fed forms: same arithmetic, same tile order, so the same bits
+        assert r["tma_max_diff_vs_pointer"] == 0.0 and r["tma_ws_max_diff_vs_pointer"] == 0.0, r
+        assert r["routed_tma_max_diff_vs_pointer"] == 0.0, r
     e4m3 = interpreted["fp8_attention"].get(case.replace(mode, "fp8", 1))
     if mode in ("int8_fp8", "int8_block_fp8") and inputs == "outliers" and e4m3 is not None:
         assert r["rel_err_vs_exact"] < e4m3["rel_err_vs_exact"] / 2, (r, e4m3)
@@ -288,6 +291,70 @@ def test_fp8_attention_kernel_compiles_for_hopper_in_every_mode(mode):
         report = _ptxas_report(compiled.asm["ptx"])
         assert ("C7515" in report) == (mode not in fa.K_BLOCKS), report
         assert mode not in fa.K_BLOCKS or "0 bytes spill stores" in report, report
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True])
+def test_tma_attention_kernel_lowers_for_hopper_with_its_tiles(warp_specialize):
+    """Every tile config the TMA attention kernel's autotuner tries lowers to an sm_90 cubin whose Q, K and V come
+    by TMA into warp-group MMAs, without spills; warp specialized, the 4-warp tile is split into producer and
+    consumer partitions (setmaxnreg hands the consumers the registers)."""
+    from omni_accel.kernels import fp8_attention_triton as fat
+
+    pointers = dict(q_ptr="*i8", k_ptr="*i8", v_ptr="*fp8e4nv", out_ptr="*bf16", q_scale_ptr="*fp32",
+                    k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    for block_m, block_n, warps, stages in fat._TMA_CONFIGS[warp_specialize]:
+        consts = dict(HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=True, P_MULT=fat.P_SCALE,
+                      K_BLOCK=fat.K_BLOCK_TILES, WARP_SPECIALIZE=warp_specialize, STAGES=stages)
+        compiled = _compile_for_hopper(fat._int8_attention_tma_kernel, pointers, consts,
+                                       {"num_warps": warps, "num_stages": stages}, floats=("qk_scale",), aligned=True)
+        ptx = compiled.asm["ptx"]
+        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, (block_m, block_n, warps)
+        assert "0 bytes spill stores" in _ptxas_report(ptx), (block_m, block_n, warps)
+        if warp_specialize and warps == 4:
+            assert "setmaxnreg" in ptx, (block_m, block_n, warps)
+
+
+@pytest.mark.parametrize("capability, expected", [((9, 0), "triton_tma"), ((8, 9), "triton"), ((10, 0), "triton")])
+def test_fp8_attention_takes_the_tma_kernel_on_hopper_only(monkeypatch, capability, expected):
+    """Without cuDNN's FP8 package, attention="fp8" runs the Triton kernel's TMA-fed form on Hopper (measured there)
+    and its pointer form on other GPUs and the CPU."""
+    import torch
+
+    from omni_accel.kernels import cudnn_fp8_attention
+    from omni_accel.kernels import fp8_attention as fa
+
+    if fa._INTERPRETED:
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1: the interpreter always takes 'triton'")
+    pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
+    monkeypatch.setattr(cudnn_fp8_attention, "unavailable_reason", lambda device: "nvidia-cudnn-frontend is missing")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert fa.implementation_for(torch.device("cuda")) == expected
+    assert fa.implementation_for(torch.device("cuda", 0)) == expected
+    assert fa.implementation_for(torch.device("cpu")) == "triton"
+
+
+def test_tma_attention_refuses_what_it_cannot_run():
+    import torch
+
+    from omni_accel.kernels import fp8_attention_triton as fat
+
+    q = torch.zeros(1, 2, 32, 16, dtype=torch.int8)
+    v = torch.zeros(1, 2, 16, 32, dtype=torch.float8_e4m3fn).transpose(2, 3)
+    scales = torch.ones(1, 2, 32)
+    out = torch.empty(1, 32, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"design='tiled' is not known; use one of pointer, tma, tma_ws"):
+        fat.launch(q, q, v, scales, scales, scales, 1.0, out, True, True, interpreted=True, k_block=128,
+                   design="tiled")
+    with pytest.raises(ValueError, match=r"design='tma' runs int8 Q K\^T with per-block K scales and e4m3 P V "
+                                         r"only \(mode 'int8_block_fp8'\)"):
+        fat.launch(q, q, v, scales, scales, scales, 1.0, out, True, True, interpreted=True, k_block=0, design="tma")
+    assert fat.tma_ready(q, q, v) is None
+    unaligned = torch.zeros(1, 2, 16, 40, dtype=torch.float8_e4m3fn)[..., :32].transpose(2, 3)  # 40-byte rows
+    with pytest.raises(ValueError, match=r"the TMA attention kernel cannot read these operands: v's base or strides "
+                                         r"are not 16-byte aligned \(strides \(1280, 640, 1, 40\)\)"):
+        fat.launch(q, q, unaligned, scales, scales, scales, 1.0, out, True, True, interpreted=True, k_block=128,
+                   design="tma")
 
 
 @pytest.mark.parametrize("case", WORKER.INT8_GEMV_CASES)

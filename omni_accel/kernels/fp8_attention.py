@@ -6,8 +6,9 @@ Why: with FP8 linears the FLUX step's largest bf16 piece is attention (23-25 ms 
 Two implementations behind the same routing, chosen per transformer when the pass is applied:
 - ``cudnn``: cuDNN's fused FP8 SDPA through NVIDIA's cudnn-frontend package (``cudnn_fp8_attention.py``), on
   Hopper and newer when the package is installed -- the fast one;
-- ``triton``: omni_accel's own Triton kernel (below), everywhere else Triton runs (and in Triton's interpreter, which
-  is how CI tests the routing).
+- ``triton_tma``: omni_accel's own Triton kernel (below) in its TMA-fed form, on Hopper without the package;
+- ``triton``: the same kernel's pointer form, everywhere else Triton runs (and in Triton's interpreter, which is how
+  CI tests the routing).
 
 The Triton implementation, and why it is split as it is:
 - Quantization is plain torch (``quantize_qkv``), so under ``compile=True`` inductor fuses it into the kernel that
@@ -97,6 +98,18 @@ def _per_block_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     return values.transpose(1, 2), scale.transpose(1, 2).contiguous()
 
 
+def _tokens_contiguous(v8: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> a (B, H, S, D) view whose tokens are contiguous, each (batch, head, dim) row padded to 16
+    bytes: TMA (the Hopper kernels' loads) needs 16-byte aligned row strides, and Wan's 32,760 tokens are not."""
+    seq = v8.shape[1]
+    rows = v8.permute(0, 2, 3, 1)
+    if seq % 16 == 0:
+        return rows.contiguous().transpose(2, 3)
+    # padded in float32, which holds every e4m3 value exactly (inductor cannot pad a float8 tensor)
+    padded = torch.nn.functional.pad(rows.float(), (0, -seq % 16)).to(v8.dtype)
+    return padded[..., :seq].transpose(2, 3)
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = DEFAULT_MODE):
     """The kernel's operands from diffusers' (B, S, H, D) q / k / v, as (B, H, S, D) views, and their scales.
     An e4m3 V is stored transposed (tokens contiguous): Hopper's FP8 MMA wants the reduced dim contiguous."""
@@ -112,7 +125,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = 
         q_op, k_op = q_op.transpose(1, 2), k_op.transpose(1, 2)
     if pv_fp8:
         v8, v_scale = _per_head_fp8(v)
-        v_op = v8.permute(0, 2, 3, 1).contiguous().transpose(2, 3)
+        v_op = _tokens_contiguous(v8)
     else:
         v_op, v_scale = v.transpose(1, 2), torch.ones(1, device=v.device)
     return q_op, k_op, v_op, q_scale, k_scale, v_scale
@@ -121,22 +134,23 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = 
 @torch.library.custom_op("omni_accel::fp8_attention_core", mutates_args=())
 def fp8_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
                        k_scale: torch.Tensor, v_scale: torch.Tensor, sm_scale: float, out_dtype: torch.dtype,
-                       qk_int8: bool, pv_fp8: bool, k_block: int = 0) -> torch.Tensor:
+                       qk_int8: bool, pv_fp8: bool, k_block: int = 0, design: str = "pointer") -> torch.Tensor:
     batch, heads, seq_q, head_dim = q.shape
     out = torch.empty(batch, seq_q, heads, head_dim, dtype=out_dtype, device=q.device)
     return _triton().launch(q, k, v, q_scale, k_scale, v_scale, sm_scale, out, qk_int8, pv_fp8,
-                            interpreted=not q.is_cuda, k_block=k_block)
+                            interpreted=not q.is_cuda, k_block=k_block, design=design)
 
 
 @fp8_attention_core.register_fake
-def _(q, k, v, q_scale, k_scale, v_scale, sm_scale, out_dtype, qk_int8, pv_fp8, k_block=0):
+def _(q, k, v, q_scale, k_scale, v_scale, sm_scale, out_dtype, qk_int8, pv_fp8, k_block=0, design="pointer"):
     batch, heads, seq_q, head_dim = q.shape
     return q.new_empty((batch, seq_q, heads, head_dim), dtype=out_dtype)
 
 
 def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None,
-                  mode: str = DEFAULT_MODE) -> torch.Tensor:
-    """Non-causal, unmasked attention of (B, S, H, D) tensors (diffusers' dispatcher layout), output like query."""
+                  mode: str = DEFAULT_MODE, design: str = "pointer") -> torch.Tensor:
+    """Non-causal, unmasked attention of (B, S, H, D) tensors (diffusers' dispatcher layout), output like query;
+    ``design`` is the kernel's form (fp8_attention_triton.DESIGNS; "tma" takes mode "int8_block_fp8" only)."""
     if not (query.is_cuda or _INTERPRETED):
         raise AccelError("attention='fp8' runs a Triton kernel on CUDA tensors (or in Triton's interpreter with "
                          "TRITON_INTERPRET=1); use attention='auto' on this device.")
@@ -144,7 +158,7 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         raise AccelError(f"fp8 attention mode={mode!r} is not known; use one of {', '.join(MODES)}.")
     sm_scale = scale if scale is not None else query.shape[-1] ** -0.5
     operands = quantize_qkv(query, key, value, mode)
-    return fp8_attention_core(*operands, float(sm_scale), query.dtype, *MODES[mode], K_BLOCKS.get(mode, 0))
+    return fp8_attention_core(*operands, float(sm_scale), query.dtype, *MODES[mode], K_BLOCKS.get(mode, 0), design)
 
 
 def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
@@ -155,15 +169,35 @@ def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             and query.dtype.is_floating_point)
 
 
-IMPLEMENTATIONS = ("cudnn", "triton")  # FP8 ones; the route also carries "fa4" (fa4_attention.py), "sage" and
-# "sage_package" (sage_attention.route_implementation)
+IMPLEMENTATIONS = ("cudnn", "triton_tma", "triton")  # FP8 ones; the route also carries "fa4" (fa4_attention.py),
+# "sage" and "sage_package" (sage_attention.route_implementation)
+# "triton_tma" (Hopper): the Triton kernel's TMA-fed form, which takes K's scales per block of keys only (a scale per
+# key serializes its MMAs, see K_BLOCKS). On an H100 it ran 2.08x the per-key pointer kernel at Wan's 81-frame shape
+# (34.0 vs 70.7 ms per call, 1.11x bf16 cuDNN's 37.7) and 1.14x at FLUX's, with the same error per call
+# (benchmarks/results/bench_attention_h100_tma_tiles_20261207.json).
+TMA_MODE = "int8_block_fp8"
+
+
+def _tma_kernel_runs_on(device: torch.device) -> bool:
+    """Hopper (the GPUs it was measured on) with a Triton that builds TMA descriptors in kernels."""
+    if device.type != "cuda" or _INTERPRETED:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        return False
+    import triton.language as tl
+
+    return hasattr(tl, "make_tensor_descriptor")
 
 
 def implementation_for(device: torch.device) -> str:
-    """cuDNN's FP8 SDPA where it runs (Hopper+, package installed), else the Triton kernel."""
+    """cuDNN's FP8 SDPA where it runs (Hopper+, package installed), else the Triton kernel: its TMA-fed form on
+    Hopper, the pointer form elsewhere."""
     from .cudnn_fp8_attention import unavailable_reason
 
-    return "cudnn" if unavailable_reason(device) is None and not _INTERPRETED else "triton"
+    if unavailable_reason(device) is None and not _INTERPRETED:
+        return "cudnn"
+    return "triton_tma" if _tma_kernel_runs_on(device) else "triton"
 
 
 class _Route:
@@ -265,6 +299,8 @@ def _routed_attention(query, key, value, scale):
         from .cudnn_fp8_attention import cudnn_fp8_attention
 
         return cudnn_fp8_attention(query, key, value, scale, _SCOPE[-1] if _SCOPE else None)
+    if _Route.implementation == "triton_tma":
+        return fp8_attention(query, key, value, scale, mode=TMA_MODE, design="tma")
     return fp8_attention(query, key, value, scale)
 
 
