@@ -133,7 +133,7 @@ def _omni_tma(warp_specialize: bool, tile: tuple[int, int, int, int] | None = No
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         if key not in cache:
             cache.clear()
-            cache[key] = quantize_qkv(q, k, v, "int8_block_fp8")
+            cache[key] = quantize_qkv(q, k, v, "int8_block_fp8", tma_aligned=True)
         out = torch.empty_like(q)
         return fp8_attention_triton.launch(*cache[key], q.shape[-1] ** -0.5, out, True, True, interpreted=False,
                                            k_block=K_BLOCKS["int8_block_fp8"],

@@ -557,7 +557,7 @@ def tma_attention_diffs(q, k, v, mode: str, pointer_out) -> dict:
     from omni_accel.kernels import fp8_attention as fa
     from omni_accel.kernels import fp8_attention_triton as fat
 
-    operands = fa.quantize_qkv(q, k, v, mode)
+    operands = fa.quantize_qkv(q, k, v, mode, tma_aligned=True)
     diffs = {}
     for design in ("tma", "tma_ws"):
         out = torch.empty_like(pointer_out)

@@ -302,8 +302,11 @@ def test_tma_attention_kernel_lowers_for_hopper_with_its_tiles(warp_specialize):
 
     pointers = dict(q_ptr="*i8", k_ptr="*i8", v_ptr="*fp8e4nv", out_ptr="*bf16", q_scale_ptr="*fp32",
                     k_scale_ptr="*fp32", v_scale_ptr="*fp32")
-    for block_m, block_n, warps, stages in fat._TMA_CONFIGS[warp_specialize]:
-        consts = dict(HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=True, P_MULT=fat.P_SCALE,
+    # every tile with keys a whole number of tiles (FLUX), the first also with a short last tile (Wan's 32,760)
+    cases = [(tile, True) for tile in fat._TMA_CONFIGS[warp_specialize]] + [(fat._TMA_CONFIGS[warp_specialize][0],
+                                                                              False)]
+    for (block_m, block_n, warps, stages), even_k in cases:
+        consts = dict(HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=even_k, P_MULT=fat.P_SCALE,
                       K_BLOCK=fat.K_BLOCK_TILES, WARP_SPECIALIZE=warp_specialize, STAGES=stages)
         compiled = _compile_for_hopper(fat._int8_attention_tma_kernel, pointers, consts,
                                        {"num_warps": warps, "num_stages": stages}, floats=("qk_scale",), aligned=True)
@@ -329,14 +332,18 @@ def test_fp8_attention_takes_the_tma_kernel_on_hopper_only(monkeypatch, capabili
     monkeypatch.setattr(cudnn_fp8_attention, "unavailable_reason", lambda device: "nvidia-cudnn-frontend is missing")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch build: never asked
+    assert fa.implementation_for(torch.device("cuda")) == "triton"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert fa.implementation_for(torch.device("cuda")) == expected
     assert fa.implementation_for(torch.device("cuda", 0)) == expected
     assert fa.implementation_for(torch.device("cpu")) == "triton"
 
 
-def test_tma_attention_refuses_what_it_cannot_run():
+def test_tma_attention_refuses_what_it_cannot_run(monkeypatch):
     import torch
 
+    pytest.importorskip("triton", reason="triton is Linux-only in the test extra")
     from omni_accel.kernels import fp8_attention_triton as fat
 
     q = torch.zeros(1, 2, 32, 16, dtype=torch.int8)
@@ -350,6 +357,14 @@ def test_tma_attention_refuses_what_it_cannot_run():
                                          r"only \(mode 'int8_block_fp8'\)"):
         fat.launch(q, q, v, scales, scales, scales, 1.0, out, True, True, interpreted=True, k_block=0, design="tma")
     assert fat.tma_ready(q, q, v) is None
+    with pytest.raises(ValueError, match=r"^tile: tile \(64, 256, 4, 3\) is not BLOCK_M,BLOCK_N,warps,stages with "
+                                         r"BLOCK_N dividing 128; e.g. 64,128,4,3$"):
+        fat.launch(q, q, v, scales, scales, scales, 1.0, out, True, True, interpreted=False, k_block=128,
+                   design="tma", tile=(64, 256, 4, 3))
+    monkeypatch.setenv("OMNI_ACCEL_TMA_ATTENTION_CONFIGS_WS", "64,128,4,3;64,128")
+    monkeypatch.setattr(fat, "_tma_autotuned", {})
+    with pytest.raises(ValueError, match=r"^OMNI_ACCEL_TMA_ATTENTION_CONFIGS_WS: tile '64,128' is not "):
+        fat._tma_kernel(True)
     unaligned = torch.zeros(1, 2, 16, 40, dtype=torch.float8_e4m3fn)[..., :32].transpose(2, 3)  # 40-byte rows
     with pytest.raises(ValueError, match=r"the TMA attention kernel cannot read these operands: v's base or strides "
                                          r"are not 16-byte aligned \(strides \(1280, 640, 1, 40\)\)"):

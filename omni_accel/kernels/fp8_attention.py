@@ -33,6 +33,7 @@ The Triton implementation, and why it is split as it is:
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -98,21 +99,24 @@ def _per_block_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     return values.transpose(1, 2), scale.transpose(1, 2).contiguous()
 
 
-def _tokens_contiguous(v8: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) -> a (B, H, S, D) view whose tokens are contiguous, each (batch, head, dim) row padded to 16
-    bytes: TMA (the Hopper kernels' loads) needs 16-byte aligned row strides, and Wan's 32,760 tokens are not."""
+def _tokens_contiguous(v8: torch.Tensor, aligned: bool) -> torch.Tensor:
+    """(B, S, H, D) -> a (B, H, S, D) view whose tokens are contiguous; with ``aligned`` each (batch, head, dim) row
+    padded to 16 bytes: TMA (the Hopper form's loads) needs 16-byte aligned row strides, and Wan's 32,760 tokens are
+    not."""
     seq = v8.shape[1]
     rows = v8.permute(0, 2, 3, 1)
-    if seq % 16 == 0:
+    if seq % 16 == 0 or not aligned:
         return rows.contiguous().transpose(2, 3)
     # padded in float32, which holds every e4m3 value exactly (inductor cannot pad a float8 tensor)
     padded = torch.nn.functional.pad(rows.float(), (0, -seq % 16)).to(v8.dtype)
     return padded[..., :seq].transpose(2, 3)
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = DEFAULT_MODE):
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = DEFAULT_MODE,
+                 tma_aligned: bool = False):
     """The kernel's operands from diffusers' (B, S, H, D) q / k / v, as (B, H, S, D) views, and their scales.
-    An e4m3 V is stored transposed (tokens contiguous): Hopper's FP8 MMA wants the reduced dim contiguous."""
+    An e4m3 V is stored transposed (tokens contiguous): Hopper's FP8 MMA wants the reduced dim contiguous; with
+    ``tma_aligned`` its token rows are padded to 16 bytes in storage (the TMA-fed kernel's loads need it)."""
     qk_int8, pv_fp8 = MODES[mode]
     k = k.float()
     k = k - k.mean(dim=1, keepdim=True)  # softmax-invariant shift; see the module docstring
@@ -125,7 +129,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = 
         q_op, k_op = q_op.transpose(1, 2), k_op.transpose(1, 2)
     if pv_fp8:
         v8, v_scale = _per_head_fp8(v)
-        v_op = _tokens_contiguous(v8)
+        v_op = _tokens_contiguous(v8, tma_aligned)
     else:
         v_op, v_scale = v.transpose(1, 2), torch.ones(1, device=v.device)
     return q_op, k_op, v_op, q_scale, k_scale, v_scale
@@ -157,7 +161,7 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     if mode not in MODES:
         raise AccelError(f"fp8 attention mode={mode!r} is not known; use one of {', '.join(MODES)}.")
     sm_scale = scale if scale is not None else query.shape[-1] ** -0.5
-    operands = quantize_qkv(query, key, value, mode)
+    operands = quantize_qkv(query, key, value, mode, tma_aligned=design != "pointer")
     return fp8_attention_core(*operands, float(sm_scale), query.dtype, *MODES[mode], K_BLOCKS.get(mode, 0), design)
 
 
@@ -172,22 +176,27 @@ def fp8_eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
 IMPLEMENTATIONS = ("cudnn", "triton_tma", "triton")  # FP8 ones; the route also carries "fa4" (fa4_attention.py),
 # "sage" and "sage_package" (sage_attention.route_implementation)
 # "triton_tma" (Hopper): the Triton kernel's TMA-fed form, which takes K's scales per block of keys only (a scale per
-# key serializes its MMAs, see K_BLOCKS). On an H100 it ran 2.08x the per-key pointer kernel at Wan's 81-frame shape
-# (34.0 vs 70.7 ms per call, 1.11x bf16 cuDNN's 37.7) and 1.14x at FLUX's, with the same error per call
+# key serializes its MMAs, see K_BLOCKS; the block costs 0.7 dB of mean PSNR on the built-in model). Kernel alone on
+# an H100, it ran 2.08x the pointer kernel in the same block mode at Wan's 81-frame shape (34.0 vs 70.7 ms per call,
+# 1.11x bf16 cuDNN's 37.7) and 1.14x at FLUX's, with the same error per call
 # (benchmarks/results/bench_attention_h100_tma_tiles_20261207.json).
 TMA_MODE = "int8_block_fp8"
 
 
 def _tma_kernel_runs_on(device: torch.device) -> bool:
-    """Hopper (the GPUs it was measured on) with a Triton that builds TMA descriptors in kernels."""
-    if device.type != "cuda" or _INTERPRETED:
+    """Hopper (the GPUs it was measured on) with a Triton that builds TMA descriptors in kernels and whose loops take
+    ``warp_specialize`` (3.4+; the kernel names it either way)."""
+    if device.type != "cuda" or _INTERPRETED or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index)[0] != 9:
         return False
-    import triton.language as tl
-
-    return hasattr(tl, "make_tensor_descriptor")
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return hasattr(tl, "make_tensor_descriptor") and \
+        "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
 
 def implementation_for(device: torch.device) -> str:

@@ -182,15 +182,30 @@ _tma_autotuned: dict = {}
 
 def _tma_kernel(warp_specialize: bool):
     if warp_specialize not in _tma_autotuned:
-        chosen = os.environ.get("OMNI_ACCEL_TMA_ATTENTION_CONFIGS" + ("_WS" if warp_specialize else ""))
-        tiles = ([tuple(int(x) for x in c.split(",")) for c in chosen.split(";")] if chosen
-                 else _TMA_CONFIGS[warp_specialize])
+        variable = "OMNI_ACCEL_TMA_ATTENTION_CONFIGS" + ("_WS" if warp_specialize else "")
+        chosen = os.environ.get(variable, "").strip()
+        tiles = [_checked_tile(entry, variable) for entry in chosen.split(";") if entry.strip()] if chosen else \
+            _TMA_CONFIGS[warp_specialize]
         configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st}, num_warps=w, num_stages=st)
                    for bm, bn, w, st in tiles]
         _tma_autotuned[warp_specialize] = triton.autotune(
             configs=configs, key=["seq_q", "seq_k", "HEAD_DIM", "EVEN_K", "K_BLOCK", "WARP_SPECIALIZE"]
         )(_int8_attention_tma_kernel)
     return _tma_autotuned[warp_specialize]
+
+
+def _checked_tile(tile, source: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) from a tuple or a "bm,bn,warps,stages" string, refused unless each key tile
+    lies inside one block of K scales (BLOCK_N divides K_BLOCK_TILES), which the kernel's scale lookup and its
+    masking of keys past the end (decided per 128 keys) rely on."""
+    try:
+        values = tuple(int(x) for x in (tile.split(",") if isinstance(tile, str) else tile))
+    except (TypeError, ValueError):
+        values = ()
+    if len(values) != 4 or min(values) < 1 or K_BLOCK_TILES % values[1]:
+        raise ValueError(f"{source}: tile {tile!r} is not BLOCK_M,BLOCK_N,warps,stages with BLOCK_N dividing "
+                         f"{K_BLOCK_TILES}; e.g. 64,128,4,3")
+    return values  # type: ignore[return-value]
 
 
 def tma_ready(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -235,7 +250,7 @@ def _launch_tma(q, k, v, q_scale, k_scale, v_scale, sm_scale, out, k_block: int,
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
 
     if tile is not None:  # one tile, no autotuning (benchmarks time each tile this way)
-        block_m, block_n, warps, stages = tile
+        block_m, block_n, warps, stages = _checked_tile(tile, "tile")
         _int8_attention_tma_kernel[grid](*args, EVEN_K=seq_k % 128 == 0, BLOCK_M=block_m, BLOCK_N=block_n,
                                          STAGES=stages, num_warps=warps, num_stages=stages, **flags)
         return out
