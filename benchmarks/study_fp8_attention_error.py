@@ -27,6 +27,9 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
   arithmetic) and per-token e4m3 ones (bf16 attention, SageAttention 2's), meant for many captions (``--prompts
   100``, with ``fp32``): how often each puts an image below 30 / 35 dB, which one fragile caption's worst case
   cannot show.
+- ``block_k``: omni_accel's Triton kernel in its block mode (q per token, k per 128 keys, e4m3 P . V, v per head:
+  what ``attention="fp8"`` runs on Hopper without cuDNN's FP8 package) beside int8 and bf16 linears, with int8
+  linears alone and the per-key arithmetic as neighbours.
 - ``linears``: static W8A8 linears alone (attention in bf16), one group of linears kept in bf16 per row (the dual
   blocks' MLPs, the single blocks' proj_mlp or proj_out, the attention projections, the first or the last block),
   each with the share of FLUX.1-dev's linear FLOPs it would take out of FP8: which linears the worst caption
@@ -39,6 +42,7 @@ Also the fp32 model against the bf16 one: how far a rounding change that is not 
     python benchmarks/study_fp8_attention_error.py --studies qk_int8 --out benchmarks/results/fp8_qk_int8_study.json
     python benchmarks/study_fp8_attention_error.py --studies linears --out benchmarks/results/fp8_linears_study.json
     python benchmarks/study_fp8_attention_error.py --studies formats --out benchmarks/results/linear_formats_study.json
+    python benchmarks/study_fp8_attention_error.py --studies block_k --out benchmarks/results/block_k_study.json
     python benchmarks/study_fp8_attention_error.py --studies fp32,formats_tail --prompts 100 \
         --out benchmarks/results/formats_tail_study.json
 """
@@ -85,11 +89,12 @@ def int8_rounded(x: torch.Tensor, tokens_per_scale: int) -> torch.Tensor:
 
 def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: bool, round_o: bool,
               rotation: torch.Tensor | None = None, qk_int8_tokens: tuple[int, int] | None = None,
-              v_per_channel: bool = False) -> torch.Tensor:
+              v_per_channel: bool = False, v_per_head: bool = False) -> torch.Tensor:
     """(B, S, H, D) attention with cuDNN's FP8 roundings switched one by one (per-tensor scales, K smoothed by its
     token mean as the library does); float32 elsewhere. ``qk_int8_tokens`` = (q's, k's) rounds q and k to int8
     instead of e4m3, a scale per head and per that many tokens; ``v_per_channel`` gives v a scale per head and
-    channel (SageAttention 2's FP8 v) instead of one per tensor."""
+    channel (SageAttention 2's FP8 v), ``v_per_head`` one per batch and head (omni_accel's Triton kernel), instead of
+    one per tensor."""
     q, k, v = q.float(), k.float(), v.float()
     k = k - k.mean(dim=1, keepdim=True)  # softmax-invariant shift
     if rotation is not None:
@@ -98,7 +103,11 @@ def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: 
         q, k = int8_rounded(q, qk_int8_tokens[0]), int8_rounded(k, qk_int8_tokens[1])
     elif round_qk:
         q, k = rounded(q, q.abs().amax() / cfa.FP8_MAX), rounded(k, k.abs().amax() / cfa.FP8_MAX)
-    v_scale = (v.abs().amax(dim=(0, 1), keepdim=True) if v_per_channel else v.abs().amax()) / cfa.FP8_MAX
+    if v_per_channel:
+        v_amax = v.abs().amax(dim=(0, 1), keepdim=True)
+    else:
+        v_amax = v.abs().amax(dim=(1, 3), keepdim=True) if v_per_head else v.abs().amax()
+    v_scale = v_amax / cfa.FP8_MAX
     if round_v:
         v = rounded(v, v_scale)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * sm_scale
@@ -165,7 +174,8 @@ def summary(p: list[float], prompts: list[str]) -> dict:
             "below_35_db": sum(x < 35 for x in p), "psnr": [round(x, 2) for x in p]}
 
 
-STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8", "formats", "formats_tail", "linears")
+STUDIES = ("fp32", "operands", "rotation", "modules", "fallback", "qk_int8", "formats", "formats_tail", "linears",
+           "block_k")
 SENSITIVE_ATTENTION = "transformer_blocks.1.attn"  # what the modules study singles out on the built-in model
 QK_PROJECTIONS = ["*attn.to_q", "*attn.to_k", "*attn.add_q_proj", "*attn.add_k_proj"]
 # (row name, FP8 linears?, their skip patterns, attention modules kept in bf16 -- None: no FP8 attention at all)
@@ -397,6 +407,10 @@ ATTENTION_ARITHMETIC = {
     # fp32 accumulation, 16-bit output
     "sage2_sm90": dict(round_qk=True, round_p=True, round_v=True, round_o=False, qk_int8_tokens=(1, 32),
                        v_per_channel=True),
+    # omni_accel's Triton kernel in its block mode, what attention="fp8" runs on Hopper without cuDNN's FP8 package
+    # (its TMA-fed form): int8 q per token, k per 128 keys, e4m3 P and v with a scale per head, 16-bit output
+    "block_k_fp8": dict(round_qk=True, round_p=True, round_v=True, round_o=False, qk_int8_tokens=(1, 128),
+                        v_per_head=True),
 }
 # (row name, activation format -- per token, or "_static": one scale per layer from the calibration caption's max |x|
 # --, weight format, SmoothQuant alpha or None, the attention's arithmetic: None = bf16 attention, else a key of
@@ -423,6 +437,9 @@ FORMATS = (
      None, "sage2_sm90"),
     ("e4m3 W8A8 + attention close to SageAttention 2 on Hopper", "e4m3", "e4m3", None, "sage2_sm90"),
     ("bf16 linears + attention close to SageAttention 2 on Hopper", "bf16", "bf16", None, "sage2_sm90"),
+    ("int8 W8A8 + omni_accel's block-mode kernel (q per token, k per 128 keys, e4m3 P . V, v per head)", "int8",
+     "int8", None, "block_k_fp8"),
+    ("bf16 linears + omni_accel's block-mode kernel", "bf16", "bf16", None, "block_k_fp8"),
 )
 
 
@@ -514,6 +531,11 @@ def main(argv=None) -> int:
         result["formats_tail"] = formats_study(pipe, prompts, reference, modules, tuple(
             row for row in FORMATS if row[1:4] == ("int8", "int8", None)
             or (row[1:4] == ("e4m3", "e4m3", None) and row[4] in (None, "sage2_sm90"))))
+    if "block_k" in studies:  # the Hopper kernel's block mode beside bf16 and int8 linears, against its neighbours
+        result["block_k"] = formats_study(pipe, prompts, reference, modules, tuple(
+            row for row in FORMATS if row[1:5] in (("int8", "int8", None, None), ("int8", "int8", None, "block_k_fp8"),
+                                                   ("int8", "int8", None, "int8_qk_e4m3_pv"),
+                                                   ("bf16", "bf16", None, "block_k_fp8"))))
     if "qk_int8" in studies:
         result["qk_int8"] = qk_int8_study(pipe, prompts, reference, modules, (7, 8))
     write_result(args.out, result)
