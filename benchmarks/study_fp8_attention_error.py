@@ -37,12 +37,14 @@ captions against bf16, as ``bench_fp8_quality.py --modes fp8attn``. The studies:
 
 Also the fp32 model against the bf16 one: how far a rounding change that is not FP8 moves each caption.
 
-    # one study only (fp32, operands, rotation, modules, fallback, qk_int8, formats, formats_tail, linears)
+    # one study only (fp32, operands, rotation, modules, fallback, qk_int8, formats, formats_tail, linears, block_k)
     python benchmarks/study_fp8_attention_error.py --studies fallback --out benchmarks/results/fp8_fallback_study.json
     python benchmarks/study_fp8_attention_error.py --studies qk_int8 --out benchmarks/results/fp8_qk_int8_study.json
     python benchmarks/study_fp8_attention_error.py --studies linears --out benchmarks/results/fp8_linears_study.json
     python benchmarks/study_fp8_attention_error.py --studies formats --out benchmarks/results/linear_formats_study.json
     python benchmarks/study_fp8_attention_error.py --studies block_k --out benchmarks/results/block_k_study.json
+    python benchmarks/study_fp8_attention_error.py --studies block_k --prompts 100 \
+        --out benchmarks/results/block_k_study_100.json
     python benchmarks/study_fp8_attention_error.py --studies fp32,formats_tail --prompts 100 \
         --out benchmarks/results/formats_tail_study.json
 """
