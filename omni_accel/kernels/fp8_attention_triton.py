@@ -167,6 +167,8 @@ _TMA_CONFIGS = {False: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64
 def tile_name(tile: tuple[int, int, int, int]) -> str:
     """(BLOCK_M, BLOCK_N, warps, stages) -> "128x128w8s2", the name benchmarks give a tile."""
     return "{}x{}w{}s{}".format(*tile)
+
+
 DESIGNS = ("pointer", "tma", "tma_ws")
 
 _KEY = ["seq_q", "seq_k", "HEAD_DIM", "EVEN_K", "QK_INT8", "PV_FP8", "K_BLOCK"]
@@ -249,12 +251,14 @@ def _launch_tma(q, k, v, q_scale, k_scale, v_scale, sm_scale, out, k_block: int,
     def grid(meta):
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
 
+    # every tile's BLOCK_N divides K_BLOCK_TILES (_checked_tile), so whole blocks of keys mean whole tiles
+    flags["EVEN_K"] = seq_k % K_BLOCK_TILES == 0
     if tile is not None:  # one tile, no autotuning (benchmarks time each tile this way)
         block_m, block_n, warps, stages = _checked_tile(tile, "tile")
-        _int8_attention_tma_kernel[grid](*args, EVEN_K=seq_k % 128 == 0, BLOCK_M=block_m, BLOCK_N=block_n,
-                                         STAGES=stages, num_warps=warps, num_stages=stages, **flags)
+        _int8_attention_tma_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=warps,
+                                         num_stages=stages, **flags)
         return out
-    _tma_kernel(warp_specialize)[grid](*args, EVEN_K=seq_k % 128 == 0, **flags)
+    _tma_kernel(warp_specialize)[grid](*args, **flags)
     return out
 
 
