@@ -722,3 +722,32 @@ def test_torchao_fp8_row_quantizes_only_the_bf16_linears_of_a_model_with_float32
     monkeypatch.setattr(bench_peers, "_cudnn_regional_compile", lambda model, inputs: "compiled")
     assert bench_peers._torchao_fp8(None, transformer, {}, "wan81") == "compiled"
     assert calls == [(transformer, ("fp8", "per-row"), bench_peers.bf16_linear)]
+
+
+def test_frozen_modulation_probe_answers_from_recorded_outputs_and_undoes(bench_peers):
+    """The probe rows' modulation linears return one plain forward's outputs: the same model output for the
+    benchmark's inputs with every modulation linear swapped out of the forward, and the undo puts them back."""
+    from benchmarks.bench_transformer import build_pipeline, build_transformer, make_inputs
+
+    bench_peers.ensure_adapters()
+    spec = bench_peers.SPECS["flux"](True)
+    transformer = build_transformer(spec, torch.device("cpu"), torch.float32)
+    pipe = build_pipeline(spec, transformer)
+    inputs = make_inputs(spec, torch.device("cpu"), transformer.dtype)
+    with torch.no_grad():
+        reference = transformer(**inputs)[0]
+    fn, undo = bench_peers._frozen_modulation(bench_peers._plain)(pipe, transformer, inputs, "flux")
+    recorded = [m for m in transformer.modules() if isinstance(m, bench_peers._RecordedOutputLinear)]
+    assert len(recorded) == 5  # every block's AdaLN linear and norm_out's, as the FLUX adapter names them
+    returned = []
+    hooks = [m.register_forward_hook(lambda m, args, out: returned.append(out is m.recorded)) for m in recorded]
+    with torch.no_grad():
+        assert torch.equal(fn()[0], reference)
+    assert returned == [True] * 5  # each answered with its recorded tensor, no GEMV
+    for hook in hooks:
+        hook.remove()
+    undo()
+    assert not any(isinstance(m, bench_peers._RecordedOutputLinear) for m in transformer.modules())
+    assert not any("recorded" in m._buffers for m in transformer.modules())
+    with torch.no_grad():
+        assert torch.equal(transformer(**inputs)[0], reference)
