@@ -751,3 +751,45 @@ def test_frozen_modulation_probe_answers_from_recorded_outputs_and_undoes(bench_
     assert not any("recorded" in m._buffers for m in transformer.modules())
     with torch.no_grad():
         assert torch.equal(transformer(**inputs)[0], reference)
+
+
+def test_frozen_modulation_probe_over_the_int8_stack_and_out_of_the_summary(bench_peers):
+    """Over the int8 stack's real setup the probe freezes the same five linears (the stack leaves them plain) and
+    gives the stack's own output; its rows never count among the summary's best; a family without modulation
+    linears is refused by name."""
+    from benchmarks.bench_transformer import build_pipeline, build_transformer, make_inputs
+
+    bench_peers.ensure_adapters()
+    spec = bench_peers.SPECS["flux"](True)
+    transformer = build_transformer(spec, torch.device("cpu"), torch.float32)
+    pipe = build_pipeline(spec, transformer)
+    inputs = make_inputs(spec, torch.device("cpu"), transformer.dtype)
+    int8 = bench_peers._ours(quant="int8", fuse_if_supported=True)
+    fn, undo = int8(pipe, transformer, inputs, "flux")
+    with torch.no_grad():
+        stack_out = fn()[0]
+    undo()
+    fn, undo = bench_peers._frozen_modulation(int8)(pipe, transformer, inputs, "flux")
+    try:
+        assert sum(isinstance(m, bench_peers._RecordedOutputLinear) for m in pipe.transformer.modules()) == 5
+        with torch.no_grad():
+            assert torch.equal(fn()[0], stack_out)
+    finally:
+        undo()
+    assert bench_peers.ROWS["ours_int8_frozenmod"].probe and not bench_peers.ROWS["ours_int8"].probe
+
+    rows = [{"model": "flux", "config": name, "ms": ms, "lossless": lossless, **extra}
+            for name, ms, lossless, extra in (("diffusers_best", 130.0, True, {}),
+                                              ("ours_bf16_mk_pdl", 125.0, True, {}),
+                                              ("ours_bf16_mk_pdl_frozenmod", 120.0, True, {"probe": True}),
+                                              ("ours_int8", 88.0, False, {}),
+                                              ("ours_int8_frozenmod", 85.0, False, {"probe": True}))]
+    summary = bench_peers.summarize(rows)["flux"]
+    assert summary["ours_best_lossless"] == "ours_bf16_mk_pdl" and summary["ours_best_int8"] == "ours_int8"
+    assert summary["lossless_vs_diffusers_best"] == round(130.0 / 125.0, 3)
+
+    wan = bench_peers.SPECS["wan81"](True)
+    wan_transformer = build_transformer(wan, torch.device("cpu"), torch.float32)
+    wan_pipe = build_pipeline(wan, wan_transformer)
+    with pytest.raises(RuntimeError, match="wan81: the family names no modulation linears"):
+        bench_peers._frozen_modulation(bench_peers._plain)(wan_pipe, wan_transformer, {}, "wan81")
