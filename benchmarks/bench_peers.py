@@ -1275,7 +1275,8 @@ def summarize(rows: list[dict]) -> dict:
 
         # lossy rows by the format of their linears; a lossy attention beside bf16 linears is in neither
         ours_bf16 = best(lambda n, r: r["lossless"])
-        ours_fp8 = best(lambda n, r: not r["lossless"] and "fp8" in n)
+        # FP8 linears: "fp8" in the name, but not an int8 stack with FP8 attention (ours_int8_fp8attn_*)
+        ours_fp8 = best(lambda n, r: not r["lossless"] and "fp8" in n and not n.startswith("ours_int8"))
         ours_int8 = best(lambda n, r: not r["lossless"] and n.startswith("ours_int8"))
         entry = {"ours_best_lossless": ours_bf16 and ours_bf16["config"],
                  "ours_best_fp8": ours_fp8 and ours_fp8["config"]}

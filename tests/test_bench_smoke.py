@@ -565,7 +565,8 @@ def test_peers_summary_keeps_int8_rows_out_of_the_fp8_ratios_and_refuses_two_in_
     that quantize the weights in place are refused in one run."""
     rows = [{"model": "flux", "config": c, "ms": ms, "lossless": lossless} for c, ms, lossless in (
         ("diffusers_best", 130.0, True), ("ours_fp8_dynamic_fa_pdl", 90.0, False), ("ours_int8_pdl", 80.0, False),
-        ("torchao_fp8_rowwise", 110.0, False), ("torchao_int8", 100.0, False), ("ours_bf16_mk_pdl_sage", 70.0, False))]
+        ("torchao_fp8_rowwise", 110.0, False), ("torchao_int8", 100.0, False), ("ours_bf16_mk_pdl_sage", 70.0, False),
+        ("ours_int8_fp8attn_tma", 85.0, False))]  # int8 linears with FP8 attention: an int8 row, not an FP8 one
     summary = bench_peers.summarize(rows)["flux"]
     assert summary["ours_best_fp8"] == "ours_fp8_dynamic_fa_pdl" and summary["ours_best_int8"] == "ours_int8_pdl"
     assert summary["fp8_vs_torchao"] == round(110 / 90, 3) and summary["int8_vs_torchao_int8"] == 1.25
