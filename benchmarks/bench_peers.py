@@ -360,7 +360,7 @@ def _frozen_modulation(setup):
         forward_with_hooks(transformer, inputs, hooks)
         fn, undo = setup(pipe, transformer, inputs, model)
         # looked up again after the setup: the linears it left plain, in the model now (not replaced or wrapped)
-        recorded = [linear for _, linear in modulation_linears(pipe.transformer, spec.linears) if linear in outputs]
+        recorded = [linear for _, linear in modulation_linears(transformer, spec.linears) if linear in outputs]
         if not recorded:
             undo()
             raise RuntimeError(f"{model}: the setup left no modulation linear plain (quantized or wrapped): the "

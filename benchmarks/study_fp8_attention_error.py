@@ -107,8 +107,10 @@ def attention(q, k, v, sm_scale: float, round_qk: bool, round_p: bool, round_v: 
         q, k = rounded(q, q.abs().amax() / cfa.FP8_MAX), rounded(k, k.abs().amax() / cfa.FP8_MAX)
     if v_per_channel:
         v_amax = v.abs().amax(dim=(0, 1), keepdim=True)
+    elif v_per_head:
+        v_amax = v.abs().amax(dim=(1, 3), keepdim=True)
     else:
-        v_amax = v.abs().amax(dim=(1, 3), keepdim=True) if v_per_head else v.abs().amax()
+        v_amax = v.abs().amax()
     v_scale = v_amax / cfa.FP8_MAX
     if round_v:
         v = rounded(v, v_scale)

@@ -725,16 +725,20 @@ def test_torchao_fp8_row_quantizes_only_the_bf16_linears_of_a_model_with_float32
     assert calls == [(transformer, ("fp8", "per-row"), bench_peers.bf16_linear)]
 
 
-def test_frozen_modulation_probe_answers_from_recorded_outputs_and_undoes(bench_peers):
-    """The probe rows' modulation linears return one plain forward's outputs: the same model output for the
-    benchmark's inputs with every modulation linear swapped out of the forward, and the undo puts them back."""
+def _tiny_model(bench_peers, model: str):
+    """(transformer, pipeline, inputs) of a bench_peers model in its tiny CPU form."""
     from benchmarks.bench_transformer import build_pipeline, build_transformer, make_inputs
 
     bench_peers.ensure_adapters()
-    spec = bench_peers.SPECS["flux"](True)
+    spec = bench_peers.SPECS[model](True)
     transformer = build_transformer(spec, torch.device("cpu"), torch.float32)
-    pipe = build_pipeline(spec, transformer)
-    inputs = make_inputs(spec, torch.device("cpu"), transformer.dtype)
+    return transformer, build_pipeline(spec, transformer), make_inputs(spec, torch.device("cpu"), transformer.dtype)
+
+
+def test_frozen_modulation_probe_answers_from_recorded_outputs_and_undoes(bench_peers):
+    """The probe rows' modulation linears return one plain forward's outputs: the same model output for the
+    benchmark's inputs with every modulation linear swapped out of the forward, and the undo puts them back."""
+    transformer, pipe, inputs = _tiny_model(bench_peers, "flux")
     with torch.no_grad():
         reference = transformer(**inputs)[0]
     fn, undo = bench_peers._frozen_modulation(bench_peers._plain)(pipe, transformer, inputs, "flux")
@@ -758,13 +762,7 @@ def test_frozen_modulation_probe_over_the_int8_stack_and_out_of_the_summary(benc
     """Over the int8 stack's real setup the probe freezes the same five linears (the stack leaves them plain) and
     gives the stack's own output; its rows never count among the summary's best; a family without modulation
     linears is refused by name."""
-    from benchmarks.bench_transformer import build_pipeline, build_transformer, make_inputs
-
-    bench_peers.ensure_adapters()
-    spec = bench_peers.SPECS["flux"](True)
-    transformer = build_transformer(spec, torch.device("cpu"), torch.float32)
-    pipe = build_pipeline(spec, transformer)
-    inputs = make_inputs(spec, torch.device("cpu"), transformer.dtype)
+    transformer, pipe, inputs = _tiny_model(bench_peers, "flux")
     int8 = bench_peers._ours(quant="int8", fuse_if_supported=True)
     fn, undo = int8(pipe, transformer, inputs, "flux")
     with torch.no_grad():
@@ -772,7 +770,7 @@ def test_frozen_modulation_probe_over_the_int8_stack_and_out_of_the_summary(benc
     undo()
     fn, undo = bench_peers._frozen_modulation(int8)(pipe, transformer, inputs, "flux")
     try:
-        assert sum(isinstance(m, bench_peers._RecordedOutputLinear) for m in pipe.transformer.modules()) == 5
+        assert sum(isinstance(m, bench_peers._RecordedOutputLinear) for m in transformer.modules()) == 5
         with torch.no_grad():
             assert torch.equal(fn()[0], stack_out)
     finally:
@@ -789,8 +787,6 @@ def test_frozen_modulation_probe_over_the_int8_stack_and_out_of_the_summary(benc
     assert summary["ours_best_lossless"] == "ours_bf16_mk_pdl" and summary["ours_best_int8"] == "ours_int8"
     assert summary["lossless_vs_diffusers_best"] == round(130.0 / 125.0, 3)
 
-    wan = bench_peers.SPECS["wan81"](True)
-    wan_transformer = build_transformer(wan, torch.device("cpu"), torch.float32)
-    wan_pipe = build_pipeline(wan, wan_transformer)
+    wan_transformer, wan_pipe, _ = _tiny_model(bench_peers, "wan81")
     with pytest.raises(RuntimeError, match="wan81: the family names no modulation linears"):
         bench_peers._frozen_modulation(bench_peers._plain)(wan_pipe, wan_transformer, {}, "wan81")
