@@ -26,6 +26,9 @@
    for q and one for k), which swaps each pair in registers. The 2026-12-04 result file's ``triton`` rows come from
    this script's first form: its own kernel doing q and k in one launch, over four tile sizes (8 rows x 4 warps:
    43.9 us for both).
+   Also with bf16 outputs and no mean or cast (``qk_norm_rope_bf16``): the int8 stack's q and k for bf16 attention.
+1e. ``--cases ceiling``: the same bytes moved by PyTorch's vectorized cast (bf16 -> int8) or a strided bf16 copy at
+   each row-wise kernel's shape, the memory's ceiling for that kernel (``cast_ceiling`` / ``copy_ceiling`` rows).
 2. The FP8 GEMMs' scaling: ``torch._scaled_mm`` with row-wise scales (a per-token activation scale, what the library
    passes today even for a static scale) against per-tensor scales, at every FLUX linear shape.
 
@@ -272,7 +275,8 @@ def layernorm_int8_rows(device, text: int, image: int, dim: int, iters: int, rep
                         interpreted: bool) -> list[dict]:
     """A dual-stream block's AdaLN for the int8 linears: LayerNorm + modulate of the text then image rows, quantized
     per row (``epilogue_triton.layernorm_modulate_int8``), over tiles (rows per program, warps) and with the
-    reciprocal scale. Errors against ``layernorm_modulate_int8_reference``."""
+    reciprocal scale, by the padded kernel (``triton_int8``) and the parts kernel (``triton_int8_parts``). Errors
+    against ``layernorm_modulate_int8_reference``."""
     from omni_accel.kernels import epilogue_triton
     from omni_accel.kernels.epilogue_fusion import layernorm_modulate_int8_reference
 
@@ -286,15 +290,37 @@ def layernorm_int8_rows(device, text: int, image: int, dim: int, iters: int, rep
     copies = [(a, b)] + [(a.clone(), b.clone()) for _ in range(rotation_copies(moved) - 1)] if device.type == "cuda" \
         else [(a, b)]
     rows: list[dict] = []
+
+    def against_padded(out, tile, reciprocal) -> dict:
+        """How many int8 values and row scales differ from the padded kernel's at the same tile and flags."""
+        q, row_scale = epilogue_triton.layernorm_modulate_int8(a, b, scale, shift, 1e-6, torch.bfloat16,
+                                                               reciprocal=reciprocal, tile=tile, parts=False)
+        return {"int8_differ_vs_padded": int((out[0] != q).sum()),
+                "scales_differ_vs_padded": int((out[1] != row_scale).sum())}
+
     for tile, reciprocal in (((2, 8), False), ((2, 8), True), ((1, 4), True), ((2, 4), True), ((4, 8), True),
                              ((4, 4), True), ((8, 8), True), ((1, 8), True)):
         entry = {"case": "layernorm_int8", "way": "triton_int8", "shape": [text + image, dim], "rows": tile[0],
                  "warps": tile[1], "reciprocal": reciprocal}
         calls = [lambda a=a, b=b, t=tile, r=reciprocal: epilogue_triton.layernorm_modulate_int8(
-            a, b, scale, shift, 1e-6, torch.bfloat16, reciprocal=r, tile=t) for a, b in copies]
+            a, b, scale, shift, 1e-6, torch.bfloat16, reciprocal=r, tile=t, parts=False) for a, b in copies]
         measure(rows, entry, calls[0], lambda out: int8_errors(out, want_q, want_scale), moved, device, iters, reps,
                 graph_calls=calls)
         if interpreted and reciprocal:
+            break
+    # the parts kernel (the row as unpadded power-of-two tiles; "parts": [tiles, block], None where the width has no
+    # such split and the padded kernel ran), also against the padded kernel at the same tile: its sums add in
+    # another order, so a value may move where a float32 sum's last bit crosses a rounding boundary
+    for tile, reciprocal in (((2, 4), True), ((2, 4), False), ((1, 4), True), ((2, 8), True), ((4, 4), True),
+                             ((4, 8), True), ((8, 8), True)):
+        entry = {"case": "layernorm_int8", "way": "triton_int8_parts", "shape": [text + image, dim], "rows": tile[0],
+                 "warps": tile[1], "reciprocal": reciprocal, "parts": epilogue_triton.layernorm_parts(dim)}
+        calls = [lambda a=a, b=b, t=tile, r=reciprocal: epilogue_triton.layernorm_modulate_int8(
+            a, b, scale, shift, 1e-6, torch.bfloat16, reciprocal=r, tile=t, parts=True) for a, b in copies]
+        measure(rows, entry, calls[0], lambda out, t=tile, r=reciprocal: {
+            **int8_errors(out, want_q, want_scale), **against_padded(out, t, r)}, moved, device, iters, reps,
+            graph_calls=calls)
+        if interpreted:  # the interpreter: one row
             break
     return rows
 
@@ -323,6 +349,49 @@ def qk_triton(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int, sha
     k8 = epilogue_triton.qk_norm_rope(qkv, bias, dim, heads, wk, 1e-6, cos, sin, k_mean, inv_k,
                                       share_rotary=share_rotary)
     return q8.reshape(shape), k8.reshape(shape)
+
+
+def qk_graph_float(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):
+    """``qk_graph``'s q and k in float32 before K's mean and the cast (the int8 stack's bf16 attention operands)."""
+    x = qkv.float() + bias.float()
+    dim = heads * (qkv.shape[-1] // (3 * heads))
+    q, k = (x[:, i * dim:(i + 1) * dim].unflatten(-1, (heads, -1)).unsqueeze(0) for i in (0, 1))
+    d = q.shape[-1]
+    return tuple(PAIR_SWAP_ROTARY(torch.nn.functional.rms_norm(t, (d,), w.float(), 1e-6), (cos, sin), sequence_dim=1)
+                 for t, w in ((q, wq), (k, wk)))
+
+
+def qk_triton_16(qkv, bias, wq, wk, cos, sin, k_mean, inv_q, inv_k, heads: int):
+    """The library's kernel with bf16 outputs (what the int8 stack's graph pass runs before cuDNN's attention)."""
+    from omni_accel.kernels import epilogue_triton
+
+    dim = qkv.shape[-1] // 3
+    return tuple(epilogue_triton.qk_norm_rope(qkv, bias, i * dim, heads, w, 1e-6, cos, sin, None, None,
+                                              out_dtype=torch.bfloat16) for i, w in ((0, wq), (1, wk)))
+
+
+def ceiling_rows(device, tokens: int, dim: int, mlp: int, heads: int, iters: int, reps: int) -> list[dict]:
+    """What the GPU's memory allows for the bytes each row-wise kernel above moves: PyTorch's vectorized cast of a
+    bf16 tensor to int8 (2 bytes read, 1 written per value) at the AdaLN, GELU and concatenation shapes, and a
+    strided bf16 copy (2 + 2) at one q or k's shape, timed like the kernels (graph replay over copies larger than
+    L2). A kernel far above its ceiling is limited by something other than DRAM."""
+    gen = torch.Generator("cpu").manual_seed(4)
+    rows: list[dict] = []
+    for case, shape in (("layernorm_int8", (tokens, dim)), ("gelu_int8", (max(tokens - 512, 1), mlp)),
+                        ("concat_gelu_int8", (tokens, dim + mlp))):
+        x = torch.randn(*shape, generator=gen).to(device, torch.bfloat16)
+        moved = x.numel() * 3
+        sources = [x] + [x.clone() for _ in range(rotation_copies(moved) - 1)] if device.type == "cuda" else [x]
+        entry = {"case": case, "way": "cast_ceiling", "shape": list(shape)}
+        measure(rows, entry, lambda: x.to(torch.int8), lambda out: {}, moved, device, iters, reps,
+                graph_calls=[lambda s=s: s.to(torch.int8) for s in sources])
+    qkv = torch.randn(tokens, 3 * dim, generator=gen).to(device, torch.bfloat16)
+    moved = tokens * dim * 4
+    sources = [qkv] + [qkv.clone() for _ in range(rotation_copies(moved) - 1)] if device.type == "cuda" else [qkv]
+    entry = {"case": "qk_norm_rope_bf16", "way": "copy_ceiling", "shape": [tokens, heads, dim // heads]}
+    measure(rows, entry, lambda: qkv[:, :dim].contiguous(), lambda out: {}, moved, device, iters, reps,
+            graph_calls=[lambda s=s: s[:, :dim].contiguous() for s in sources])
+    return rows
 
 
 def qk_rows(device, tokens: int, heads: int, d: int, iters: int, reps: int, interpreted: bool) -> list[dict]:
@@ -363,6 +432,13 @@ def qk_rows(device, tokens: int, heads: int, d: int, iters: int, reps: int, inte
 
     record("inductor", lambda: compiled(*args), options=base)
     record("triton", lambda: qk_triton(*args), graph_calls=on_copies(qk_triton))
+    # the int8 stack's form: 16-bit q and k for bf16 attention (no mean, no cast), checked against the float32
+    # expression rounded to bf16
+    want16 = [t.to(torch.bfloat16).float() for t in qk_graph_float(*args)]
+    entry = {"case": "qk_norm_rope_bf16", "way": "triton", "shape": [tokens, heads, d]}
+    measure(rows, entry, lambda: qk_triton_16(*args), lambda out: {
+        "max_abs_diff_vs_eager": max(float((o.float() - w).abs().max()) for o, w in zip(out, want16))},
+        moved * 3 // 2, device, iters, reps, graph_calls=on_copies(qk_triton_16))
     record("triton_shared_rotary", lambda: qk_triton(*args, share_rotary=True),  # a token's cos / sin loaded once
            graph_calls=on_copies(qk_triton, share_rotary=True))
     record("triton_rotary_per_row", lambda: qk_triton(*args, share_rotary=False),
@@ -430,7 +506,7 @@ def kernel_result(name: str, device: torch.device) -> dict:
 
 def main(argv=None) -> int:
     parser = kernel_parser(__doc__)
-    parser.add_argument("--cases", default="epilogue,int8,layernorm_int8,qk,gemm")
+    parser.add_argument("--cases", default="epilogue,int8,layernorm_int8,qk,ceiling,gemm")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -457,6 +533,9 @@ def main(argv=None) -> int:
     if "qk" in cases:
         result["rows"] += qk_rows(device, tokens, *((4, 64) if args.tiny else (24, 128)), args.iters, args.reps,
                                   interpreted)
+        write_result(args.out, result)
+    if "ceiling" in cases:
+        result["rows"] += ceiling_rows(device, tokens, dim, mlp, 4 if args.tiny else 24, args.iters, args.reps)
         write_result(args.out, result)
     if "gemm" in cases:
         result["rows"] += gemm_rows(device, args.iters, args.reps, args.tiny)

@@ -181,6 +181,12 @@ class Row:
     # kernels.epilogue_fusion.QK_NORM_ROPE_DIFFUSERS_RMS (True, the default: the q / k kernel also takes diffusers'
     # RMSNorm and tables the graph builds: Qwen-Image's q / k)
     qk_diffusers_rms: bool = True
+    # modulation_table.MODULATION_TABLE (True, the library's default since 2026-12-07: the modulation linears computed
+    # once per pipeline call; only --schedule-steps runs forwards inside a call, the per-forward timing does not)
+    modulation_table: bool = False
+    # kernels.epilogue_triton.LAYERNORM_PARTS (True, the default since 2026-12-07: the AdaLN norm + int8 kernel over
+    # unpadded parts of the row)
+    layernorm_parts: bool = False
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -221,7 +227,9 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "GATED_RESIDUAL_INT8", "int8_gated_residual"),
             ("kernels.int8_gemm_triton", "RESIDUAL_WARP_SPECIALIZED", "int8_residual_ws"),
             ("kernels.int8_gemm_triton", "RESIDUAL_WS_IO", "int8_residual_ws_io"),
-            ("kernels.epilogue_fusion", "QK_NORM_ROPE_DIFFUSERS_RMS", "qk_diffusers_rms"))
+            ("kernels.epilogue_fusion", "QK_NORM_ROPE_DIFFUSERS_RMS", "qk_diffusers_rms"),
+            ("modulation_table", "MODULATION_TABLE", "modulation_table"),
+            ("kernels.epilogue_triton", "LAYERNORM_PARTS", "layernorm_parts"))
 
 
 @contextlib.contextmanager
@@ -841,6 +849,18 @@ for _name in ("ours_bf16_mk_pdl", "ours_int8"):
         ROWS[_name], name=f"{_name}_frozenmod", setup=_frozen_modulation(ROWS[_name].setup), modulation_prefetch="off",
         probe=True, note=f"PROBE: {_name} with the modulation linears' outputs recorded once (the GEMVs' upper-bound "
                          "cost)")
+# The modulation table (modulation_table.py), the default: faster only where forwards run inside a pipeline call
+# (--schedule-steps); bench_peers_h100_flux_modtable_20261207.json's ours_*_modtable rows are today's defaults, its
+# ours_bf16_mk_pdl / ours_int8 today's _notable rows. The int8 stacks' AdaLN kernel over unpadded parts, the default.
+for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
+    ROWS[f"{_name}_nolnparts"] = replace(
+        _switched(_name, "nolnparts", "the AdaLN norm + int8 kernel over the padded power-of-two row"),
+        modulation_table=True)
+    ROWS[_name] = replace(ROWS[_name], layernorm_parts=True)
+for _name in ("ours_bf16_mk_pdl", "ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl"):
+    ROWS[f"{_name}_notable"] = _switched(_name, "notable", "the modulation linears computed per forward (no table)",
+                                         modulation_table=False)
+    ROWS[_name] = replace(ROWS[_name], modulation_table=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1133,6 +1153,8 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
 
         timing = time_forwards(forward, device, args.iters, args.warmup, on_warm=clocks.mark)
         loop = back_to_back_ms(forward, device, args.loop_forwards, 3) if args.loop_forwards else None
+        if args.schedule_steps:
+            result.update(schedule_loop(forward, pipe, inputs, device, args.schedule_steps, spec))
         clock = clocks.since_mark()
         ms = timing["ms"]
         if loop:
@@ -1186,6 +1208,80 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             torch.cuda.empty_cache()
 
 
+def schedule_timesteps(pipe, inputs: dict, steps: int, device: torch.device) -> list[torch.Tensor] | None:
+    """The transformer's timestep argument at each of ``steps`` steps of the pipeline's own schedule, as the family's
+    pipeline computes it (its modulation table's ``schedule_timestep``: FLUX's ``t / 1000`` in the latents' dtype),
+    after ``set_timesteps`` as FluxPipeline calls it (sigmas 1 .. 1 / steps, the resolution's shift). None for a
+    family without that knowledge."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    from omni_accel.pipelines import adapter_for
+
+    spec = adapter_for(pipe).modulation_prefetch
+    if spec is None or spec.table is None:
+        return None
+    scheduler, hidden = pipe.scheduler, inputs[spec.table.batch_arg]
+    extra = {}
+    if scheduler.config.get("use_dynamic_shifting"):
+        config = scheduler.config
+        extra["mu"] = calculate_shift(hidden.shape[1], config.get("base_image_seq_len", 256),
+                                      config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                                      config.get("max_shift", 1.15))
+    scheduler.set_timesteps(sigmas=[1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)],
+                            device=device, **extra)
+    rows = spec.table.schedule_timestep(scheduler.timesteps, hidden.shape[0], hidden.dtype)
+    return list(rows.view(steps, hidden.shape[0]))
+
+
+def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int, spec: dict, groups: int = 2) -> dict:
+    """ms per step of a denoising run's forwards: ``steps`` forwards back to back at the timesteps of a real schedule
+    (``schedule_timesteps``), inside one pipeline call of an accelerated pipeline (its call hooks run: the
+    modulation table fills once per call), median of ``groups`` runs after one untimed run (the first run at a
+    schedule may grow the table, which captures a whole-forward CUDA graph again). The peers run the same
+    forwards. ``schedule_rel_err_vs_single_forwards``: the run's first and last outputs against the same forwards
+    called alone, outside a call (the larger relative error of the two: what computing the modulation once per
+    call changed)."""
+    timesteps = schedule_timesteps(pipe, inputs, steps, device)
+    if timesteps is None:
+        return {"schedule_steps_skipped": "the family declares no schedule (pipelines/<family>.py)"}
+    state = vars(pipe).get("omni_accel")
+    fixed = inputs["timestep"]
+    per_step, ends = [], {}
+    try:
+        for group in range(groups + 1):
+            if state is not None:
+                state.begin_call()
+            try:
+                def run_all():
+                    for i, t in enumerate(timesteps):
+                        inputs["timestep"] = t
+                        out = forward()
+                        if group == groups and i in (0, steps - 1):  # the last run's first and last outputs
+                            ends[i] = first_tensor(out).clone()
+                ms = cuda_calls_ms(run_all, 1) if device.type == "cuda" else _wall_ms(run_all)
+                if group:
+                    per_step.append(ms / steps)
+            finally:
+                if state is not None:
+                    state.end_call()
+        # the same steps as single forwards outside a call (a table, if any, is not used there)
+        errors = []
+        for i, out in ends.items():
+            inputs["timestep"] = timesteps[i]
+            errors.append(rel_err(out, first_tensor(forward())))
+    finally:
+        inputs["timestep"] = fixed
+    return {"schedule_steps": steps, "ms_schedule": round(statistics.median(per_step), 3),
+            "ms_per_step_schedule": round(statistics.median(per_step) * spec["forwards_per_step"], 3),
+            "schedule_rel_err_vs_single_forwards": round(max(errors), 6)}
+
+
+def _wall_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def ordered(names: list[str]) -> list[str]:
     """Destructive rows (weights changed in place) after every other row of the model."""
     return [n for n in names if not ROWS[n].destructive] + [n for n in names if ROWS[n].destructive]
@@ -1216,7 +1312,7 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
         if timed:
             base = timed[0]
             first.update({k: v for k, v in base.items() if k not in first and k != "round"})  # round 0 may have failed
-            for key in ("ms", "ms_loop", "ms_per_step", "ms_per_step_loop"):
+            for key in ("ms", "ms_loop", "ms_per_step", "ms_per_step_loop", "ms_schedule", "ms_per_step_schedule"):
                 values = [r[key] for r in timed if key in r]
                 if values:
                     first[key] = round(statistics.median(values), 3)
@@ -1246,14 +1342,16 @@ def paired_ratios(rows: list[dict], baseline: str) -> dict:
         base = by_round.get((model, round_index, baseline))
         if base is None or config == baseline:
             continue
-        entry = out.setdefault(model, {"baseline": baseline}).setdefault(config, {"ratios": [], "loop_ratios": []})
+        entry = out.setdefault(model, {"baseline": baseline}).setdefault(
+            config, {"ratios": [], "loop_ratios": [], "schedule_ratios": []})
         entry["ratios"].append(round(base["ms"] / row["ms"], 4))
-        if "ms_loop" in base and "ms_loop" in row:
-            entry["loop_ratios"].append(round(base["ms_loop"] / row["ms_loop"], 4))
+        for timing in ("loop", "schedule"):
+            if f"ms_{timing}" in base and f"ms_{timing}" in row:
+                entry[f"{timing}_ratios"].append(round(base[f"ms_{timing}"] / row[f"ms_{timing}"], 4))
     for model_entry in out.values():
         for config, entry in model_entry.items():
             if config != "baseline":
-                for key in ("ratios", "loop_ratios"):
+                for key in ("ratios", "loop_ratios", "schedule_ratios"):
                     if entry[key]:
                         entry[f"median_{key[:-1]}"] = round(statistics.median(entry[key]), 4)
     return out
@@ -1269,50 +1367,67 @@ def summarize(rows: list[dict]) -> dict:
         ok = {r["config"]: r for r in rows
               if r["model"] == model and "ms" in r and not r.get("fresh_inputs_disagree") and not r.get("probe")}
 
-        def best(wanted: Callable[[str, dict], bool]):
-            return min((r for n, r in ok.items() if n.startswith("ours") and wanted(n, r)), key=lambda r: r["ms"],
-                       default=None)
-
-        # lossy rows by the format of their linears; a lossy attention beside bf16 linears is in neither
-        ours_bf16 = best(lambda n, r: r["lossless"])
-        # FP8 linears: "fp8" in the name, but not an int8 stack with FP8 attention (ours_int8_fp8attn_*)
-        ours_fp8 = best(lambda n, r: not r["lossless"] and "fp8" in n and not n.startswith("ours_int8"))
-        ours_int8 = best(lambda n, r: not r["lossless"] and n.startswith("ours_int8"))
-        entry = {"ours_best_lossless": ours_bf16 and ours_bf16["config"],
-                 "ours_best_fp8": ours_fp8 and ours_fp8["config"]}
-        if ours_int8:
-            entry["ours_best_int8"] = ours_int8["config"]
-        for label, mine, peer in (("lossless_vs_diffusers_best", ours_bf16, "diffusers_best"),
-                                  ("fp8_vs_torchao", ours_fp8, "torchao_fp8_rowwise"),
-                                  ("fp8_vs_diffusers_best", ours_fp8, "diffusers_best"),
-                                  ("int8_vs_torchao_int8", ours_int8, "torchao_int8"),
-                                  # the 8-bit stack a user would pick against the peers' FP8 path: named apart
-                                  ("int8_vs_torchao_fp8", ours_int8, "torchao_fp8_rowwise"),
-                                  ("int8_vs_diffusers_best", ours_int8, "diffusers_best"),
-                                  ("lossless_vs_diffusers_eager", ours_bf16, "diffusers_eager")):
-            if mine and peer in ok:
-                entry[label] = round(ok[peer]["ms"] / mine["ms"], 3)
-                if "ms_loop" in mine and "ms_loop" in ok[peer]:  # the same pair, timed back to back
-                    entry[f"{label}_loop"] = round(ok[peer]["ms_loop"] / mine["ms_loop"], 3)
+        entry = _best_and_ratios(ok, "ms", "")
+        if any("ms_schedule" in r for r in ok.values()):  # --schedule-steps: the same from the runs' per-step times
+            entry.update(_best_and_ratios({n: r for n, r in ok.items() if "ms_schedule" in r}, "ms_schedule", "_run"))
         out[model] = entry
     return out
+
+
+def _best_and_ratios(ok: dict[str, dict], key: str, suffix: str) -> dict:
+    """``summarize``'s entry for one timing (``key``): ours' best row per format and its ratios to the peers, every
+    name ending in ``suffix``."""
+    def best(wanted: Callable[[str, dict], bool]):
+        return min((r for n, r in ok.items() if n.startswith("ours") and wanted(n, r)), key=lambda r: r[key],
+                   default=None)
+
+    # lossy rows by the format of their linears; a lossy attention beside bf16 linears is in neither
+    ours_bf16 = best(lambda n, r: r["lossless"])
+    # FP8 linears: "fp8" in the name, but not an int8 stack with FP8 attention (ours_int8_fp8attn_*)
+    ours_fp8 = best(lambda n, r: not r["lossless"] and "fp8" in n and not n.startswith("ours_int8"))
+    ours_int8 = best(lambda n, r: not r["lossless"] and n.startswith("ours_int8"))
+    entry = {f"ours_best_lossless{suffix}": ours_bf16 and ours_bf16["config"],
+             f"ours_best_fp8{suffix}": ours_fp8 and ours_fp8["config"]}
+    if ours_int8:
+        entry[f"ours_best_int8{suffix}"] = ours_int8["config"]
+    for label, mine, peer in (("lossless_vs_diffusers_best", ours_bf16, "diffusers_best"),
+                              ("fp8_vs_torchao", ours_fp8, "torchao_fp8_rowwise"),
+                              ("fp8_vs_diffusers_best", ours_fp8, "diffusers_best"),
+                              ("int8_vs_torchao_int8", ours_int8, "torchao_int8"),
+                              # the 8-bit stack a user would pick against the peers' FP8 path: named apart
+                              ("int8_vs_torchao_fp8", ours_int8, "torchao_fp8_rowwise"),
+                              ("int8_vs_diffusers_best", ours_int8, "diffusers_best"),
+                              ("lossless_vs_diffusers_eager", ours_bf16, "diffusers_eager")):
+        if mine and peer in ok:
+            entry[f"{label}{suffix}"] = round(ok[peer][key] / mine[key], 3)
+            if key == "ms" and "ms_loop" in mine and "ms_loop" in ok[peer]:  # the same pair, timed back to back
+                entry[f"{label}_loop"] = round(ok[peer]["ms_loop"] / mine["ms_loop"], 3)
+    return entry
 
 
 # ------------------------------------------------------------------------------------------ table and plot
 def markdown_table(result: dict) -> str:
     """One row per config: ms per step, the speed-up over diffusers' best recipe of the same run, and the rest."""
     loop = any("ms_loop" in r for r in result["rows"])  # back-to-back timing was asked for: its own column
-    lines = ["| model | config | ms/step | " + ("ms/step in a loop | " if loop else "") + "× diffusers best | TFLOP/s "
-             "| rel. err vs eager | new inputs | first call s | peak GiB | SM MHz | W |",
-             "|---|---|---:|" + ("---:|" if loop else "") + "---:|---:|---:|---:|---:|---:|---:|---:|"]
+    steps = next((r["schedule_steps"] for r in result["rows"] if "ms_schedule" in r), None)  # --schedule-steps
+    run_header = f"ms/step in a {steps}-step run (× diffusers best) | " if steps else ""
+    lines = ["| model | config | ms/step | " + ("ms/step in a loop | " if loop else "") + run_header
+             + "× diffusers best | TFLOP/s | rel. err vs eager | new inputs | first call s | peak GiB | SM MHz | W |",
+             "|---|---|---:|" + ("---:|" if loop else "") + ("---:|" if steps else "")
+             + "---:|---:|---:|---:|---:|---:|---:|---:|"]
     best = {r["model"]: r["ms"] for r in result["rows"] if r["config"] == "diffusers_best" and "ms" in r}
+    best_run = {r["model"]: r["ms_schedule"] for r in result["rows"]
+                if r["config"] == "diffusers_best" and "ms_schedule" in r}
     for r in result["rows"]:
         if "ms" not in r:
             lines.append(f"| {r['model']} | {r['config']} | {r.get('error', '')[:60]} | | | | | | | | |"
-                         + (" |" if loop else ""))
+                         + (" |" if loop else "") + (" |" if steps else ""))
             continue
         ratio = f"{best[r['model']] / r['ms']:.2f}" if r["model"] in best else ""
         in_loop = (f"{r['ms_per_step_loop']:.1f} | " if "ms_per_step_loop" in r else " | ") if loop else ""
+        if steps:
+            run_ratio = f" ({best_run[r['model']] / r['ms_schedule']:.2f})" if r["model"] in best_run else ""
+            in_loop += f"{r['ms_per_step_schedule']:.1f}{run_ratio} | " if "ms_schedule" in r else " | "
         lines.append(f"| {r['model']} | {r['config']} | {r['ms_per_step']:.1f} | {in_loop}{ratio} | {r['tflops']:.0f} | "
                      f"{r['rel_err_vs_eager']:.4f} | {_fresh_cell(r)} | {r['first_call_s']:.1f} | "
                      f"{r.get('peak_mem_gib') or ''} | "
@@ -1422,6 +1537,10 @@ def parse_args(argv):
     ap.add_argument("--loop-forwards", type=int, default=0,
                     help="also time N forwards launched back to back, as a denoising loop runs them (3 groups): "
                          "ms_loop / ms_per_step_loop per row, beside the per-forward timing; 0 = off")
+    ap.add_argument("--schedule-steps", type=int, default=0,
+                    help="also time N forwards at the timesteps of a real N-step schedule inside one pipeline call "
+                         "(2 runs): ms_schedule / ms_per_step_schedule per row, what a denoising run costs per step "
+                         "with the modulation table's once-per-call work counted; 0 = off")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every config this many times, in alternating order (A B, B A, ...): rows carry the "
                          "median and each round's figure, and 'paired' holds each config's speed-up over the first "
@@ -1439,6 +1558,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.loop_forwards < 0:
         ap.error(f"--loop-forwards {args.loop_forwards}: give a number of forwards (>= 1), or 0 for none")
+    if args.schedule_steps < 0:
+        ap.error(f"--schedule-steps {args.schedule_steps}: give a number of steps (>= 1), or 0 for none")
     if args.profile_loop < 0:
         ap.error(f"--profile-loop {args.profile_loop}: give a number of forwards (>= 1), or 0 for none")
     if args.blocks < 0:

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from diffusers.hooks import ModelHook
 
-from . import modulation_prefetch
+from . import modulation_prefetch, modulation_table
 from .cuda_graphs import GraphedForward
 from .errors import AccelError
 from .hooks import add_hook, swap_module_global
@@ -312,8 +312,12 @@ class CompilePass(AccelPass):
                 undos.append(undo_complex)
             joint_specs = ctx.adapter.joint_streams if JOINT_STREAMS else ()
             undos += [undo for spec in joint_specs for undo in _joint_streams(transformer, spec)]
-            prefetched = 0
-            if _prefetches_modulation(ctx):  # before compiling: the blocks trace the prefetched linears
+            prefetched = tabulated = 0
+            if _tabulates_modulation(ctx):  # before compiling: the blocks trace the prefetched linears
+                tabulated, undo_table = modulation_table.use_modulation_table(
+                    ctx.pipe, transformer, ctx.adapter.modulation_prefetch, ctx.state, fill_own_rows=_graphed(ctx))
+                undos.append(undo_table)
+            elif _prefetches_modulation(ctx):
                 prefetched, undo_prefetch = modulation_prefetch.use_modulation_prefetch(
                     transformer, ctx.adapter.modulation_prefetch)
                 undos.append(undo_prefetch)
@@ -331,11 +335,20 @@ class CompilePass(AccelPass):
                 undos.append(lambda: ctx.state.report_sections.pop("tuned_gemms", None))
             ctx.state.record("compile", undo, component=name, blocks=len(blocks), sigmoid_gelu=gelus,
                              rotary_pair_swap=rotary, complex_rotary_pair_swap=complex_rotary,
-                             modulation_prefetch=prefetched,
+                             modulation_prefetch=prefetched, modulation_table=tabulated,
                              joint_streams=[spec.block_list for spec in joint_specs], **_printable(options))
         if ctx.config.compile == "max" or graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
+
+
+def _tabulates_modulation(ctx: PassContext) -> bool:
+    """Whether the family's modulation linears come from a table computed once per pipeline call
+    (modulation_table.py, ``MODULATION_TABLE``): where the family declares the table, on any device, but not with
+    offload (the linears' weights may be off the GPU when the table is filled) or tensor parallelism (sharded)."""
+    spec = ctx.adapter.modulation_prefetch
+    return (modulation_table.MODULATION_TABLE and spec is not None and spec.table is not None
+            and ctx.config.offload is None and ctx.config.tp == 1)
 
 
 def _prefetches_modulation(ctx: PassContext) -> bool:
@@ -347,8 +360,12 @@ def _prefetches_modulation(ctx: PassContext) -> bool:
     where = modulation_prefetch.MODULATION_PREFETCH
     if ctx.adapter.modulation_prefetch is None or ctx.device.type != "cuda" or where == "off":
         return False
-    graphed = (ctx.config.compile == "max" or graphs_by_default(ctx)) and cuda_graphs_blocker(ctx) is None
-    return graphed or (where == "always" and ctx.config.offload is None and ctx.config.tp == 1)
+    return _graphed(ctx) or (where == "always" and ctx.config.offload is None and ctx.config.tp == 1)
+
+
+def _graphed(ctx: PassContext) -> bool:
+    """Whether the compile pass captures the whole forward in CUDA graphs (``_apply_cuda_graphs``)."""
+    return (ctx.config.compile == "max" or graphs_by_default(ctx)) and cuda_graphs_blocker(ctx) is None
 
 
 def _printable(options: dict) -> dict:

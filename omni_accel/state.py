@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .config import AccelConfig
-from .errors import copy_refusal
+from .errors import AccelError, copy_refusal
 from .hooks import Stopwatch
 from .pipelines.base import ModelAdapter
 
@@ -117,7 +117,8 @@ class AccelState:
 
     def on_call_end(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` at the end of every pipeline call, also when the call raised (mag_cache reads its calibration
-        here)."""
+        here). An AccelError it raises is raised once the call's bookkeeping is done (the modulation table's miss
+        check); it should not raise while another exception is propagating."""
         self._call_end_hooks.append(fn)
 
     def remove_call_hooks(self, *fns: Callable[[], None]) -> None:
@@ -172,8 +173,12 @@ class AccelState:
         stats = self._current
         if stats is None:
             return
+        refusal = None
         for fn in self._call_end_hooks:
-            fn()
+            try:
+                fn()
+            except AccelError as exc:  # finish the call's bookkeeping first (the state leaves the call), then raise
+                refusal = refusal or exc
         self.encode_watch.stop()
         self.decode_watch.stop()
         if self.device.type == "cuda":
@@ -186,6 +191,8 @@ class AccelState:
         self.last_call = stats
         self.calls += 1
         self._current = None
+        if refusal is not None:
+            raise refusal
 
     # -- what users read --------------------------------------------------------------------------------
     def report(self) -> dict:

@@ -494,6 +494,64 @@ def layernorm_int8_cases() -> dict:
     return results
 
 
+# the parts kernel against the padded one: (C, its tiles, a's rows, b's rows (0: one stream), tile (rows, warps),
+# dtype); C = 3 x 16, 3 x 32, 5 x 16, 1 x 64; 17, 7 and 13 rows leave the last program short, 16 and 8 do not
+LAYERNORM_PARTS_SHAPES = ((48, 3, 6, 11, (2, 4), "bfloat16"), (96, 3, 7, 0, (2, 4), "bfloat16"),
+                          (80, 5, 4, 9, (4, 4), "bfloat16"), (64, 1, 8, 8, (4, 2), "float16"),
+                          (48, 3, 8, 0, (1, 1), "bfloat16"))
+LAYERNORM_PARTS_CASES = tuple(f"{c}-{a}+{b}-tile{t[0]}x{t[1]}-{d}" for c, _, a, b, t, d in LAYERNORM_PARTS_SHAPES)
+LAYERNORM_PARTS_INPUTS = ("random", "exact-sums")
+
+
+def exact_sum_rows(n: int, c: int, gen):
+    """(n, c) rows whose float32 sums come out exact in any order, so both kernels' mean and variance are the same
+    bits whatever order they add in: m + d with m and d multiples of 1/64, |m| <= 1 and |d| <= 3, each d beside its
+    negative (the row sums to c m, its mean is m, its centered values are the d's). Every partial sum of the values
+    (at most 4 c = 384 in steps of 2^-6) and of the d's squares (at most 9 c in steps of 2^-12) fits 24 bits."""
+    import torch
+
+    m = torch.randint(-64, 65, (n, 1), generator=gen) / 64
+    half = torch.randint(-192, 193, (n, c // 2), generator=gen) / 64
+    d = torch.cat([half, -half], dim=1)[:, torch.randperm(c, generator=gen)]  # the pairs spread over the tiles
+    return m + d
+
+
+def layernorm_parts_cases() -> dict:
+    """The AdaLN int8 kernel's parts form (unpadded power-of-two tiles) against the padded kernel on the same rows
+    and flags: the int8 values and row scales, and which kernels ran with which tiles. Random rows, and rows whose
+    sums are exact in any order (``exact_sum_rows``: the two kernels' sums add in different orders)."""
+    import torch
+
+    from omni_accel.kernels import epilogue_triton
+
+    results = {}
+    launched = []
+    stop_recording = record_launches(epilogue_triton, launched, ("PARTS", "BLOCK", "EVEN_ROWS"))
+    for (c, _, rows_a, rows_b, tile, dtype_name), case in zip(LAYERNORM_PARTS_SHAPES, LAYERNORM_PARTS_CASES):
+        for inputs in LAYERNORM_PARTS_INPUTS:
+            keys = [f"{case}/{inputs}{'-reciprocal' if r else ''}" for r in (False, True)]
+            try:
+                gen = torch.Generator().manual_seed(c + rows_a + rows_b)
+                dtype = getattr(torch, dtype_name)
+                draw = (lambda n: torch.randn(n, c, generator=gen) * 2) if inputs == "random" \
+                    else (lambda n: exact_sum_rows(n, c, gen))
+                a = draw(rows_a).to(dtype)
+                b = draw(rows_b).to(dtype) if rows_b else None
+                scale, shift = ((torch.randn(c, generator=gen) * 0.3).to(dtype) for _ in range(2))
+                for key, reciprocal in zip(keys, (False, True)):
+                    launched.clear()
+                    (q, row_scale), (q_padded, scale_padded) = (epilogue_triton.layernorm_modulate_int8(
+                        a, b, scale, shift, 1e-6, dtype, reciprocal=reciprocal, tile=tile, parts=parts)
+                        for parts in (True, False))
+                    results[key] = {"int8_equal": bool(torch.equal(q, q_padded)),
+                                    "scales_equal": bool(torch.equal(row_scale, scale_padded)),
+                                    "launched": list(launched)}
+            except Exception:
+                results.update({key: {"error": traceback.format_exc()[-2000:]} for key in keys})
+    stop_recording()
+    return results
+
+
 def pipeline_cases() -> dict:
     import torch
 
@@ -775,6 +833,7 @@ def main(out_path: str) -> int:
     result["qk_norm_rope"] = qk_norm_rope_cases()
     result["layernorm"] = layernorm_cases()
     result["layernorm_int8"] = layernorm_int8_cases()
+    result["layernorm_parts"] = layernorm_parts_cases()
     result["pipelines"] = pipeline_cases()
     result["fp8_attention"] = fp8_attention_cases()
     result["fp8_attention_pipeline"] = fp8_attention_pipeline_case()

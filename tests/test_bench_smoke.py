@@ -790,3 +790,46 @@ def test_frozen_modulation_probe_over_the_int8_stack_and_out_of_the_summary(benc
     wan_transformer, wan_pipe, _ = _tiny_model(bench_peers, "wan81")
     with pytest.raises(RuntimeError, match="wan81: the family names no modulation linears"):
         bench_peers._frozen_modulation(bench_peers._plain)(wan_pipe, wan_transformer, {}, "wan81")
+
+
+def test_peers_bench_schedule_loop_runs_a_pipeline_calls_timesteps_and_fills_the_table_once(bench_peers, tmp_path,
+                                                                                          monkeypatch):
+    """--schedule-steps N times N forwards at the timesteps FluxPipeline passes for N steps, inside one pipeline call
+    of an accelerated pipeline: the modulation-table row fills its N rows once per call (not per forward), every
+    row reports ms per step of the schedule, and --rounds pairs those figures too."""
+    from omni_accel import modulation_table
+    from omni_accel.testing import run, tiny_pipeline
+
+    pipe, kwargs = tiny_pipeline("flux")
+    passed = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, k: passed.append(k["timestep"]), with_kwargs=True)
+    run(pipe, dict(kwargs, num_inference_steps=3))
+    hook.remove()
+    latents = pipe.transformer.config.in_channels
+    inputs = {"hidden_states": torch.zeros(1, (kwargs["height"] // 16) * (kwargs["width"] // 16), latents)}
+    assert [t.tolist() for t in bench_peers.schedule_timesteps(pipe, inputs, 3, torch.device("cpu"))] == \
+        [t.tolist() for t in passed]
+
+    fills = []
+    fill = modulation_table.ModulationTable._fill
+
+    def recording_fill(table, bound, timestep, start):
+        fills.append((table.state is not None and table.state.in_call, timestep.shape[0], start))
+        return fill(table, bound, timestep, start)
+
+    monkeypatch.setattr(modulation_table.ModulationTable, "_fill", recording_fill)
+    out = tmp_path / "peers.json"
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs",
+                             "diffusers_eager,ours_bf16_mk_pdl", "--schedule-steps", "3", "--rounds", "2",
+                             "--iters", "1", "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    for row in rows.values():
+        assert row["schedule_steps"] == 3 and row["ms_schedule"] > 0 and len(row["ms_schedule_rounds"]) == 2
+        assert row["schedule_rel_err_vs_single_forwards"] < 1e-5  # float32: one GEMM against per-step GEMVs
+    compiled = [a for a in rows["ours_bf16_mk_pdl"]["applied"] if a["pass"] == "compile"][0]
+    assert compiled["modulation_table"] > 0 and rows["ours_bf16_mk_pdl"]["modulation_table"] is True
+    # per round: 3 schedule runs (one untimed) of one fill of 3 rows each; no other forward fills a row (no CUDA
+    # graph here: outside a call, the timing's forwards and the error check's, the linears compute themselves)
+    assert fills == [(True, 3, 0)] * (2 * 3)
+    assert len(result["paired"]["flux"]["ours_bf16_mk_pdl"]["schedule_ratios"]) == 2

@@ -154,6 +154,25 @@ def test_layernorm_int8_kernel_quantizes_rows_as_the_int8_linear_does(interprete
     assert r["scale_max_rel_err"] <= 2.0 ** -8, r
 
 
+@pytest.mark.parametrize("inputs", [i + r for i in WORKER.LAYERNORM_PARTS_INPUTS for r in ("", "-reciprocal")])
+@pytest.mark.parametrize("case", WORKER.LAYERNORM_PARTS_CASES)
+def test_layernorm_int8_parts_kernel_gives_the_padded_kernels_bytes(interpreted, case, inputs):
+    """The AdaLN int8 kernel's parts form (C as 1, 3 or 5 unpadded power-of-two tiles; two streams or one; a short
+    last program or none; dividing by the row's scale or multiplying by its reciprocal; bf16 or fp16): the padded
+    kernel's int8 values and row scales, bit for bit, each kernel launched with its tiles. The two add a row's sums
+    in different orders: on rows whose sums are exact in any order (``exact_sum_rows``) no order can move a value;
+    on these random rows none moved."""
+    r = interpreted["layernorm_parts"][f"{case}/{inputs}"]
+    assert "error" not in r, r.get("error")
+    assert r["int8_equal"] and r["scales_equal"], r
+    c, parts, rows_a, rows_b, (rows, _), _ = WORKER.LAYERNORM_PARTS_SHAPES[WORKER.LAYERNORM_PARTS_CASES.index(case)]
+    programs = -(-(rows_a + rows_b) // rows)
+    assert r["launched"] == [
+        ["_layernorm_modulate_int8_parts_kernel", programs,
+         {"PARTS": parts, "BLOCK": c // parts, "EVEN_ROWS": (rows_a + rows_b) % rows == 0}],
+        ["_layernorm_modulate_int8_kernel", programs, {"BLOCK": 1 << (c - 1).bit_length()}]], r
+
+
 @pytest.mark.parametrize("kernel, case", [("qk_norm_rope", c) for c in WORKER.QK_NORM_ROPE_CASES]
                          + [("layernorm", c) for c in WORKER.LAYERNORM_CASES])
 def test_fp8_epilogue_kernel_matches_its_formula(interpreted, kernel, case):
@@ -656,6 +675,9 @@ def test_epilogue_kernels_compile_for_hopper_with_and_without_pdl(pdl):
         (et._layernorm_modulate_int8_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16",
                                                   out_ptr="*i8", row_scale_ptr="*fp32"),
          dict(C=3072, BLOCK=4096, ROWS=2, SPLIT=True, BF16=True, APPROX=True), 8),
+        (et._layernorm_modulate_int8_parts_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16",
+                                                        shift_ptr="*bf16", out_ptr="*i8", row_scale_ptr="*fp32"),
+         dict(C=3072, PARTS=3, BLOCK=1024, ROWS=2, SPLIT=True, EVEN_ROWS=False, BF16=True, APPROX=True), 8),
         (et._concat_gelu_int8_row_kernel, dict(a_ptr="*bf16", a_scale_ptr="*fp32", h_ptr="*bf16", bias_ptr="*bf16",
                                                out_ptr="*i8", scale_ptr="*fp32"),
          dict(A_COLS=3072, A_HEAD=128, H_COLS=12288, A_SCALED=False, HAS_BIAS=True, APPROX=True, BF16=True,
@@ -709,6 +731,66 @@ def test_layernorm_int8_refuses_a_tile_that_splits_a_stream():
     with pytest.raises(ValueError, match=r"^layernorm_modulate_int8: tile rows 4 must divide the first stream's 6 "
                                          r"rows \(a program reads one stream\); pick a divisor$"):
         et.layernorm_modulate_int8(a, b, torch.zeros(8), torch.zeros(8), 1e-6, torch.bfloat16, tile=(4, 4))
+
+
+def test_layernorm_int8_parts_kernel_compiles_for_hopper_without_spills():
+    """The parts kernel lowered to sm_90 at FLUX's, SD3's and Wan's widths (3 x 1024, 3 x 512, 5 x 1024) with the
+    default tile (two rows, 8 warps): no spills; no float -> int conversion (an int8 value is the low byte of one
+    addition's bits); one bf16 conversion per two values; with the reciprocal row scale no division per value."""
+    from omni_accel.kernels import epilogue_triton as et
+
+    pointers = dict(a_ptr="*bf16", b_ptr="*bf16", scale_ptr="*bf16", shift_ptr="*bf16", out_ptr="*i8",
+                    row_scale_ptr="*fp32")
+    for c in (3072, 1536, 5120):
+        parts, block = et.layernorm_parts(c)
+        consts = dict(C=c, PARTS=parts, BLOCK=block, ROWS=2, SPLIT=True, EVEN_ROWS=False, BF16=True, APPROX=True,
+                      PDL=True)
+        ptx = {r: _compile_for_hopper(et._layernorm_modulate_int8_parts_kernel, pointers, {**consts, "RECIPROCAL": r},
+                                      {"num_warps": 8}, aligned=True).asm["ptx"] for r in (False, True)}
+        values = 2 * c // 256  # of the program's two rows, per thread
+        for reciprocal, code in ptx.items():
+            assert "spill" not in _ptxas_report(code).replace("0 bytes spill", ""), (c, reciprocal)
+            assert "cvt.rzi" not in code and "cvt.rni" not in code, (c, reciprocal)
+            assert code.count("cvt.rn.bf16x2.f32 ") == values // 2 and "cvt.rn.bf16.f32 " not in code, (c, reciprocal)
+        assert ptx[False].count("div.full.f32 ") - ptx[True].count("div.full.f32 ") == values, c
+
+
+def test_layernorm_int8_parts_takes_up_to_five_power_of_two_blocks_and_falls_back_otherwise(monkeypatch):
+    """``parts=True`` launches the parts kernel where C is 1, 3 or 5 power-of-two blocks of at least 16 values
+    (FLUX's, SD3's and Wan's widths among them) and the padded kernel for any other width (56 = 7 x 8, 24 = 3 x 8:
+    no such split); ``parts=False`` the padded kernel; ``parts=None`` follows ``LAYERNORM_PARTS``."""
+    from omni_accel.kernels import epilogue_triton as et
+
+    assert [et.layernorm_parts(c) for c in (3072, 1536, 5120, 4096, 48, 80, 64, 16)] == [
+        (3, 1024), (3, 512), (5, 1024), (1, 4096), (3, 16), (5, 16), (1, 64), (1, 16)]
+    assert [et.layernorm_parts(c) for c in (56, 24, 7 * 1024, 9 * 512, 8)] == [None] * 5
+    launched = []
+
+    class Recording:  # kernel[grid](...) noting (kernel name, programs, its block constexprs), launching nothing
+        def __init__(self, kernel, device):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(
+                (self.kernel.__name__, grid[0], {k: kwargs[k] for k in ("PARTS", "BLOCK") if k in kwargs}))
+
+    monkeypatch.setattr(et, "_launcher", Recording)
+
+    def launch(c: int, parts: bool | None):
+        launched.clear()
+        a, b = torch.zeros(6, c, dtype=torch.bfloat16), torch.zeros(5, c, dtype=torch.bfloat16)
+        et.layernorm_modulate_int8(a, b, a[0], a[0], 1e-6, torch.bfloat16, parts=parts)
+        return launched
+
+    padded, split = "_layernorm_modulate_int8_kernel", "_layernorm_modulate_int8_parts_kernel"
+    assert launch(3072, True) == [(split, 6, {"PARTS": 3, "BLOCK": 1024})]
+    assert launch(5120, True) == [(split, 6, {"PARTS": 5, "BLOCK": 1024})]
+    assert launch(56, True) == [(padded, 6, {"BLOCK": 64})]
+    assert launch(24, True) == [(padded, 6, {"BLOCK": 32})]
+    assert launch(3072, False) == [(padded, 6, {"BLOCK": 4096})]
+    for switch, kernel in ((False, padded), (True, split)):
+        monkeypatch.setattr(et, "LAYERNORM_PARTS", switch)
+        assert [name for name, _, _ in launch(3072, None)] == [kernel], switch
 
 
 # ---------------------------------------------------------------------------- eager fallback vs diffusers' layers

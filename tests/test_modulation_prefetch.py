@@ -10,26 +10,12 @@ import torch
 
 from omni_accel import compiler, modulation_prefetch
 from omni_accel.pipelines import adapter_for
-from omni_accel.testing import run, run_compiled_twice, tiny_pipeline
+from omni_accel.testing import record_modulation_takes, run, run_compiled_twice, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
 def flux():
     return tiny_pipeline("flux")
-
-
-def _prefetched_calls(monkeypatch) -> list:
-    """Every prefetched_linear call's outcome: True where the prefetched output was taken."""
-    outcomes = []
-    take = modulation_prefetch._take
-
-    def recording_take(x, weight):
-        out = take(x, weight)
-        outcomes.append(out is not None)
-        return out
-
-    monkeypatch.setattr(modulation_prefetch, "_take", recording_take)
-    return outcomes
 
 
 def _computed_in_place(linear, x) -> torch.Tensor:
@@ -55,7 +41,7 @@ def test_flux_modulation_linears_taken_from_the_prefetch_give_the_plain_output_a
     pipe, kwargs = flux
     transformer = pipe.transformer
     plain = run(pipe, kwargs)
-    outcomes = _prefetched_calls(monkeypatch)
+    outcomes = record_modulation_takes(monkeypatch)
     with _prefetched(pipe) as count:
         assert count == _linear_count(transformer)
         assert type(transformer.transformer_blocks[0].norm1.linear) is modulation_prefetch.PrefetchedLinear
@@ -129,7 +115,7 @@ def test_compiled_blocks_take_the_prefetched_outputs_in_one_graph_per_block_kind
     monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "off")
     reference, reference_counts = run_compiled_twice(pipe, kwargs, compile=True)
     monkeypatch.setattr(compiler, "_prefetches_modulation", lambda ctx: ctx.adapter.modulation_prefetch is not None)
-    outcomes = _prefetched_calls(monkeypatch)
+    outcomes = record_modulation_takes(monkeypatch)
     out, counts = run_compiled_twice(pipe, kwargs, compile=True)
     assert counts == reference_counts and counts["graph_breaks"] == 0
     assert counts["graphs_first_call"] == counts["graphs_second_call"]

@@ -22,7 +22,10 @@ kernel took 78 us for both.
 ``layernorm_modulate_cast``: AdaLN's ``LayerNorm(x) * (1 + scale) + shift`` for the rows of one or two streams (read in
 place, not concatenated first), cast once per FP8 linear that reads it (up to three). 16 us per call at FLUX's shapes,
 where inductor's kernels took 25-39 us. ``layernorm_modulate_int8``: the same rows quantized to int8 per row for the
-int8 linears that read them (the row is whole in registers, so its largest value costs no second read).
+int8 linears that read them (the row is whole in registers, so its largest value costs no second read). Its parts
+form (``LAYERNORM_PARTS``, ``parts=True``) holds a width of one, three or five power-of-two blocks (FLUX's 3072 =
+3 x 1024) as that many unpadded tiles, where the padded kernel computes the next power of two's lanes (4096) under
+column masks, and takes each int8 value from the bits of one addition instead of ``_to_int8``'s two and a conversion.
 
 Programmatic dependent launch (``pdl``, what inductor's ``triton.enable_pdl`` does for its own kernels): each kernel
 waits for the kernels before it first thing and releases the next one after its loads, so on Hopper and newer the
@@ -551,6 +554,162 @@ def _layernorm_modulate_int8_kernel(
     tl.store(out_ptr + rows64 * C + cols[None, :], _to_int8(y, row_scale[:, None], RECIPROCAL), mask=mask)
 
 
+@triton.jit
+def _row_part(src_ptr, rows, row_ok, P: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+              EVEN_ROWS: tl.constexpr):
+    """Columns [P * BLOCK, (P + 1) * BLOCK) of rows ``rows`` ((ROWS, 1) int64) of ``src_ptr``, float32; rows past
+    the end read as 0 (no mask at all with ``EVEN_ROWS``: every program's rows are there)."""
+    ptrs = src_ptr + rows * C + P * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if EVEN_ROWS:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=row_ok, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _parts_sum(x0, x1, x2, x3, x4, PARTS: tl.constexpr):
+    """The row sums of the first ``PARTS`` tiles, (ROWS, 1): added tile to tile first, so one reduction (one pass
+    through shared memory) serves them all."""
+    total = x0
+    if PARTS > 1:
+        total += x1
+    if PARTS > 2:
+        total += x2
+    if PARTS > 3:
+        total += x3
+    if PARTS > 4:
+        total += x4
+    return tl.sum(total, axis=1)[:, None]
+
+
+@triton.jit
+def _parts_abs_max(y0, y1, y2, y3, y4, PARTS: tl.constexpr):
+    """The rows' largest magnitude over the first ``PARTS`` tiles, (ROWS,); max is exact, so the order is free."""
+    top = tl.abs(y0)
+    if PARTS > 1:
+        top = tl.maximum(top, tl.abs(y1))
+    if PARTS > 2:
+        top = tl.maximum(top, tl.abs(y2))
+    if PARTS > 3:
+        top = tl.maximum(top, tl.abs(y3))
+    if PARTS > 4:
+        top = tl.maximum(top, tl.abs(y4))
+    return tl.max(top, axis=1)
+
+
+@triton.jit
+def _as_bf16_pairs(y):
+    """``_as_16_bit``'s bf16 rounding on the GPU, two values per conversion (cvt.rn.bf16x2.f32 rounds each as
+    cvt.rn.bf16.f32 does), each widened back to float32 by a shift or a mask of the pair's register."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 pair; cvt.rn.bf16x2.f32 pair, $3, $2; shl.b32 $0, pair, 16; and.b32 $1, pair, 0xffff0000; }",
+        "=r,=r,r,r", [y], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
+def _modulated_part(centered, rstd, scale_ptr, shift_ptr, P: tl.constexpr, BLOCK: tl.constexpr,
+                    BF16: tl.constexpr, APPROX: tl.constexpr):
+    """Tile P of ``_modulated_norm_rows``' value, the same operations in the same order (so the same float32
+    bits), rounded to the 16-bit dtype (``_as_16_bit``; bf16 on the GPU two values at a time)."""
+    # loaded as (ROWS, BLOCK), the values' shape, so the load takes their layout: a (BLOCK,) load took another
+    # one and went through shared memory (a barrier per conversion) to reach theirs
+    cols = tl.broadcast_to(P * BLOCK + tl.arange(0, BLOCK)[None, :], centered.shape)
+    scale = tl.load(scale_ptr + cols).to(tl.float32)
+    shift = tl.load(shift_ptr + cols).to(tl.float32)
+    y = centered * rstd * (1.0 + scale) + shift
+    if BF16 and APPROX:  # the interpreter runs no PTX
+        y = _as_bf16_pairs(y)
+    else:
+        y = _as_16_bit(y, BF16, not APPROX)
+    return y
+
+
+@triton.jit
+def _store_int8_part(out_ptr, rows, row_ok, y, multiplier, P: tl.constexpr, C: tl.constexpr,
+                     BLOCK: tl.constexpr, EVEN_ROWS: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Tile P of the rows as ``_to_int8`` rounds it (``multiplier``: the row's scale, or with ``RECIPROCAL`` its
+    correctly rounded reciprocal), without its subtraction and float -> int conversion: once 1.5 * 2^23 is added,
+    the float's unit is 1 and its mantissa holds 2^22 + round(q), so the low byte of its bits is round(q) in two's
+    complement (q is within +-127 after the clamp), the same int8 as ``_to_int8``'s, bit for bit."""
+    if RECIPROCAL:
+        q = y * multiplier
+    else:
+        q = y / multiplier
+    # a no-op for finite q (127 and a few ulps at most), kept so that NaN and inf give _to_int8's values too
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    q8 = (q + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    ptrs = out_ptr + rows * C + P * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if EVEN_ROWS:
+        tl.store(ptrs, q8)
+    else:
+        tl.store(ptrs, q8, mask=row_ok)
+
+
+@triton.jit
+def _layernorm_modulate_int8_parts_kernel(
+    a_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, row_scale_ptr,
+    n_rows, rows_a, eps,
+    C: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_ROWS: tl.constexpr, BF16: tl.constexpr, APPROX: tl.constexpr, PDL: tl.constexpr,
+    RECIPROCAL: tl.constexpr = False,
+):
+    """``_layernorm_modulate_int8_kernel`` for C = PARTS x BLOCK (PARTS <= 5, BLOCK a power of two): each row as
+    PARTS unpadded (ROWS, BLOCK) tiles x0..x4 (Triton holds no list of tensors; the names past PARTS are aliases
+    standing for x0: what they compute is left out of every sum, max and store, and the compiler drops it), so no
+    lane computes padding and no column needs a mask. Per value the same float32 operations as the padded kernel;
+    its sums add the tiles first, another order (see ``layernorm_modulate_int8``)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    first = tl.program_id(0) * ROWS
+    rows = first + tl.arange(0, ROWS)
+    row_ok = (rows < n_rows)[:, None]
+    rows64 = rows.to(tl.int64)[:, None]
+    src_ptr = a_ptr
+    src_rows = rows64
+    if SPLIT:
+        if first >= rows_a:  # ROWS divides rows_a: the program's rows all come from b
+            src_ptr = b_ptr
+            src_rows = rows64 - rows_a
+    x0 = _row_part(src_ptr, src_rows, row_ok, 0, C, BLOCK, EVEN_ROWS)
+    x1 = _row_part(src_ptr, src_rows, row_ok, 1, C, BLOCK, EVEN_ROWS) if PARTS > 1 else x0
+    x2 = _row_part(src_ptr, src_rows, row_ok, 2, C, BLOCK, EVEN_ROWS) if PARTS > 2 else x0
+    x3 = _row_part(src_ptr, src_rows, row_ok, 3, C, BLOCK, EVEN_ROWS) if PARTS > 3 else x0
+    x4 = _row_part(src_ptr, src_rows, row_ok, 4, C, BLOCK, EVEN_ROWS) if PARTS > 4 else x0
+    mean = _parts_sum(x0, x1, x2, x3, x4, PARTS) / C
+    c0 = x0 - mean
+    c1 = x1 - mean
+    c2 = x2 - mean
+    c3 = x3 - mean
+    c4 = x4 - mean
+    rstd = tl.rsqrt(_parts_sum(c0 * c0, c1 * c1, c2 * c2, c3 * c3, c4 * c4, PARTS) / C + eps)
+    y0 = _modulated_part(c0, rstd, scale_ptr, shift_ptr, 0, BLOCK, BF16, APPROX)
+    y1 = _modulated_part(c1, rstd, scale_ptr, shift_ptr, 1, BLOCK, BF16, APPROX) if PARTS > 1 else y0
+    y2 = _modulated_part(c2, rstd, scale_ptr, shift_ptr, 2, BLOCK, BF16, APPROX) if PARTS > 2 else y0
+    y3 = _modulated_part(c3, rstd, scale_ptr, shift_ptr, 3, BLOCK, BF16, APPROX) if PARTS > 3 else y0
+    y4 = _modulated_part(c4, rstd, scale_ptr, shift_ptr, 4, BLOCK, BF16, APPROX) if PARTS > 4 else y0
+    if PDL:  # every input is read: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()
+    row_scale = tl.maximum(_parts_abs_max(y0, y1, y2, y3, y4, PARTS), 1e-12)[:, None] / 127.0
+    if EVEN_ROWS:
+        tl.store(row_scale_ptr + rows64, row_scale)
+    else:
+        tl.store(row_scale_ptr + rows64, row_scale, mask=row_ok)
+    if RECIPROCAL:  # once per row, as _to_int8 does
+        multiplier = tl.math.div_rn(tl.full(row_scale.shape, 1.0, tl.float32), row_scale)
+    else:
+        multiplier = row_scale
+    _store_int8_part(out_ptr, rows64, row_ok, y0, multiplier, 0, C, BLOCK, EVEN_ROWS, RECIPROCAL)
+    if PARTS > 1:
+        _store_int8_part(out_ptr, rows64, row_ok, y1, multiplier, 1, C, BLOCK, EVEN_ROWS, RECIPROCAL)
+    if PARTS > 2:
+        _store_int8_part(out_ptr, rows64, row_ok, y2, multiplier, 2, C, BLOCK, EVEN_ROWS, RECIPROCAL)
+    if PARTS > 3:
+        _store_int8_part(out_ptr, rows64, row_ok, y3, multiplier, 3, C, BLOCK, EVEN_ROWS, RECIPROCAL)
+    if PARTS > 4:
+        _store_int8_part(out_ptr, rows64, row_ok, y4, multiplier, 4, C, BLOCK, EVEN_ROWS, RECIPROCAL)
+
+
 def layernorm_modulate_rows(rows_a: int) -> int | None:
     """Rows per program that divide the first stream's rows (a program reads one stream), or None."""
     return next((r for r in (2, 1) if rows_a % r == 0), None)
@@ -575,25 +734,56 @@ def layernorm_modulate_cast(a: torch.Tensor, b: torch.Tensor | None, scale: torc
     return out.to(torch.float8_e4m3fn) if store_dtype != torch.float8_e4m3fn else out
 
 
+# layernorm_modulate_int8 through the parts kernel where C allows it. Measured on an H100 at FLUX's shape (4608 x 3072,
+# 512 + 4096 rows, graph replay over copies larger than L2): 19.6 us per call at its default tile against 26.9 us for
+# the padded kernel's (bench_fp8_epilogues_h100_lnparts_20261207.json); False: the padded kernel (the A side).
+LAYERNORM_PARTS = True
+# The parts kernel's (rows per program, warps) when no tile is given: the fastest of that sweep (19.6 us; 21.0-28.0
+# for the other five tiles)
+PARTS_TILE = (1, 4)
+
+
+def layernorm_parts(c: int) -> tuple[int, int] | None:
+    """(parts, block) with c = parts x block, block a power of two of at least 16 and parts 1, 3 or 5 (an even count
+    is a wider power-of-two block): FLUX's 3072 = 3 x 1024, SD3's 1536 = 3 x 512, Wan's 5120 = 5 x 1024. None for
+    widths the parts kernel does not take."""
+    for parts in (1, 3, 5):
+        block = c // parts
+        if c % parts == 0 and block >= 16 and block & (block - 1) == 0:
+            return parts, block
+    return None
+
+
 def layernorm_modulate_int8(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor,
                             eps: float, dtype: torch.dtype, pdl: bool = False, reciprocal: bool = False,
-                            tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            tile: tuple[int, int] | None = None,
+                            parts: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``layernorm_modulate_cast``'s rows rounded to ``dtype`` and quantized to int8 per row (kernels/int8.py's
     ``quantize_rows_int8``): (int8 (rows, C), scale (rows, 1) float32). ``reciprocal``: see ``_to_int8``; ``tile``:
-    (rows per program, warps) instead of the default (the benchmark's sweep); its rows must divide a's."""
+    (rows per program, warps) instead of the default (``PARTS_TILE`` for the parts kernel, else 2 rows and 8 warps;
+    the benchmark's sweep); its rows must divide a's. ``parts``
+    (None: ``LAYERNORM_PARTS``): ``_layernorm_modulate_int8_parts_kernel`` where ``layernorm_parts`` splits C, else
+    the padded kernel. Both do the same float32 operations per value; their row sums add in another order, so where
+    a float32 sum rounds differently a value at a bf16 or int8 rounding boundary may move one step (as between the
+    padded kernel's own tiles, whose reduction order follows the tile too)."""
     c = a.shape[-1]
     n_rows = a.shape[0] + (b.shape[0] if b is not None else 0)
     out = torch.empty(n_rows, c, dtype=torch.int8, device=a.device)
     row_scale = torch.empty(n_rows, 1, dtype=torch.float32, device=a.device)
-    rows, warps = tile or (layernorm_modulate_rows(a.shape[0]) if b is not None else 2, 8)
+    split = layernorm_parts(c) if (LAYERNORM_PARTS if parts is None else parts) else None
+    rows, warps = tile or (PARTS_TILE if split else (layernorm_modulate_rows(a.shape[0]) if b is not None else 2, 8))
     if b is not None and a.shape[0] % rows:
         raise ValueError(f"layernorm_modulate_int8: tile rows {rows} must divide the first stream's {a.shape[0]} "
                          "rows (a program reads one stream); pick a divisor")
     if n_rows:
+        args = (a, b if b is not None else a, scale, shift, out, row_scale, n_rows, a.shape[0], float(eps))
+        flags = dict(C=c, ROWS=rows, SPLIT=b is not None, BF16=dtype == torch.bfloat16, APPROX=not INTERPRETED,
+                     RECIPROCAL=reciprocal, num_warps=warps, **_pdl_launch(pdl))
         with _on_device(a):
-            _launcher(_layernorm_modulate_int8_kernel, a.device)[(triton.cdiv(n_rows, rows),)](
-                a, b if b is not None else a, scale, shift, out, row_scale, n_rows, a.shape[0], float(eps), C=c,
-                BLOCK=triton.next_power_of_2(c), ROWS=rows, SPLIT=b is not None, BF16=dtype == torch.bfloat16,
-                APPROX=not INTERPRETED, RECIPROCAL=reciprocal, num_warps=warps, **_pdl_launch(pdl),
-            )
+            if split:
+                _launcher(_layernorm_modulate_int8_parts_kernel, a.device)[(triton.cdiv(n_rows, rows),)](
+                    *args, PARTS=split[0], BLOCK=split[1], EVEN_ROWS=n_rows % rows == 0, **flags)
+            else:
+                _launcher(_layernorm_modulate_int8_kernel, a.device)[(triton.cdiv(n_rows, rows),)](
+                    *args, BLOCK=triton.next_power_of_2(c), **flags)
     return out, row_scale

@@ -8,7 +8,7 @@ it and hook module boundaries; nothing outside ``omni_accel/pipelines/`` names a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 SequenceKind = Literal["image", "text", "rope", "mask"]
 CfgStyle = Literal["true_cfg", "batched_cfg", "distilled"]
@@ -154,13 +154,32 @@ class KernelSites:
 
 
 @dataclass(frozen=True)
+class ModulationTable:
+    """How the modulation table (modulation_table.py) fills a pipeline call's rows: ``schedule_timestep(timesteps
+    (steps,), samples, dtype)`` gives the transformer's timestep argument at every step of the scheduler's schedule
+    as the family's pipeline passes it ((steps x samples,), step-major); ``embedding_args(arguments, timestep
+    (rows,))`` gives the embedding module's arguments for such rows from the forward's bound arguments, as the
+    transformer's forward computes them, its other inputs repeated per step; ``conditioning``, the transformer
+    arguments that, besides the timestep, decide ``temb``; ``timestep_arg`` / ``batch_arg``, the timestep argument
+    and an argument whose first dimension is the samples and whose dtype the pipeline casts the timestep to."""
+
+    schedule_timestep: Callable
+    embedding_args: Callable
+    conditioning: tuple[str, ...] = ()
+    timestep_arg: str = "timestep"
+    batch_arg: str = "hidden_states"
+
+
+@dataclass(frozen=True)
 class ModulationPrefetch:
     """The AdaLN modulation linears that compile=True computes ahead on a second stream (modulation_prefetch.py):
     ``embedding``, the module (dotted path below the transformer) whose output is ``temb``; ``linears``, fnmatch
-    patterns of the linears whose input is ``silu(temb)``, every one of them (in the forward's order)."""
+    patterns of the linears whose input is ``silu(temb)``, every one of them (in the forward's order); ``table``,
+    how to compute them once per pipeline call instead (modulation_table.py), where the family knows it."""
 
     embedding: str
     linears: tuple[str, ...]
+    table: ModulationTable | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,26 @@
 """FLUX.1 (dev / schnell / Kontext / Fill / Control): FluxTransformer2DModel, an MMDiT of dual-stream blocks followed
 by single-stream blocks, with FLUX-style 3-axis RoPE over the concatenated [text, image] sequence."""
 
-from .base import (CacheRegion, JointStreams, KernelSites, ModelAdapter, ModulationPrefetch, SequenceInput,
-                   SequenceRegion, ShardArg, TeaCacheSpec)
+from .base import (CacheRegion, JointStreams, KernelSites, ModelAdapter, ModulationPrefetch, ModulationTable,
+                   SequenceInput, SequenceRegion, ShardArg, TeaCacheSpec)
+
+
+def _schedule_timestep(timesteps, samples: int, dtype):
+    """FluxPipeline's timestep argument at each step t: ``t.expand(samples).to(latents dtype) / 1000``."""
+    return (timesteps[:, None].expand(-1, samples).to(dtype) / 1000).reshape(-1)
+
+
+def _embedding_args(arguments: dict, timestep) -> tuple:
+    """``time_text_embed``'s arguments for rows of the timestep argument, as FluxTransformer2DModel.forward makes
+    them: timestep and guidance to the hidden states' dtype times 1000; guidance and pooled text repeated per step."""
+    dtype = arguments["hidden_states"].dtype
+    steps = timestep.shape[0] // arguments["hidden_states"].shape[0]
+    pooled = arguments["pooled_projections"].repeat(steps, 1)
+    guidance = arguments.get("guidance")
+    if guidance is None:
+        return timestep.to(dtype) * 1000, pooled
+    return timestep.to(dtype) * 1000, guidance.to(dtype).repeat(steps) * 1000, pooled
+
 
 ADAPTER = ModelAdapter(
     family="flux",
@@ -102,5 +120,6 @@ ADAPTER = ModelAdapter(
     # temb that time_text_embed returns
     modulation_prefetch=ModulationPrefetch("time_text_embed", (
         "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
-        "single_transformer_blocks.*.norm.linear", "norm_out.linear")),
+        "single_transformer_blocks.*.norm.linear", "norm_out.linear"),
+        table=ModulationTable(_schedule_timestep, _embedding_args, conditioning=("pooled_projections", "guidance"))),
 )

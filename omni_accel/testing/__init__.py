@@ -52,6 +52,24 @@ def run(pipe: Any, call_kwargs: dict, seed: int = 0, **extra: Any) -> torch.Tens
     return output_tensor(pipe(**kwargs))
 
 
+def record_modulation_takes(monkeypatch: Any) -> list[bool]:
+    """Every modulation linear call's outcome from now on (pytest's ``monkeypatch`` undoes the recording): True where
+    the linear took an output computed ahead (modulation_prefetch.py's slots, which the prefetch and the modulation
+    table fill), False where it computed itself."""
+    from .. import modulation_prefetch
+
+    outcomes: list[bool] = []
+    take = modulation_prefetch._take
+
+    def recording_take(x, weight):
+        out = take(x, weight)
+        outcomes.append(out is not None)
+        return out
+
+    monkeypatch.setattr(modulation_prefetch, "_take", recording_take)
+    return outcomes
+
+
 def output_tensor(result: Any) -> torch.Tensor:
     """The images (or video frames) of a pipeline output as one float32 CPU tensor."""
     images = result.frames if getattr(result, "frames", None) is not None else result.images

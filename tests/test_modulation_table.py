@@ -1,0 +1,210 @@
+"""modulation_table.py on the CPU: the modulation linears of a whole pipeline call computed once from the scheduler's
+schedule give the plain pipeline's output (up to one batched GEMM's rounding against per-step GEMVs), every forward
+takes its rows, true CFG's second conditioning gets its own rows, a forward off the schedule or outside a call gets
+its own rows (the plain output exactly), a miss raises after the call, and the undo is exact."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import omni_accel
+from omni_accel import compiler, modulation_prefetch, modulation_table
+from omni_accel.pipelines import adapter_for
+from omni_accel.testing import record_modulation_takes, run, tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return tiny_pipeline("flux")
+
+
+@pytest.fixture(scope="module")
+def plain(flux):
+    """The plain pipeline's output for the default call."""
+    pipe, kwargs = flux
+    return run(pipe, kwargs)
+
+
+def _with_table(pipe, state=None):
+    return modulation_table.use_modulation_table(pipe, pipe.transformer, adapter_for(pipe).modulation_prefetch, state)
+
+
+@pytest.fixture
+def accelerated(flux):
+    """The tiny FLUX pipeline accelerated with no knobs (its calls bracketed) and the table applied; undone after."""
+    pipe, kwargs = flux
+    omni_accel.accelerate(pipe)
+    count, undo = _with_table(pipe, pipe.omni_accel)
+    try:
+        yield pipe, kwargs, count
+    finally:
+        undo()
+        omni_accel.restore(pipe)
+
+
+def _table(pipe) -> modulation_table.ModulationTable:
+    return pipe.transformer._diffusers_hook.get_hook("omni_accel.modulation_table").table
+
+
+def _filled_rows(pipe) -> int:
+    temb = pipe.transformer.time_text_embed._buffers[modulation_table._TEMB_BUFFER]
+    return int((~torch.isinf(temb).all(dim=-1)).sum())
+
+
+def _linear_count(transformer) -> int:
+    return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks) + 1
+
+
+def test_a_call_fills_one_row_per_step_and_every_forward_takes_its_rows(plain, accelerated, monkeypatch):
+    pipe, kwargs, count = accelerated
+    outcomes = record_modulation_takes(monkeypatch)
+    out = run(pipe, kwargs)
+    assert count == _linear_count(pipe.transformer)
+    assert outcomes and all(outcomes) and len(outcomes) == count * kwargs["num_inference_steps"]
+    assert _filled_rows(pipe) == kwargs["num_inference_steps"]
+    table = _table(pipe)
+    assert table.call == 0 and list(table.filled.values()) == [True] and not table.own_rows_only
+    # one GEMM over the steps rounds differently from one GEMV per step (float32 here: ~1e-6)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+    outcomes.clear()
+    torch.testing.assert_close(run(pipe, kwargs), out)  # the next call fills its rows again
+    assert _table(pipe).call == 1 and len(outcomes) == count * kwargs["num_inference_steps"] and all(outcomes)
+
+
+def test_true_cfg_fills_rows_for_each_conditioning(flux):
+    pipe, kwargs = flux
+    cfg = dict(kwargs, true_cfg_scale=2.0, negative_prompt="blurry", num_inference_steps=3)
+    plain_cfg = run(pipe, cfg)
+    omni_accel.accelerate(pipe)
+    _, undo = _with_table(pipe, pipe.omni_accel)
+    try:
+        out = run(pipe, cfg)
+        assert _filled_rows(pipe) == 2 * 3 and list(_table(pipe).filled.values()) == [True, True]
+    finally:
+        undo()
+        omni_accel.restore(pipe)
+    torch.testing.assert_close(out, plain_cfg, rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_off_the_schedule_gets_its_own_rows_and_the_plain_output(plain, accelerated):
+    pipe, kwargs, _ = accelerated
+    table = _table(pipe)
+    right = table.spec
+    table.spec = dataclasses.replace(right, schedule_timestep=lambda t, n, d: right.schedule_timestep(t + 7, n, d))
+    out = run(pipe, kwargs)
+    assert list(table.filled.values()) == [False] and table.rows == 1 and _filled_rows(pipe) == 1
+    assert torch.equal(out, plain)
+
+
+def test_outside_a_pipeline_call_each_forward_gets_its_own_rows(flux):
+    pipe, kwargs = flux
+    inputs = {}
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, k: inputs.update(k), with_kwargs=True)
+    run(pipe, kwargs)
+    hook.remove()
+    with torch.no_grad():
+        plain_forward = pipe.transformer(**inputs)[0]
+        count, undo = _with_table(pipe)
+        try:
+            out = pipe.transformer(**inputs)[0]
+            assert _filled_rows(pipe) == 1 and _table(pipe).rows == 1
+        finally:
+            undo()
+    assert count == _linear_count(pipe.transformer) and torch.equal(out, plain_forward)
+
+
+def test_without_own_rows_a_forward_outside_a_call_computes_its_linears_in_place(flux, plain, monkeypatch):
+    """fill_own_rows=False (no CUDA graph to replay lookups): off a call nothing is filled or handed out, and the
+    linears compute themselves; inside a call the schedule's rows serve as before."""
+    pipe, kwargs = flux
+    inputs = {}
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, k: inputs.update(k), with_kwargs=True)
+    run(pipe, kwargs)
+    hook.remove()
+    omni_accel.accelerate(pipe)
+    count, undo = modulation_table.use_modulation_table(pipe, pipe.transformer, adapter_for(pipe).modulation_prefetch,
+                                                        pipe.omni_accel, fill_own_rows=False)
+    outcomes = record_modulation_takes(monkeypatch)
+    try:
+        with torch.no_grad():
+            out = pipe.transformer(**inputs)[0]
+        assert outcomes == [False] * count and _table(pipe).rows == 0
+        assert modulation_table._TEMB_BUFFER not in pipe.transformer.time_text_embed._buffers
+        outcomes.clear()
+        torch.testing.assert_close(run(pipe, kwargs), plain, rtol=1e-4, atol=1e-5)
+        assert outcomes == [True] * (count * kwargs["num_inference_steps"])
+    finally:
+        undo()
+        omni_accel.restore(pipe)
+    with torch.no_grad():
+        assert torch.equal(out, pipe.transformer(**inputs)[0])
+
+
+def test_a_miss_raises_after_the_call_and_the_table_serves_own_rows_from_then_on(plain, accelerated):
+    pipe, kwargs, _ = accelerated
+    table = _table(pipe)
+    fill = table._fill
+
+    def fill_then_lose_later_steps(bound, timestep, start):
+        fill(bound, timestep, start)
+        table.embedding._buffers[modulation_table._TEMB_BUFFER][1:] = float("inf")  # step 2 finds no row
+
+    table._fill = fill_then_lose_later_steps
+    with pytest.raises(omni_accel.AccelError) as raised:
+        run(pipe, kwargs)
+    assert str(raised.value) == (
+        "omni_accel: 1 forward(s) of this pipeline call ran with a timestep or conditioning that the modulation "
+        "table did not hold (a scheduler that calls the transformer between its steps?), so their AdaLN modulation "
+        "came from another step and this call's output is wrong. The table now computes each forward's own rows; "
+        "to turn it off, set omni_accel.modulation_table.MODULATION_TABLE = False before accelerate().")
+    assert not pipe.omni_accel.in_call and table.own_rows_only
+    del table._fill
+    assert torch.equal(run(pipe, kwargs), plain)  # own rows: the plain output
+    assert _filled_rows(pipe) == 1
+
+
+def test_the_undo_puts_the_linears_hooks_and_buffers_back(flux, plain):
+    pipe, kwargs = flux
+    omni_accel.accelerate(pipe)
+    transformer = pipe.transformer
+    count, undo = _with_table(pipe, pipe.omni_accel)
+    run(pipe, kwargs)
+    undo()
+    assert torch.equal(run(pipe, kwargs), plain)
+    omni_accel.restore(pipe)
+    spec = adapter_for(pipe).modulation_prefetch
+    linears = [m for _, m in modulation_prefetch.modulation_linears(transformer, spec.linears)]
+    assert len(linears) == count and all(type(m) is torch.nn.Linear for m in linears)
+    assert all(modulation_table._ROWS_BUFFER not in m._buffers for m in linears)
+    left = set(transformer.time_text_embed._buffers)
+    assert not {modulation_table._TEMB_BUFFER, modulation_table._MISS_BUFFER} & left
+    assert "omni_accel.modulation_table" not in transformer._diffusers_hook.hooks and not modulation_prefetch._slots
+
+
+def test_a_family_without_a_table_or_a_spec_gets_none():
+    pipe, _ = tiny_pipeline("qwen_image")
+    assert adapter_for(pipe).modulation_prefetch.table is None
+    assert _with_table(pipe)[0] == 0 and not hasattr(pipe.transformer, "_diffusers_hook")
+    assert modulation_table.use_modulation_table(pipe, pipe.transformer, None, None)[0] == 0
+
+
+def test_the_compile_pass_serves_the_table_instead_of_the_prefetch_when_switched_on(flux, monkeypatch):
+    pipe, kwargs = flux
+    monkeypatch.setattr(modulation_table, "MODULATION_TABLE", True)
+    monkeypatch.setattr(compiler, "_prefetches_modulation", lambda ctx: True)  # would prefetch (GPU graphs)
+    omni_accel.accelerate(pipe, compile=True)
+    try:
+        details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+        assert details["modulation_table"] == _linear_count(pipe.transformer) and details["modulation_prefetch"] == 0
+        run(pipe, kwargs)
+        assert _filled_rows(pipe) == kwargs["num_inference_steps"]
+    finally:
+        omni_accel.restore(pipe)
+    monkeypatch.setattr(modulation_table, "MODULATION_TABLE", False)
+    omni_accel.accelerate(pipe, compile=True)
+    try:
+        details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+        assert details["modulation_table"] == 0
+    finally:
+        omni_accel.restore(pipe)
