@@ -183,10 +183,10 @@ class Row:
     qk_diffusers_rms: bool = True
     # modulation_table.MODULATION_TABLE (True, the library's default since 2026-12-07: the modulation linears computed
     # once per pipeline call; only --schedule-steps runs forwards inside a call, the per-forward timing does not)
-    modulation_table: bool = False
+    modulation_table: bool = True
     # kernels.epilogue_triton.LAYERNORM_PARTS (True, the default since 2026-12-07: the AdaLN norm + int8 kernel over
     # unpadded parts of the row)
-    layernorm_parts: bool = False
+    layernorm_parts: bool = True
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -847,20 +847,19 @@ for _name in ("ours_int8", "ours_bf16_mk_pdl"):
 for _name in ("ours_bf16_mk_pdl", "ours_int8"):
     ROWS[f"{_name}_frozenmod"] = replace(
         ROWS[_name], name=f"{_name}_frozenmod", setup=_frozen_modulation(ROWS[_name].setup), modulation_prefetch="off",
+        modulation_table=False,
         probe=True, note=f"PROBE: {_name} with the modulation linears' outputs recorded once (the GEMVs' upper-bound "
                          "cost)")
-# The modulation table (modulation_table.py), the default: faster only where forwards run inside a pipeline call
-# (--schedule-steps); bench_peers_h100_flux_modtable_20261207.json's ours_*_modtable rows are today's defaults, its
-# ours_bf16_mk_pdl / ours_int8 today's _notable rows. The int8 stacks' AdaLN kernel over unpadded parts, the default.
+# The modulation table (modulation_table.py) and the int8 stacks' AdaLN kernel over unpadded parts are defaults (the
+# Row fields' defaults); their A sides. The table is faster only where forwards run inside a pipeline call
+# (--schedule-steps). bench_peers_h100_flux_modtable_20261207.json's ours_*_modtable rows are today's defaults (the
+# parts kernel off), its ours_bf16_mk_pdl / ours_int8 today's _notable rows.
 for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
-    ROWS[f"{_name}_nolnparts"] = replace(
-        _switched(_name, "nolnparts", "the AdaLN norm + int8 kernel over the padded power-of-two row"),
-        modulation_table=True)
-    ROWS[_name] = replace(ROWS[_name], layernorm_parts=True)
+    ROWS[f"{_name}_nolnparts"] = _switched(_name, "nolnparts", "the AdaLN norm + int8 kernel over the padded "
+                                           "power-of-two row", layernorm_parts=False)
 for _name in ("ours_bf16_mk_pdl", "ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl"):
     ROWS[f"{_name}_notable"] = _switched(_name, "notable", "the modulation linears computed per forward (no table)",
                                          modulation_table=False)
-    ROWS[_name] = replace(ROWS[_name], modulation_table=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1153,9 +1152,11 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
 
         timing = time_forwards(forward, device, args.iters, args.warmup, on_warm=clocks.mark)
         loop = back_to_back_ms(forward, device, args.loop_forwards, 3) if args.loop_forwards else None
-        if args.schedule_steps:
-            result.update(schedule_loop(forward, pipe, inputs, device, args.schedule_steps, spec))
         clock = clocks.since_mark()
+        if args.schedule_steps:  # after the per-forward figures' clocks; its own clocks and peak memory
+            clocks.mark()
+            result.update(schedule_loop(forward, pipe, inputs, device, args.schedule_steps, spec))
+            result["schedule_clocks"] = clocks.since_mark()
         ms = timing["ms"]
         if loop:
             result.update(ms_loop=round(statistics.median(loop), 3),
@@ -1271,9 +1272,12 @@ def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int,
             errors.append(rel_err(out, first_tensor(forward())))
     finally:
         inputs["timestep"] = fixed
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None  # since the last run's
+    # begin_call (it resets the peak) or the row's start
     return {"schedule_steps": steps, "ms_schedule": round(statistics.median(per_step), 3),
             "ms_per_step_schedule": round(statistics.median(per_step) * spec["forwards_per_step"], 3),
-            "schedule_rel_err_vs_single_forwards": round(max(errors), 6)}
+            "schedule_rel_err_vs_single_forwards": round(max(errors), 6),
+            "schedule_peak_mem_gib": peak and round(peak, 3)}
 
 
 def _wall_ms(fn) -> float:

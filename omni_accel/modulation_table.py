@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 from typing import Callable
 
 import torch
@@ -38,7 +37,7 @@ from diffusers.hooks import ModelHook
 
 from .errors import AccelError
 from .hooks import add_hook
-from .modulation_prefetch import PrefetchedLinear, _lock, _Slot, _slots, modulation_linears
+from .modulation_prefetch import PrefetchedLinear, _lock, _refused, _Slot, _slots, _verified, modulation_linears
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +50,9 @@ MODULATION_TABLE = True
 # table's embedding ran on all rows in one batch, which may round differently from the forward's (a few 16-bit
 # steps); another step's temb differs by far more.
 MATCH_TOLERANCE = 2.0 ** -5
+# Conditionings whose rows one call may hold (true CFG has two): past that, the call's forwards compute their own
+# rows, so that a pipeline that changes its conditioning every step cannot grow the table without bound.
+MAX_CONDITIONINGS = 4
 _TEMB_BUFFER = "_omni_accel_table_temb"
 _MISS_BUFFER = "_omni_accel_table_misses"
 _ROWS_BUFFER = "_omni_accel_table_rows"
@@ -67,6 +69,8 @@ class ModulationTable:
         self.signature = inspect.signature(type(transformer).forward)
         self.call = -1  # state.calls when the schedule's rows were filled
         self.filled: dict[tuple, bool] = {}  # conditioning key -> True (schedule rows) this call
+        self.filled_values: list[tuple] = []  # copies of the conditioning tensors whose schedule rows are filled
+        self.own_rows_this_call = False  # a forward of this call was off the schedule: the rest fill their own rows
         self.rows = 0  # rows in use, from the top
         self.own_rows_only = False  # after a miss: every forward fills its own rows
         self.filling = False  # the embedding hook stays out of the table's own embedding call
@@ -76,28 +80,52 @@ class ModulationTable:
         bound = self.signature.bind(self.transformer, *args, **kwargs).arguments
         in_call = self.state is not None and self.state.in_call and not self.own_rows_only
         if in_call and self.call != self.state.calls:
-            self.call, self.filled, self.rows = self.state.calls, {}, 0
-        key = self._conditioning_key(bound)
-        if in_call and self.filled.get(key):
-            return
-        schedule = self._schedule_rows(bound) if in_call and key not in self.filled else None
-        if schedule is not None:
-            self._fill(bound, schedule, start=self.rows)
-            self.filled[key] = True
-            return
-        if in_call:
-            self.filled = {key: False}  # this call serves own rows from now on (another conditioning may not append)
+            self.call, self.filled, self.filled_values, self.rows = self.state.calls, {}, [], 0
+            self.own_rows_this_call = False
+        if in_call and not self.own_rows_this_call:
+            key = self._conditioning_key(bound)
+            if self.filled.get(key):
+                return
+            values = self._values(bound)
+            if values in self:  # the same conditioning at a new address
+                self.filled[key] = True
+                return
+            schedule = self._schedule_rows(bound) if len(self.filled) < MAX_CONDITIONINGS else None
+            if schedule is not None:
+                self._fill(bound, schedule, start=self.rows)
+                self.filled[key] = True
+                self.filled_values.append(values)
+                return
+            self.own_rows_this_call = True  # the rest of this call: each forward its own rows (they overwrite)
         self.rows = 0
         if self.fill_own_rows:
             self._fill(bound, bound[self.spec.timestep_arg].reshape(-1), start=0)
+
+    def _values(self, bound: dict) -> tuple:
+        """The conditioning tensors themselves (copies: a pipeline may reuse their memory), and the batch's shape."""
+        return tuple(value.detach().clone() if isinstance(value, torch.Tensor) else value
+                     for value in (bound.get(name) for name in self.spec.conditioning)) \
+            + (tuple(bound[self.spec.batch_arg].shape),)
+
+    def __contains__(self, values: tuple) -> bool:
+        """Whether the schedule's rows of a conditioning with these values are filled this call (one host sync per
+        comparison: only when a conditioning tensor shows up at a new address, as a pipeline that builds its
+        guidance tensor every step does)."""
+        def same(a, b) -> bool:
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                        and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+            return a == b
+
+        return any(all(same(a, b) for a, b in zip(values, filled)) for filled in self.filled_values)
 
     def _conditioning_key(self, bound: dict) -> tuple:
         """What, besides the timestep, decides temb: the conditioning tensors by identity and shape, and the batch."""
         parts = []
         for name in self.spec.conditioning:
             value = bound.get(name)
-            parts.append((name, value.data_ptr(), tuple(value.shape), value._version)
-                         if isinstance(value, torch.Tensor) else (name, value))
+            parts.append((name, value.data_ptr(), tuple(value.shape)) if isinstance(value, torch.Tensor)
+                         else (name, value))
         return tuple(parts) + (tuple(bound[self.spec.batch_arg].shape),)
 
     def _schedule_rows(self, bound: dict) -> torch.Tensor | None:
@@ -149,19 +177,21 @@ class ModulationTable:
             return
         capacity = max(rows, 2 * current.shape[0] if current is not None else 0)
         old_rows = self.rows if current is not None else 0
-        grown = torch.full((capacity, temb.shape[-1]), float("inf"), dtype=temb.dtype, device=temb.device)
-        if old_rows:
-            grown[:old_rows] = current[:old_rows]
-        self.embedding.register_buffer(_TEMB_BUFFER, grown, persistent=False)
-        if self.embedding._buffers.get(_MISS_BUFFER) is None or self.embedding._buffers[_MISS_BUFFER].device \
-                != temb.device:
-            self.embedding.register_buffer(_MISS_BUFFER, torch.zeros(1, dtype=torch.int32, device=temb.device),
-                                           persistent=False)
-        for linear in self.linears:
-            table = torch.empty(capacity, linear.weight.shape[0], dtype=linear.weight.dtype, device=temb.device)
+        # ordinary tensors even under torch.inference_mode: a later call outside it writes them in place
+        with torch.inference_mode(False):
+            grown = torch.full((capacity, temb.shape[-1]), float("inf"), dtype=temb.dtype, device=temb.device)
             if old_rows:
-                table[:old_rows] = linear._buffers[_ROWS_BUFFER][:old_rows]
-            linear.register_buffer(_ROWS_BUFFER, table, persistent=False)
+                grown[:old_rows] = current[:old_rows]
+            self.embedding.register_buffer(_TEMB_BUFFER, grown, persistent=False)
+            misses = self.embedding._buffers.get(_MISS_BUFFER)
+            if misses is None or misses.device != temb.device:
+                self.embedding.register_buffer(_MISS_BUFFER, torch.zeros(1, dtype=torch.int32, device=temb.device),
+                                               persistent=False)
+            for linear in self.linears:
+                table = torch.empty(capacity, linear.weight.shape[0], dtype=linear.weight.dtype, device=temb.device)
+                if old_rows:
+                    table[:old_rows] = linear._buffers[_ROWS_BUFFER][:old_rows]
+                linear.register_buffer(_ROWS_BUFFER, table, persistent=False)
 
     # -- inside the forward (recorded by a CUDA graph) -------------------------------------------------------
     def hand_out(self, temb: torch.Tensor) -> None:
@@ -183,7 +213,7 @@ class ModulationTable:
 
     # -- after the pipeline call (host) -----------------------------------------------------------------------
     def after_call(self) -> None:
-        """Read the call's miss count; on a miss serve own rows from now on and raise (unless the call raised)."""
+        """Read the call's miss count; on a miss serve own rows from now on and raise AccelError."""
         misses = self.embedding._buffers.get(_MISS_BUFFER)
         if misses is None:
             return
@@ -197,16 +227,15 @@ class ModulationTable:
                    "steps?), so their AdaLN modulation came from another step and this call's output is wrong. The "
                    "table now computes each forward's own rows; to turn it off, set "
                    "omni_accel.modulation_table.MODULATION_TABLE = False before accelerate().")
-        if sys.exc_info()[0] is None:
-            raise AccelError(message)
-        logger.error(message)
+        raise AccelError(message)  # AccelState.end_call raises it once the call is left (logs it if the call raised)
 
     def release(self) -> None:
         """Drop the table's buffers (the undo)."""
-        self.embedding._buffers.pop(_TEMB_BUFFER, None)
-        self.embedding._buffers.pop(_MISS_BUFFER, None)
-        for linear in self.linears:
-            linear._buffers.pop(_ROWS_BUFFER, None)
+        for module, name in ([(self.embedding, _TEMB_BUFFER), (self.embedding, _MISS_BUFFER)]
+                             + [(linear, _ROWS_BUFFER) for linear in self.linears]):
+            if name in module._buffers:
+                delattr(module, name)  # also forgets it as a non-persistent buffer
+        self.filled_values = []
 
 
 class _BeforeForward(ModelHook):
@@ -263,7 +292,10 @@ def use_modulation_table(pipe, transformer: torch.nn.Module, spec, state,
         with _lock:
             for linear in linears:
                 linear.__class__ = torch.nn.Linear
-                _slots.pop(linear.weight.data_ptr(), None)
+                key = linear.weight.data_ptr()
+                _slots.pop(key, None)
+                _verified.discard(key)
+                _refused.discard(key)
         table.release()
 
     return len(linears), undo

@@ -118,7 +118,7 @@ class AccelState:
     def on_call_end(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` at the end of every pipeline call, also when the call raised (mag_cache reads its calibration
         here). An AccelError it raises is raised once the call's bookkeeping is done (the modulation table's miss
-        check); it should not raise while another exception is propagating."""
+        check), or logged where the call itself raised."""
         self._call_end_hooks.append(fn)
 
     def remove_call_hooks(self, *fns: Callable[[], None]) -> None:
@@ -169,30 +169,38 @@ class AccelState:
             raise
         self._t0 = time.perf_counter()
 
-    def end_call(self) -> None:
+    def end_call(self, raised: bool = False) -> None:
+        """Leave the call: run the call-end hooks, then the bookkeeping, which always leaves the call. An AccelError
+        of a hook (the modulation table's miss) is raised after it -- unless the call itself ``raised``, whose
+        exception it would hide: then it is logged."""
         stats = self._current
         if stats is None:
             return
         refusal = None
-        for fn in self._call_end_hooks:
-            try:
-                fn()
-            except AccelError as exc:  # finish the call's bookkeeping first (the state leaves the call), then raise
-                refusal = refusal or exc
-        self.encode_watch.stop()
-        self.decode_watch.stop()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            stats.peak_gpu_mem_gib = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
-        stats.total_s = time.perf_counter() - self._t0
-        stats.text_encoding_s = self.encode_watch.seconds
-        stats.vae_decode_s = self.decode_watch.seconds
-        stats.denoising_s = max(0.0, stats.total_s - stats.text_encoding_s - stats.vae_decode_s)
-        self.last_call = stats
-        self.calls += 1
-        self._current = None
+        try:
+            for fn in self._call_end_hooks:
+                try:
+                    fn()
+                except AccelError as exc:
+                    refusal = refusal or exc
+            self.encode_watch.stop()
+            self.decode_watch.stop()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                stats.peak_gpu_mem_gib = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            stats.total_s = time.perf_counter() - self._t0
+            stats.text_encoding_s = self.encode_watch.seconds
+            stats.vae_decode_s = self.decode_watch.seconds
+            stats.denoising_s = max(0.0, stats.total_s - stats.text_encoding_s - stats.vae_decode_s)
+            self.last_call = stats
+        finally:
+            self.calls += 1
+            self._current = None
         if refusal is not None:
-            raise refusal
+            if raised:
+                logger.error("%s", refusal)
+            else:
+                raise refusal
 
     # -- what users read --------------------------------------------------------------------------------
     def report(self) -> dict:

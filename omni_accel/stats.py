@@ -33,10 +33,14 @@ def _instrumented_class(cls: type) -> type:
             arguments = call_arguments(cls, self, args, kwargs)
             check_call(self, state, cls, arguments, kwargs)  # AccelError before anything runs
             state.begin_call(args, kwargs, arguments)
+            raised = False
             try:
                 return cls.__call__(self, *args, **kwargs)
+            except BaseException:
+                raised = True
+                raise
             finally:
-                state.end_call()
+                state.end_call(raised=raised)
 
         def __reduce_ex__(self, protocol):
             raise copy_refusal(f"an accelerated {cls.__name__}")

@@ -783,8 +783,10 @@ def test_layernorm_int8_parts_takes_up_to_five_power_of_two_blocks_and_falls_bac
         return launched
 
     padded, split = "_layernorm_modulate_int8_kernel", "_layernorm_modulate_int8_parts_kernel"
-    assert launch(3072, True) == [(split, 6, {"PARTS": 3, "BLOCK": 1024})]
-    assert launch(5120, True) == [(split, 6, {"PARTS": 5, "BLOCK": 1024})]
+    # the parts kernel at PARTS_TILE (1 row per program: 11 programs), the padded one at 2 rows (6 programs)
+    assert et.PARTS_TILE == (1, 4)
+    assert launch(3072, True) == [(split, 11, {"PARTS": 3, "BLOCK": 1024})]
+    assert launch(5120, True) == [(split, 11, {"PARTS": 5, "BLOCK": 1024})]
     assert launch(56, True) == [(padded, 6, {"BLOCK": 64})]
     assert launch(24, True) == [(padded, 6, {"BLOCK": 32})]
     assert launch(3072, False) == [(padded, 6, {"BLOCK": 4096})]

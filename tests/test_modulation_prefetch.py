@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from omni_accel import compiler, modulation_prefetch
+from omni_accel import compiler, modulation_prefetch, modulation_table
 from omni_accel.pipelines import adapter_for
 from omni_accel.testing import record_modulation_takes, run, run_compiled_twice, tiny_pipeline
 
@@ -112,6 +112,7 @@ def test_compiled_blocks_take_the_prefetched_outputs_in_one_graph_per_block_kind
     """The compile pass applies it (here forced on the CPU): no graph break, no recompiles across blocks or calls,
     the report counts the linears, and the output is the plain compiled one's."""
     pipe, kwargs = flux
+    monkeypatch.setattr(modulation_table, "MODULATION_TABLE", False)  # the table would stand in for the prefetch
     monkeypatch.setattr(modulation_prefetch, "MODULATION_PREFETCH", "off")
     reference, reference_counts = run_compiled_twice(pipe, kwargs, compile=True)
     monkeypatch.setattr(compiler, "_prefetches_modulation", lambda ctx: ctx.adapter.modulation_prefetch is not None)

@@ -11,7 +11,7 @@ import torch
 import omni_accel
 from omni_accel import compiler, modulation_prefetch, modulation_table
 from omni_accel.pipelines import adapter_for
-from omni_accel.testing import record_modulation_takes, run, tiny_pipeline
+from omni_accel.testing import record_modulation_takes, run, run_compiled_twice, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_a_forward_off_the_schedule_gets_its_own_rows_and_the_plain_output(plain
     right = table.spec
     table.spec = dataclasses.replace(right, schedule_timestep=lambda t, n, d: right.schedule_timestep(t + 7, n, d))
     out = run(pipe, kwargs)
-    assert list(table.filled.values()) == [False] and table.rows == 1 and _filled_rows(pipe) == 1
+    assert table.own_rows_this_call and not table.filled and table.rows == 1 and _filled_rows(pipe) == 1
     assert torch.equal(out, plain)
 
 
@@ -144,13 +144,7 @@ def test_without_own_rows_a_forward_outside_a_call_computes_its_linears_in_place
 def test_a_miss_raises_after_the_call_and_the_table_serves_own_rows_from_then_on(plain, accelerated):
     pipe, kwargs, _ = accelerated
     table = _table(pipe)
-    fill = table._fill
-
-    def fill_then_lose_later_steps(bound, timestep, start):
-        fill(bound, timestep, start)
-        table.embedding._buffers[modulation_table._TEMB_BUFFER][1:] = float("inf")  # step 2 finds no row
-
-    table._fill = fill_then_lose_later_steps
+    _losing_later_steps(pipe)
     with pytest.raises(omni_accel.AccelError) as raised:
         run(pipe, kwargs)
     assert str(raised.value) == (
@@ -208,3 +202,122 @@ def test_the_compile_pass_serves_the_table_instead_of_the_prefetch_when_switched
         assert details["modulation_table"] == 0
     finally:
         omni_accel.restore(pipe)
+
+
+def _served(pipe, kwargs, monkeypatch) -> tuple[torch.Tensor, list, list]:
+    """``pipe`` (plain) accelerated with the table for one call of ``kwargs``: (output, the fills as (rows, start),
+    each modulation linear call's outcome); undone after."""
+    fills = []
+    fill = modulation_table.ModulationTable._fill
+
+    def recording_fill(table, bound, timestep, start):
+        fills.append((timestep.shape[0], start))
+        return fill(table, bound, timestep, start)
+
+    monkeypatch.setattr(modulation_table.ModulationTable, "_fill", recording_fill)
+    outcomes = record_modulation_takes(monkeypatch)
+    omni_accel.accelerate(pipe)
+    _, undo = _with_table(pipe, pipe.omni_accel)
+    try:
+        return run(pipe, kwargs), fills, outcomes
+    finally:
+        undo()
+        omni_accel.restore(pipe)
+
+
+def test_a_batch_of_prompts_on_a_model_without_guidance_gets_one_row_per_step_and_sample(monkeypatch):
+    pipe, kwargs = tiny_pipeline("flux", guidance_embeds=False)  # FLUX.1-schnell's kind: guidance is None
+    kwargs = dict(kwargs, prompt=["a red fox", "a blue bird"], num_inference_steps=3)
+    plain = run(pipe, kwargs)
+    out, fills, outcomes = _served(pipe, kwargs, monkeypatch)
+    assert fills == [(3 * 2, 0)] and outcomes and all(outcomes)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_img2img_takes_the_later_rows_of_the_whole_schedule(flux, monkeypatch):
+    from diffusers import FluxImg2ImgPipeline
+    from PIL import Image
+
+    base, kwargs = flux
+    pipe = FluxImg2ImgPipeline(**base.components)
+    pipe.set_progress_bar_config(disable=True)
+    image = Image.new("RGB", (kwargs["width"], kwargs["height"]), (200, 40, 40))
+    kwargs = dict(kwargs, image=image, strength=0.5, num_inference_steps=4)
+    plain = run(pipe, kwargs)
+    out, fills, outcomes = _served(pipe, kwargs, monkeypatch)
+    # the schedule's 4 rows filled once; the 2 forwards of strength 0.5 took theirs
+    assert fills == [(4, 0)] and len(outcomes) == 2 * _linear_count(pipe.transformer) and all(outcomes)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_a_conditioning_rebuilt_every_step_is_recognised_by_its_values(flux, plain, monkeypatch):
+    """FLUX's ControlNet pipelines build the guidance tensor anew every step: a new address, the same values; the
+    table compares the values (once per new address) instead of filling again."""
+    pipe, kwargs = flux
+    kwargs = dict(kwargs, num_inference_steps=3)
+    reference = run(pipe, kwargs)
+
+    def fresh_guidance(module, args, call_kwargs):
+        return args, dict(call_kwargs, guidance=call_kwargs["guidance"].clone())
+
+    hook = pipe.transformer.register_forward_pre_hook(fresh_guidance, with_kwargs=True)
+    try:
+        out, fills, outcomes = _served(pipe, kwargs, monkeypatch)
+    finally:
+        hook.remove()
+    assert fills == [(3, 0)] and len(outcomes) == 3 * _linear_count(pipe.transformer) and all(outcomes)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
+
+
+def _losing_later_steps(pipe) -> None:
+    """Make the pipe's table lose every row but the first after its fill: the call's second step misses."""
+    table = _table(pipe)
+    fill = table._fill
+
+    def fill_then_lose(bound, timestep, start):
+        fill(bound, timestep, start)
+        table.embedding._buffers[modulation_table._TEMB_BUFFER][1:] = float("inf")
+
+    table._fill = fill_then_lose
+
+
+def test_a_miss_raises_in_a_call_made_while_handling_an_exception_and_is_logged_when_the_call_raised(
+        flux, accelerated, monkeypatch, caplog):
+    pipe, kwargs, _ = accelerated
+    _losing_later_steps(pipe)
+    try:
+        raise KeyError("a failed batch")  # a server retrying each job of a failed batch calls from here
+    except KeyError:
+        with pytest.raises(omni_accel.AccelError, match="this call's output is wrong"):
+            run(pipe, kwargs)
+    table = _table(pipe)
+    table.own_rows_only = False
+    monkeypatch.setattr(pipe, "vae", None)  # the call fails after the denoising loop, at the decode
+    with pytest.raises(AttributeError), caplog.at_level("ERROR", logger="omni_accel"):
+        run(pipe, dict(kwargs, output_type="pil"))
+    assert "this call's output is wrong" in caplog.text and not pipe.omni_accel.in_call
+
+
+def test_compiled_blocks_take_the_table_in_one_graph_per_block_kind(flux, monkeypatch):
+    pipe, kwargs = flux
+    monkeypatch.setattr(modulation_table, "MODULATION_TABLE", False)
+    reference, reference_counts = run_compiled_twice(pipe, kwargs, compile=True)
+    monkeypatch.setattr(modulation_table, "MODULATION_TABLE", True)
+    outcomes = record_modulation_takes(monkeypatch)
+    out, counts = run_compiled_twice(pipe, kwargs, compile=True)
+    assert counts == reference_counts and counts["graph_breaks"] == 0
+    assert counts["graphs_first_call"] == counts["graphs_second_call"]
+    assert len(outcomes) == 2 * kwargs["num_inference_steps"] * _linear_count(pipe.transformer) and all(outcomes)
+    torch.testing.assert_close(out, reference, atol=2e-3, rtol=0)
+
+
+def test_a_call_in_inference_mode_then_one_outside_it(flux, plain, accelerated):
+    """The table's tensors made during a call under torch.inference_mode are ordinary ones: a later call outside it
+    writes them in place (an inference tensor refuses that)."""
+    pipe, kwargs, _ = accelerated
+    with torch.inference_mode():
+        first = run(pipe, kwargs)
+    second = run(pipe, kwargs)
+    assert not pipe.transformer.time_text_embed._buffers[modulation_table._TEMB_BUFFER].is_inference()
+    torch.testing.assert_close(first, plain, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(second, first)
