@@ -15,24 +15,7 @@ import torch
 import omni_accel
 import omni_accel.compiler as compiler
 from omni_accel.cuda_graphs import MAX_GRAPHS, GraphedForward, on_device
-from omni_accel.testing import run, tiny_pipeline
-
-
-class RerunBackend:
-    def __init__(self):
-        self.captures = 0
-
-    def capture(self, fn):
-        self.captures += 1
-        outputs = fn()
-        leaves = [t for t in torch.utils._pytree.tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
-
-        def replay():
-            fresh = [t for t in torch.utils._pytree.tree_flatten(fn())[0] if isinstance(t, torch.Tensor)]
-            for static, new in zip(leaves, fresh):
-                static.copy_(new)
-
-        return outputs, replay
+from omni_accel.testing import RerunGraphBackend as RerunBackend, run, tiny_pipeline
 
 
 class FailingBackend:

@@ -11,7 +11,7 @@ import torch
 import omni_accel
 from omni_accel import compiler, modulation_prefetch, modulation_table
 from omni_accel.pipelines import adapter_for
-from omni_accel.testing import record_modulation_takes, run, run_compiled_twice, tiny_pipeline
+from omni_accel.testing import RerunGraphBackend, record_modulation_takes, run, run_compiled_twice, tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -321,3 +321,30 @@ def test_a_call_in_inference_mode_then_one_outside_it(flux, plain, accelerated):
     assert not pipe.transformer.time_text_embed._buffers[modulation_table._TEMB_BUFFER].is_inference()
     torch.testing.assert_close(first, plain, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(second, first)
+
+
+def test_a_growing_table_makes_the_whole_forward_graph_capture_again(flux):
+    """Under the whole-forward graph (cuda_graphs.GraphedForward, installed as the compile pass does) a call with
+    more steps than the table holds moves its buffers: the graph, which would read the old ones, is captured again."""
+    from omni_accel import cuda_graphs
+
+    pipe, kwargs = flux
+    plain = run(pipe, dict(kwargs, num_inference_steps=4))
+    omni_accel.accelerate(pipe)
+    _, undo = _with_table(pipe, pipe.omni_accel)
+    get_forward, set_forward = compiler._innermost_forward(pipe.transformer)
+    eager = get_forward()
+    backend = RerunGraphBackend()
+    graphed = cuda_graphs.GraphedForward(eager, pipe.transformer, torch.device("cpu"), backend=backend)
+    set_forward(graphed)
+    try:
+        run(pipe, dict(kwargs, num_inference_steps=2))  # 2 rows; the second forward is captured
+        assert backend.captures == 1 and graphed.stats["replays"] == 1
+        out = run(pipe, dict(kwargs, num_inference_steps=4))  # 4 rows: the buffers move
+        assert backend.captures == 2 and _filled_rows(pipe) == 4
+    finally:
+        set_forward(eager)
+        graphed.reset()
+        undo()
+        omni_accel.restore(pipe)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
