@@ -26,6 +26,8 @@ the same e4m3 arithmetic as the GPU path (row-wise scales, bf16 output), not its
   Q K^T, FP8 P V on Hopper; the built-in model's 32-wide heads are zero-padded to 64 by the package, which changes
   no score). GPU only (``--device cuda``, the ``sageattention`` package): unlike the ``fp8attn`` rows, this is the
   shipped kernel's arithmetic, not an emulation.
+- ``table`` / ``int8_table``: bf16 / int8 linears with the AdaLN modulation linears computed once per pipeline call
+  (the modulation table that ``compile=True`` applies, here without compiling): what its rounding does to images.
 - ``int8_modulation`` / ``fp8_static_modulation``: ``int8`` / ``fp8_static`` with the AdaLN modulation linears'
   weights in int8 too (``quant_config={"modulation": "int8"}``).
 - ``fp8_static_fp8attn_static``: the same with static attention scales (what ``attention="fp8"`` does beside static
@@ -153,9 +155,22 @@ def adherence(got: torch.Tensor, captions: list[str], reference: torch.Tensor | 
 
 MODES = ("fp8", "fp8_weight_only", "fp8_static", "fp8_static_fp8attn", "fp8_static_fp8attn_static",
          "fp8_static_promoted", "fp8attn", "int8", "int8_fp8attn", "int8_modulation", "fp8_static_modulation",
-         "sage", "int8_sage", "fp32", "int8_requant_g16", "int8_requant_g64")
+         "sage", "int8_sage", "fp32", "int8_requant_g16", "int8_requant_g64", "table", "int8_table")
 GPU_ONLY = ("sage", "int8_sage")  # SageAttention has CUDA kernels only
 LOSSLESS = ("fp32",)  # reference-noise rows: no FP8 anywhere
+
+
+def _modulation_table(pipe):
+    """The modulation table (modulation_table.py, what ``compile=True`` applies) on the accelerated ``pipe``; the
+    undo. The rows ``table`` / ``int8_table`` measure what its rounding (one GEMM over a call's steps against a GEMV
+    per step) does to the images, without compiling."""
+    from omni_accel.modulation_table import use_modulation_table
+    from omni_accel.pipelines import adapter_for
+
+    count, undo = use_modulation_table(pipe, pipe.transformer, adapter_for(pipe).modulation_prefetch, pipe.omni_accel)
+    if not count:
+        raise SystemExit("the built-in model's family declares no modulation table")
+    return undo
 
 
 def requantized_hidden(x: torch.Tensor, group: int, skip: int = 0) -> torch.Tensor:
@@ -294,12 +309,14 @@ def main(argv=None) -> int:
             quant_config["fast_accum"] = False
         if mode.endswith("_modulation"):
             quant_config["modulation"] = "int8"
-        linears = mode not in ("fp8attn", "sage")  # bf16 linears, only the attention 8-bit
+        linears = mode not in ("fp8attn", "sage", "table")  # bf16 linears, only the attention 8-bit (or the table)
         attention = "sage" if mode.endswith("sage") else "auto"
+        table = mode == "table" or mode.endswith("_table")
         if linears:
             omni_accel.accelerate(pipe, quant=quant_mode, quant_config=quant_config, attention=attention)
-        elif attention != "auto":
+        elif attention != "auto" or table:
             omni_accel.accelerate(pipe, attention=attention)
+        undo_table = _modulation_table(pipe) if table else None
         undo_route = _route_fp8_attention(pipe, mode.endswith("_static")) if "fp8attn" in mode else None
         hooks = hidden_state_hooks(pipe.transformer, int(mode.rsplit("_g", 1)[1])) if "_requant_g" in mode else []
         if mode.startswith("fp8_static"):
@@ -312,9 +329,11 @@ def main(argv=None) -> int:
         attention_states = [m.activations for m in pipe.transformer.modules() if isinstance(m, AttentionScales)]
         if undo_route is not None:
             undo_route()
+        if undo_table is not None:
+            undo_table()
         for handle in hooks:
             handle.remove()
-        if linears or attention != "auto":
+        if linears or attention != "auto" or table:
             omni_accel.restore(pipe)
         p, s = psnr(got, reference), ssim(got, reference)
         for i in sorted(range(len(p)), key=p.__getitem__)[:2]:

@@ -481,6 +481,21 @@ def test_fp8_quality_fp32_row_measures_bf16_rounding_against_the_reference(tmp_p
     assert len(row["psnr"]) == 2 and 30 < row["psnr_min"] < float("inf")
 
 
+def test_fp8_quality_table_row_serves_every_step_of_the_built_in_model_its_own_rows(tmp_path, monkeypatch):
+    """bench_fp8_quality.py --modes table: the modulation table on the trained built-in model's 20-step calls, every
+    modulation linear served from it; on the CPU a GEMM over the steps rounds each row as its GEMV does, so the images
+    equal the bf16 reference's bit for bit: each step took its own step's rows."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_fp8_quality as quality
+    from omni_accel.testing import record_modulation_takes
+
+    outcomes = record_modulation_takes(monkeypatch)
+    out = tmp_path / "table.json"
+    assert quality.main(["--modes", "table", "--prompts", "1", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"]["table"]
+    assert row["psnr_min"] == float("inf") and outcomes and all(outcomes)
+
+
 def test_requantized_hidden_rounds_twice_within_a_row_step_and_leaves_the_attention_part_once():
     """bench_fp8_quality.py's emulation of a feed-forward hidden state quantized per group in its GEMM's epilogue and
     requantized per row: the per-token quantization after it finds the row's own scale and the twice-rounded
