@@ -1259,7 +1259,7 @@ def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int,
                         out = forward()
                         if group == groups and i in (0, steps - 1):  # the last run's first and last outputs
                             ends[i] = first_tensor(out).clone()
-                ms = cuda_calls_ms(run_all, 1) if device.type == "cuda" else _wall_ms(run_all)
+                ms = back_to_back_ms(run_all, device, 1, 1)[0]  # CUDA events on a GPU
                 if group:
                     per_step.append(ms / steps)
             finally:
@@ -1278,12 +1278,6 @@ def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int,
             "ms_per_step_schedule": round(statistics.median(per_step) * spec["forwards_per_step"], 3),
             "schedule_rel_err_vs_single_forwards": round(max(errors), 6),
             "schedule_peak_mem_gib": peak and round(peak, 3)}
-
-
-def _wall_ms(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def ordered(names: list[str]) -> list[str]:

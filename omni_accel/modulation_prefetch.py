@@ -168,17 +168,25 @@ def prefetch(temb: torch.Tensor, linears: list[torch.nn.Linear]) -> None:
         for linear in linears:
             if linear.weight.data_ptr() in _refused:
                 continue
-            dtype = linear.weight.dtype
-            if dtype not in activations:  # AdaLayerNormContinuous casts silu(temb) to the hidden dtype
-                activations[dtype] = torch.nn.functional.silu(temb).to(dtype)
-            out = torch.nn.functional.linear(activations[dtype], linear.weight, linear.bias)
+            x = modulation_input(temb, linear, activations)
+            out = torch.nn.functional.linear(x, linear.weight, linear.bias)
             event = None
             if on_gpu:
                 event = torch.cuda.Event()
                 event.record(side)
-            slots[linear.weight.data_ptr()] = _Slot(out, event, activations[dtype], owner)
+            slots[linear.weight.data_ptr()] = _Slot(out, event, x, owner)
     with _lock:
         _slots.update(slots)
+
+
+def modulation_input(temb: torch.Tensor, linear: torch.nn.Linear,
+                     by_dtype: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    """``silu(temb)`` in the dtype of ``linear``'s weight (AdaLayerNormContinuous casts it to the hidden dtype),
+    computed once per dtype into ``by_dtype``."""
+    dtype = linear.weight.dtype
+    if dtype not in by_dtype:
+        by_dtype[dtype] = torch.nn.functional.silu(temb).to(dtype)
+    return by_dtype[dtype]
 
 
 def modulation_linears(transformer: torch.nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, torch.nn.Linear]]:
@@ -191,22 +199,36 @@ def modulation_linears(transformer: torch.nn.Module, patterns: tuple[str, ...]) 
 def use_modulation_prefetch(transformer: torch.nn.Module, spec) -> tuple[int, Callable[[], None]]:
     """Prefetch the modulation linears that ``spec`` (pipelines/base.py's ``ModulationPrefetch``) names in
     ``transformer``. Returns how many and the undo; (0, no-op) when the embedding module or the linears are absent."""
-    if spec is None:
+    served = serve_linears(transformer, spec) if spec is not None else None
+    if served is None:
         return 0, lambda: None
-    try:
-        embedding = transformer.get_submodule(spec.embedding)
-    except AttributeError:
-        return 0, lambda: None
-    found = modulation_linears(transformer, spec.linears)
-    if not found:
-        return 0, lambda: None
-    linears = [linear for _, linear in found]
-    for linear in linears:
-        linear.__class__ = PrefetchedLinear
+    embedding, linears, unserve = served
     remove_hook = add_hook(embedding, "modulation_prefetch", _PrefetchHook(linears))
 
     def undo() -> None:
         remove_hook()
+        unserve()
+
+    return len(linears), undo
+
+
+def serve_linears(transformer: torch.nn.Module, spec) -> tuple[torch.nn.Module, list[torch.nn.Linear],
+                                                                  Callable[[], None]] | None:
+    """The embedding module and the modulation linears that ``spec`` names in ``transformer``, the linears switched
+    to ``PrefetchedLinear`` (outputs from the slots), and the undo (plain linears again, their slots and checks
+    forgotten); None when the embedding module or the linears are absent. The prefetch and the modulation table
+    (modulation_table.py) both fill the slots."""
+    try:
+        embedding = transformer.get_submodule(spec.embedding)
+    except AttributeError:
+        return None
+    linears = [linear for _, linear in modulation_linears(transformer, spec.linears)]
+    if not linears:
+        return None
+    for linear in linears:
+        linear.__class__ = PrefetchedLinear
+
+    def unserve() -> None:
         with _lock:
             for linear in linears:
                 linear.__class__ = torch.nn.Linear
@@ -215,4 +237,4 @@ def use_modulation_prefetch(transformer: torch.nn.Module, spec) -> tuple[int, Ca
                 _verified.discard(key)
                 _refused.discard(key)
 
-    return len(linears), undo
+    return embedding, linears, unserve

@@ -37,7 +37,7 @@ from diffusers.hooks import ModelHook
 
 from .errors import AccelError
 from .hooks import add_hook
-from .modulation_prefetch import PrefetchedLinear, _lock, _refused, _Slot, _slots, _verified, modulation_linears
+from .modulation_prefetch import _lock, _Slot, _slots, modulation_input, serve_linears
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +162,8 @@ class ModulationTable:
         table_temb[end:] = float("inf")  # rows past the filled ones never match
         activations: dict[torch.dtype, torch.Tensor] = {}
         for linear in self.linears:
-            dtype = linear.weight.dtype
-            if dtype not in activations:  # AdaLayerNormContinuous casts silu(temb) to the hidden dtype
-                activations[dtype] = torch.nn.functional.silu(temb).to(dtype)
-            linear._buffers[_ROWS_BUFFER][start:end] = torch.nn.functional.linear(activations[dtype], linear.weight,
-                                                                                  linear.bias)
+            linear._buffers[_ROWS_BUFFER][start:end] = torch.nn.functional.linear(
+                modulation_input(temb, linear, activations), linear.weight, linear.bias)
         self.rows = end
 
     def _reserve(self, rows: int, temb: torch.Tensor) -> None:
@@ -202,12 +199,9 @@ class ModulationTable:
         matched = nearest <= MATCH_TOLERANCE * temb.float().abs().amax(dim=-1)
         self.embedding._buffers[_MISS_BUFFER].add_((~matched).sum().to(torch.int32))
         slots, activations = {}, {}
-        for linear in self.linears:
-            dtype = linear.weight.dtype
-            if dtype not in activations:  # what the linear's block feeds it: PrefetchedLinear checks it once
-                activations[dtype] = torch.nn.functional.silu(temb).to(dtype)
+        for linear in self.linears:  # with what the block feeds the linear, which PrefetchedLinear checks once
             out = linear._buffers[_ROWS_BUFFER].index_select(0, index)
-            slots[linear.weight.data_ptr()] = _Slot(out, None, activations[dtype])
+            slots[linear.weight.data_ptr()] = _Slot(out, None, modulation_input(temb, linear, activations))
         with _lock:
             _slots.update(slots)
 
@@ -267,18 +261,11 @@ def use_modulation_table(pipe, transformer: torch.nn.Module, spec, state,
     (needed under a whole-forward CUDA graph, which replays the lookups it captured), else its linears compute
     themselves. Returns how many linears and the undo; (0, no-op) when the family declares no table or the
     embedding module or the linears are absent."""
-    if spec is None or spec.table is None:
+    served = serve_linears(transformer, spec) if spec is not None and spec.table is not None else None
+    if served is None:
         return 0, lambda: None
-    try:
-        embedding = transformer.get_submodule(spec.embedding)
-    except AttributeError:
-        return 0, lambda: None
-    linears = [linear for _, linear in modulation_linears(transformer, spec.linears)]
-    if not linears:
-        return 0, lambda: None
+    embedding, linears, unserve = served
     table = ModulationTable(pipe, transformer, embedding, linears, spec.table, state, fill_own_rows)
-    for linear in linears:
-        linear.__class__ = PrefetchedLinear
     remove_before = add_hook(transformer, "modulation_table", _BeforeForward(table))
     remove_hand_out = add_hook(embedding, "modulation_table", _HandOut(table))
     if state is not None:
@@ -289,13 +276,7 @@ def use_modulation_table(pipe, transformer: torch.nn.Module, spec, state,
         remove_hand_out()
         if state is not None:
             state.remove_call_hooks(table.after_call)
-        with _lock:
-            for linear in linears:
-                linear.__class__ = torch.nn.Linear
-                key = linear.weight.data_ptr()
-                _slots.pop(key, None)
-                _verified.discard(key)
-                _refused.discard(key)
+        unserve()
         table.release()
 
     return len(linears), undo
