@@ -530,6 +530,10 @@ def main(argv=None) -> int:
         result["rows"] += layernorm_int8_rows(device, *((16, 48) if args.tiny else (512, 4096)), dim, args.iters,
                                               args.reps, interpreted)
         write_result(args.out, result)
+    if "layernorm_int8_wan" in cases:  # Wan 2.1 14B at 81 frames: the image stream alone, 5,120 wide
+        result["rows"] += layernorm_int8_rows(device, 0, 48 if args.tiny else 32760, 320 if args.tiny else 5120,
+                                              args.iters, args.reps, interpreted)
+        write_result(args.out, result)
     if "qk" in cases:
         result["rows"] += qk_rows(device, tokens, *((4, 64) if args.tiny else (24, 128)), args.iters, args.reps,
                                   interpreted)

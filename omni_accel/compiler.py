@@ -313,7 +313,7 @@ class CompilePass(AccelPass):
             joint_specs = ctx.adapter.joint_streams if JOINT_STREAMS else ()
             undos += [undo for spec in joint_specs for undo in _joint_streams(transformer, spec)]
             prefetched = tabulated = 0
-            if _tabulates_modulation(ctx):  # before compiling: the blocks trace the prefetched linears
+            if _tabulates_modulation(ctx, transformer):  # before compiling: the blocks trace the prefetched linears
                 tabulated, undo_table = modulation_table.use_modulation_table(
                     ctx.pipe, transformer, ctx.adapter.modulation_prefetch, ctx.state, fill_own_rows=_graphed(ctx))
                 undos.append(undo_table)
@@ -342,13 +342,15 @@ class CompilePass(AccelPass):
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
 
 
-def _tabulates_modulation(ctx: PassContext) -> bool:
+def _tabulates_modulation(ctx: PassContext, transformer: torch.nn.Module) -> bool:
     """Whether the family's modulation linears come from a table computed once per pipeline call
-    (modulation_table.py, ``MODULATION_TABLE``): where the family declares the table, on any device, but not with
+    (modulation_table.py, ``MODULATION_TABLE``): where the family declares the table for this transformer's
+    configuration, on any device (only under the whole-forward CUDA graph where the family says so), but not with
     offload (the linears' weights may be off the GPU when the table is filled) or tensor parallelism (sharded)."""
     spec = ctx.adapter.modulation_prefetch
-    return (modulation_table.MODULATION_TABLE and spec is not None and spec.table is not None
-            and ctx.config.offload is None and ctx.config.tp == 1)
+    if not (modulation_table.MODULATION_TABLE and modulation_table.tabulates(spec, transformer)):
+        return False
+    return (not spec.table.graphed_only or _graphed(ctx)) and ctx.config.offload is None and ctx.config.tp == 1
 
 
 def _prefetches_modulation(ctx: PassContext) -> bool:

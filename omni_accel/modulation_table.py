@@ -253,15 +253,21 @@ class _HandOut(ModelHook):
         return output
 
 
+def tabulates(spec, transformer: torch.nn.Module) -> bool:
+    """Whether ``spec`` (a family's ``ModulationPrefetch``) declares a table that describes ``transformer``'s temb."""
+    table = spec.table if spec is not None else None
+    return table is not None and (table.applies is None or table.applies(transformer))
+
+
 def use_modulation_table(pipe, transformer: torch.nn.Module, spec, state,
                          fill_own_rows: bool = True) -> tuple[int, Callable[[], None]]:
     """Serve the modulation linears that ``spec`` (pipelines/base.py's ``ModulationPrefetch`` with a ``table``)
     names in ``transformer`` from a table filled once per pipeline call of ``state`` (an AccelState, or None: no
     call). A forward outside a call (or off its schedule) fills the table with its own rows if ``fill_own_rows``
     (needed under a whole-forward CUDA graph, which replays the lookups it captured), else its linears compute
-    themselves. Returns how many linears and the undo; (0, no-op) when the family declares no table or the
-    embedding module or the linears are absent."""
-    served = serve_linears(transformer, spec) if spec is not None and spec.table is not None else None
+    themselves. Returns how many linears and the undo; (0, no-op) when the family declares no table for this
+    transformer (``tabulates``) or the embedding module or the linears are absent."""
+    served = serve_linears(transformer, spec) if tabulates(spec, transformer) else None
     if served is None:
         return 0, lambda: None
     embedding, linears, unserve = served

@@ -177,10 +177,61 @@ def test_the_undo_puts_the_linears_hooks_and_buffers_back(flux, plain):
 
 
 def test_a_family_without_a_table_or_a_spec_gets_none():
-    pipe, _ = tiny_pipeline("qwen_image")
-    assert adapter_for(pipe).modulation_prefetch.table is None
+    pipe, _ = tiny_pipeline("sd3")
+    assert adapter_for(pipe).modulation_prefetch is None
     assert _with_table(pipe)[0] == 0 and not hasattr(pipe.transformer, "_diffusers_hook")
     assert modulation_table.use_modulation_table(pipe, pipe.transformer, None, None)[0] == 0
+
+
+def _qwen_linear_count(transformer) -> int:
+    return 2 * len(transformer.transformer_blocks) + 1
+
+
+def test_qwen_image_true_cfg_shares_one_row_per_step_and_every_forward_takes_its_rows(monkeypatch):
+    """Qwen-Image's temb is the timestep's embedding alone: the negative prompt's forward takes the same rows."""
+    pipe, kwargs = tiny_pipeline("qwen_image", num_inference_steps=3)
+    assert kwargs["true_cfg_scale"] > 1 and kwargs["negative_prompt"]  # two forwards per step
+    plain = run(pipe, kwargs)
+    out, fills, outcomes = _served(pipe, kwargs, monkeypatch)
+    assert fills == [(3, 0)]
+    assert len(outcomes) == 2 * 3 * _qwen_linear_count(pipe.transformer) and all(outcomes)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_qwen_image_with_additional_t_cond_fills_rows_per_value(monkeypatch):
+    """additional_t_cond (Qwen-Image-Layered's RGB flag) enters temb: it is part of the conditioning, repeated per
+    step, and a different flag fills rows of its own."""
+    pipe, kwargs = tiny_pipeline("qwen_image", num_inference_steps=2, use_additional_t_cond=True)
+    flags = iter([torch.tensor([0]), torch.tensor([1])] * 2)
+
+    def with_flag(module, args, call_kwargs):
+        return args, dict(call_kwargs, additional_t_cond=next(flags))
+
+    hook = pipe.transformer.register_forward_pre_hook(with_flag, with_kwargs=True)
+    try:
+        plain = run(pipe, kwargs)
+        flags = iter([torch.tensor([0]), torch.tensor([1])] * 2)
+        out, fills, outcomes = _served(pipe, kwargs, monkeypatch)
+    finally:
+        hook.remove()
+    assert fills == [(2, 0), (2, 2)] and outcomes and all(outcomes)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_qwen_image_with_zero_cond_t_is_left_to_the_prefetch(monkeypatch):
+    """zero_cond_t appends a zero timestep per sample inside the forward: the table does not describe that temb, so
+    the compile pass does not put it in (the prefetch serves such a model where it runs)."""
+    pipe, _ = tiny_pipeline("qwen_image", zero_cond_t=True)
+    assert not modulation_table.tabulates(adapter_for(pipe).modulation_prefetch, pipe.transformer)
+    assert _with_table(pipe)[0] == 0
+    monkeypatch.setattr(compiler, "_prefetches_modulation", lambda ctx: True)
+    omni_accel.accelerate(pipe, compile=True)
+    try:
+        details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+        assert details["modulation_table"] == 0
+        assert details["modulation_prefetch"] == _qwen_linear_count(pipe.transformer)
+    finally:
+        omni_accel.restore(pipe)
 
 
 def test_the_compile_pass_serves_the_table_instead_of_the_prefetch_when_switched_on(flux, monkeypatch):
@@ -348,3 +399,22 @@ def test_a_growing_table_makes_the_whole_forward_graph_capture_again(flux):
         undo()
         omni_accel.restore(pipe)
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_qwen_image_takes_the_table_only_inside_the_whole_forward_graph(monkeypatch):
+    """Qwen-Image's table is ``graphed_only`` (without the graph its 16-bit forward is host-bound and the table's op
+    calls ate the gain): a compiled forward without the graph keeps plain linears; with it, the table serves them."""
+    pipe, kwargs = tiny_pipeline("qwen_image", num_inference_steps=2)
+    plain = run(pipe, kwargs)
+    count = _qwen_linear_count(pipe.transformer)
+    monkeypatch.setattr(modulation_table, "MODULATION_TABLE", True)
+    for graphed, want in ((False, 0), (True, count)):
+        monkeypatch.setattr(compiler, "_graphed", lambda ctx, graphed=graphed: graphed)
+        omni_accel.accelerate(pipe, compile=True)
+        try:
+            details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+            assert details["modulation_table"] == want
+            torch.testing.assert_close(run(pipe, kwargs), plain, atol=2e-3, rtol=0)
+        finally:
+            omni_accel.restore(pipe)
+

@@ -168,6 +168,18 @@ class ModulationTable:
     conditioning: tuple[str, ...] = ()
     timestep_arg: str = "timestep"
     batch_arg: str = "hidden_states"
+    # Whether a transformer's temb follows this mapping (a config switch may change what the forward embeds); None:
+    # every one. Where it does not, the compile pass serves the linears as it would without a table.
+    applies: Callable | None = None
+    # Only inside the whole-forward CUDA graph: where the forward without a graph is host-bound, each served linear's
+    # op call costs the host more than the GPU saves (measured per family).
+    graphed_only: bool = False
+
+
+def timestep_per_mille(timesteps, samples: int, dtype):
+    """The timestep argument that FluxPipeline and QwenImagePipeline pass at each step t,
+    ``t.expand(samples).to(latents dtype) / 1000``, for every step of ``timesteps`` ((steps x samples,), step-major)."""
+    return (timesteps[:, None].expand(-1, samples).to(dtype) / 1000).reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,7 @@
 by single-stream blocks, with FLUX-style 3-axis RoPE over the concatenated [text, image] sequence."""
 
 from .base import (CacheRegion, JointStreams, KernelSites, ModelAdapter, ModulationPrefetch, ModulationTable,
-                   SequenceInput, SequenceRegion, ShardArg, TeaCacheSpec)
-
-
-def _schedule_timestep(timesteps, samples: int, dtype):
-    """FluxPipeline's timestep argument at each step t: ``t.expand(samples).to(latents dtype) / 1000``."""
-    return (timesteps[:, None].expand(-1, samples).to(dtype) / 1000).reshape(-1)
+                   SequenceInput, SequenceRegion, ShardArg, TeaCacheSpec, timestep_per_mille)
 
 
 def _embedding_args(arguments: dict, timestep) -> tuple:
@@ -121,5 +116,5 @@ ADAPTER = ModelAdapter(
     modulation_prefetch=ModulationPrefetch("time_text_embed", (
         "transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear", "norm_out.linear"),
-        table=ModulationTable(_schedule_timestep, _embedding_args, conditioning=("pooled_projections", "guidance"))),
+        table=ModulationTable(timestep_per_mille, _embedding_args, conditioning=("pooled_projections", "guidance"))),
 )

@@ -1,7 +1,27 @@
 """Qwen-Image (QwenImageTransformer2DModel): a 60-block double-stream MMDiT fed by Qwen2.5-VL."""
 
-from .base import (CacheRegion, KernelSites, ModelAdapter, ModulationPrefetch, SequenceInput, SequenceRegion,
-                   ShardArg, TeaCacheSpec)
+from .base import (CacheRegion, KernelSites, ModelAdapter, ModulationPrefetch, ModulationTable, SequenceInput,
+                   SequenceRegion, ShardArg, TeaCacheSpec, timestep_per_mille)
+
+
+def _embedding_args(arguments: dict, timestep) -> tuple:
+    """``time_text_embed``'s arguments for rows of the timestep argument, as QwenImageTransformer2DModel.forward makes
+    them: the timestep in the hidden states' dtype (the module scales it by 1000 itself), the hidden states (read for
+    their dtype only) and ``additional_t_cond`` repeated per step."""
+    hidden = arguments["hidden_states"]
+    extra = arguments.get("additional_t_cond")
+    if extra is not None:
+        extra = extra.repeat(timestep.shape[0] // hidden.shape[0], *([1] * (extra.ndim - 1)))
+    return timestep.to(hidden.dtype), hidden, extra
+
+
+def _embeds_the_timestep_alone(transformer) -> bool:
+    """Whether temb is the embedding of the timestep argument (and additional_t_cond) per sample: not with
+    ``zero_cond_t`` (the forward appends a zero timestep per sample, and the text stream and norm_out take half of
+    temb) nor with ``guidance_embeds`` (the forward passes the guidance to the embedding, too)."""
+    config = getattr(transformer, "config", {})
+    return not getattr(transformer, "zero_cond_t", False) and not config.get("guidance_embeds", False)
+
 
 ADAPTER = ModelAdapter(
     family="qwen_image",
@@ -73,9 +93,17 @@ ADAPTER = ModelAdapter(
     # the attention processor rotates q and k with complex (S, D / 2) tables through this module global
     complex_rotary=("apply_rotary_emb_qwen",),
     # img_mod / txt_mod are Sequential(SiLU, Linear) on temb, norm_out an AdaLayerNormContinuous on it (with
-    # zero_cond_t the text stream and norm_out take half of temb: those linears find it and compute themselves)
+    # zero_cond_t the text stream and norm_out take half of temb: under the prefetch those linears find it and
+    # compute themselves; the table is not used there). QwenImagePipeline and its img2img / inpaint / edit variants
+    # pass t / 1000 like FLUX; the text does not enter temb, so true CFG's two forwards share the rows.
     modulation_prefetch=ModulationPrefetch("time_text_embed", (
-        "transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear")),
+        "transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear"),
+        # graphed_only: without the graph the 16-bit forward is host-bound, and the table's 121 op calls per forward
+        # ate its gain (per step of a 28-step run on an H100: 264.1 against 265.3 ms; the same forwards called
+        # alone 309.3 against 262.6); in the int8 stack's graph 185.0 against 191.0
+        # (bench_peers_h100_qwen_image_modtable_20261207.json)
+        table=ModulationTable(timestep_per_mille, _embedding_args, conditioning=("additional_t_cond",),
+                              applies=_embeds_the_timestep_alone, graphed_only=True)),
     notes=(
         "True CFG: with true_cfg_scale > 1 and a negative prompt the pipeline runs the transformer twice per step "
         "(cond, then uncond, batch B each); guidance_scale is only the distilled-guidance embedding and is ignored "
