@@ -198,24 +198,49 @@ def test_qwen_image_true_cfg_shares_one_row_per_step_and_every_forward_takes_its
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
 
 
-def test_qwen_image_with_additional_t_cond_fills_rows_per_value(monkeypatch):
+@pytest.mark.parametrize("images_per_prompt", [1, 2])
+def test_qwen_image_with_additional_t_cond_fills_rows_per_value(monkeypatch, images_per_prompt):
     """additional_t_cond (Qwen-Image-Layered's RGB flag) enters temb: it is part of the conditioning, repeated per
-    step, and a different flag fills rows of its own."""
+    step, and a different flag fills rows of its own. Layered passes one flag per prompt, which the embedding
+    broadcasts over num_images_per_prompt samples."""
     pipe, kwargs = tiny_pipeline("qwen_image", num_inference_steps=2, use_additional_t_cond=True)
-    flags = iter([torch.tensor([0]), torch.tensor([1])] * 2)
+    kwargs = dict(kwargs, num_images_per_prompt=images_per_prompt)
 
-    def with_flag(module, args, call_kwargs):
-        return args, dict(call_kwargs, additional_t_cond=next(flags))
+    def flags():
+        return iter([torch.tensor([0]), torch.tensor([1])] * 2)
 
-    hook = pipe.transformer.register_forward_pre_hook(with_flag, with_kwargs=True)
+    current = flags()
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, call_kwargs: (args, dict(call_kwargs, additional_t_cond=next(current))), with_kwargs=True)
     try:
         plain = run(pipe, kwargs)
-        flags = iter([torch.tensor([0]), torch.tensor([1])] * 2)
+        current = flags()
         out, fills, outcomes = _served(pipe, kwargs, monkeypatch)
     finally:
         hook.remove()
-    assert fills == [(2, 0), (2, 2)] and outcomes and all(outcomes)
+    rows = 2 * images_per_prompt
+    assert fills == [(rows, 0), (rows, rows)] and outcomes and all(outcomes)
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen_image_edit", "qwen_image_edit_plus"])
+def test_qwen_image_edit_pipelines_take_their_rows(monkeypatch, family):
+    """The edit pipelines append the reference image's tokens to hidden_states; the batch and the timesteps are the
+    text-to-image pipeline's."""
+    pipe, kwargs = tiny_pipeline(family, num_inference_steps=2)
+    plain = run(pipe, kwargs)
+    out, fills, outcomes = _served(pipe, kwargs, monkeypatch)
+    assert fills == [(2, 0)] and len(outcomes) == 2 * 2 * _qwen_linear_count(pipe.transformer) and all(outcomes)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_a_spec_without_a_table_or_a_guidance_embedding_qwen_gets_none(flux):
+    pipe, _ = flux
+    spec = dataclasses.replace(adapter_for(pipe).modulation_prefetch, table=None)
+    assert not modulation_table.tabulates(spec, pipe.transformer)
+    assert modulation_table.use_modulation_table(pipe, pipe.transformer, spec, None)[0] == 0
+    qwen, _ = tiny_pipeline("qwen_image", guidance_embeds=True)  # the forward would pass the guidance to temb too
+    assert not modulation_table.tabulates(adapter_for(qwen).modulation_prefetch, qwen.transformer)
 
 
 def test_qwen_image_with_zero_cond_t_is_left_to_the_prefetch(monkeypatch):
@@ -408,8 +433,10 @@ def test_qwen_image_takes_the_table_only_inside_the_whole_forward_graph(monkeypa
     plain = run(pipe, kwargs)
     count = _qwen_linear_count(pipe.transformer)
     monkeypatch.setattr(modulation_table, "MODULATION_TABLE", True)
+    outcomes = record_modulation_takes(monkeypatch)
     for graphed, want in ((False, 0), (True, count)):
         monkeypatch.setattr(compiler, "_graphed", lambda ctx, graphed=graphed: graphed)
+        outcomes.clear()
         omni_accel.accelerate(pipe, compile=True)
         try:
             details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
@@ -417,4 +444,6 @@ def test_qwen_image_takes_the_table_only_inside_the_whole_forward_graph(monkeypa
             torch.testing.assert_close(run(pipe, kwargs), plain, atol=2e-3, rtol=0)
         finally:
             omni_accel.restore(pipe)
+        # without the graph the linears are plain (nothing recorded); with it every call takes its rows
+        assert outcomes == [True] * (2 * 2 * count if graphed else 0)
 

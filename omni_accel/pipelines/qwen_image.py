@@ -6,12 +6,16 @@ from .base import (CacheRegion, KernelSites, ModelAdapter, ModulationPrefetch, M
 
 def _embedding_args(arguments: dict, timestep) -> tuple:
     """``time_text_embed``'s arguments for rows of the timestep argument, as QwenImageTransformer2DModel.forward makes
-    them: the timestep in the hidden states' dtype (the module scales it by 1000 itself), the hidden states (read for
-    their dtype only) and ``additional_t_cond`` repeated per step."""
+    them: the timestep in the hidden states' dtype (the forward casts it to ``img_in``'s output dtype, which is the
+    latents' own; the module scales it by 1000 itself), the hidden states (read for their dtype only) and
+    ``additional_t_cond`` per sample, repeated per step. QwenImageLayeredPipeline passes one flag per prompt, which the
+    embedding broadcasts over ``num_images_per_prompt`` samples: it is expanded to the samples first."""
     hidden = arguments["hidden_states"]
     extra = arguments.get("additional_t_cond")
     if extra is not None:
-        extra = extra.repeat(timestep.shape[0] // hidden.shape[0], *([1] * (extra.ndim - 1)))
+        samples = hidden.shape[0]
+        extra = extra.reshape(1) if extra.ndim == 0 else extra
+        extra = extra.expand(samples, *extra.shape[1:]).repeat(timestep.shape[0] // samples, *([1] * (extra.ndim - 1)))
     return timestep.to(hidden.dtype), hidden, extra
 
 
