@@ -171,8 +171,8 @@ class ModulationTable:
     # Whether a transformer's temb follows this mapping (a config switch may change what the forward embeds); None:
     # every one. Where it does not, the compile pass serves the linears as it would without a table.
     applies: Callable | None = None
-    # Only inside the whole-forward CUDA graph: where the forward without a graph is host-bound, each served linear's
-    # op call costs the host more than the GPU saves (measured per family).
+    # Only inside the whole-forward CUDA graph: where the table measured no gain in a family's forward without the
+    # graph (pipelines/<family>.py says what was measured).
     graphed_only: bool = False
 
 

@@ -102,9 +102,9 @@ ADAPTER = ModelAdapter(
     # pass t / 1000 like FLUX; the text does not enter temb, so true CFG's two forwards share the rows.
     modulation_prefetch=ModulationPrefetch("time_text_embed", (
         "transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear"),
-        # graphed_only: without the graph the 16-bit forward is host-bound, and the table's 121 op calls per forward
-        # ate its gain (per step of a 28-step run on an H100: 264.1 against 265.3 ms; the same forwards called
-        # alone 309.3 against 262.6); in the int8 stack's graph 185.0 against 191.0
+        # graphed_only: without the graph (the 16-bit stack) the table gained nothing, per step of a 28-step run on
+        # an H100 264.1 against 265.3 ms, and the same forwards called alone were slower, 309.3 against 262.6 (cause
+        # not taken apart); in the int8 stack's graph 185.0 against 191.0
         # (bench_peers_h100_qwen_image_modtable_20261207.json)
         table=ModulationTable(timestep_per_mille, _embedding_args, conditioning=("additional_t_cond",),
                               applies=_embeds_the_timestep_alone, graphed_only=True)),
