@@ -52,6 +52,11 @@ def _filled_rows(pipe) -> int:
     return int((~torch.isinf(temb).all(dim=-1)).sum())
 
 
+def _compile_details(pipe) -> dict:
+    """What the compile pass recorded in the accelerated ``pipe``'s report (its served linears among them)."""
+    return next(a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile")
+
+
 def _linear_count(transformer) -> int:
     return 2 * len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks) + 1
 
@@ -252,7 +257,7 @@ def test_qwen_image_with_zero_cond_t_is_left_to_the_prefetch(monkeypatch):
     monkeypatch.setattr(compiler, "_prefetches_modulation", lambda ctx: True)
     omni_accel.accelerate(pipe, compile=True)
     try:
-        details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+        details = _compile_details(pipe)
         assert details["modulation_table"] == 0
         assert details["modulation_prefetch"] == _qwen_linear_count(pipe.transformer)
     finally:
@@ -265,7 +270,7 @@ def test_the_compile_pass_serves_the_table_instead_of_the_prefetch_when_switched
     monkeypatch.setattr(compiler, "_prefetches_modulation", lambda ctx: True)  # would prefetch (GPU graphs)
     omni_accel.accelerate(pipe, compile=True)
     try:
-        details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+        details = _compile_details(pipe)
         assert details["modulation_table"] == _linear_count(pipe.transformer) and details["modulation_prefetch"] == 0
         run(pipe, kwargs)
         assert _filled_rows(pipe) == kwargs["num_inference_steps"]
@@ -274,7 +279,7 @@ def test_the_compile_pass_serves_the_table_instead_of_the_prefetch_when_switched
     monkeypatch.setattr(modulation_table, "MODULATION_TABLE", False)
     omni_accel.accelerate(pipe, compile=True)
     try:
-        details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+        details = _compile_details(pipe)
         assert details["modulation_table"] == 0
     finally:
         omni_accel.restore(pipe)
@@ -427,8 +432,8 @@ def test_a_growing_table_makes_the_whole_forward_graph_capture_again(flux):
 
 
 def test_qwen_image_takes_the_table_only_inside_the_whole_forward_graph(monkeypatch):
-    """Qwen-Image's table is ``graphed_only`` (without the graph its 16-bit forward is host-bound and the table's op
-    calls ate the gain): a compiled forward without the graph keeps plain linears; with it, the table serves them."""
+    """Qwen-Image's table is ``graphed_only`` (without the graph it measured no gain in the 16-bit forward): a compiled
+    forward without the graph keeps plain linears; with it, the table serves them."""
     pipe, kwargs = tiny_pipeline("qwen_image", num_inference_steps=2)
     plain = run(pipe, kwargs)
     count = _qwen_linear_count(pipe.transformer)
@@ -439,7 +444,7 @@ def test_qwen_image_takes_the_table_only_inside_the_whole_forward_graph(monkeypa
         outcomes.clear()
         omni_accel.accelerate(pipe, compile=True)
         try:
-            details = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "compile"][0]
+            details = _compile_details(pipe)
             assert details["modulation_table"] == want
             torch.testing.assert_close(run(pipe, kwargs), plain, atol=2e-3, rtol=0)
         finally:
