@@ -504,10 +504,17 @@ def kernel_result(name: str, device: torch.device) -> dict:
             "rows": []}
 
 
+CASES = ("epilogue", "int8", "layernorm_int8", "layernorm_int8_wan", "qk", "ceiling", "gemm")
+
+
 def main(argv=None) -> int:
     parser = kernel_parser(__doc__)
-    parser.add_argument("--cases", default="epilogue,int8,layernorm_int8,qk,ceiling,gemm")
+    parser.add_argument("--cases", default="epilogue,int8,layernorm_int8,qk,ceiling,gemm",
+                        help=f"comma list of {', '.join(CASES)}")
     args = parser.parse_args(argv)
+    unknown = [case for case in args.cases.split(",") if case not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
     device = torch.device(args.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     tokens, dim, mlp = (64, 256, 1024) if args.tiny else (4608, 3072, 12288)

@@ -350,6 +350,16 @@ def test_fp8_epilogues_bench_tiny_cpu_rows(tmp_path):
     assert err[("concat_gelu_bf16", "triton")] <= 2 * err[("concat_gelu_bf16", "inductor")]
 
 
+def test_fp8_epilogues_bench_refuses_an_unknown_case(tmp_path):
+    """A misspelt case would otherwise time nothing and write an empty result file."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fp8_epilogues.py"), "--device",
+                           "cpu", "--tiny", "--cases", "layernorm_int8,layernorm_wan", "--out",
+                           str(tmp_path / "epilogues.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "epilogues.json").exists()
+    assert ("--cases: unknown ['layernorm_wan']; choose from epilogue, int8, layernorm_int8, layernorm_int8_wan, qk, "
+            "ceiling, gemm") in proc.stderr
+
+
 def test_gemm_gelu_bench_tiny_cpu_rows_and_its_refusal(tmp_path, capsys):
     """bench_gemm_gelu.py's GPU-run code on tiny shapes (the concatenation kernel in Triton's interpreter: a
     subprocess): every way of both cases runs, the GELU-in-the-GEMM ways are as close to the float32 formula as
