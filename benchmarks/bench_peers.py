@@ -187,6 +187,9 @@ class Row:
     # kernels.epilogue_triton.LAYERNORM_PARTS (True, the default since 2026-12-07: the AdaLN norm + int8 kernel over
     # unpadded parts of the row)
     layernorm_parts: bool = True
+    # kernels.fa4_attention.IN_GRAPH (True: FlashAttention-4's kernel captured inside the whole-forward CUDA graph;
+    # False, the default: it runs between the graph's segments)
+    fa4_in_graph: bool = False
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -229,7 +232,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.int8_gemm_triton", "RESIDUAL_WS_IO", "int8_residual_ws_io"),
             ("kernels.epilogue_fusion", "QK_NORM_ROPE_DIFFUSERS_RMS", "qk_diffusers_rms"),
             ("modulation_table", "MODULATION_TABLE", "modulation_table"),
-            ("kernels.epilogue_triton", "LAYERNORM_PARTS", "layernorm_parts"))
+            ("kernels.epilogue_triton", "LAYERNORM_PARTS", "layernorm_parts"),
+            ("kernels.fa4_attention", "IN_GRAPH", "fa4_in_graph"))
 
 
 @contextlib.contextmanager
@@ -860,6 +864,10 @@ for _name in ("ours_int8", "ours_int8_auto", "ours_int8_sage"):
 for _name in ("ours_bf16_mk_pdl", "ours_int8", "ours_int8_auto", "ours_int8_sage", "ours_fp8_fp8attn_static_fa_pdl"):
     ROWS[f"{_name}_notable"] = _switched(_name, "notable", "the modulation linears computed per forward (no table)",
                                          modulation_table=False)
+# auto's long-sequence route to FlashAttention-4 (where flash-attn-4 is installed and sageattention is not) under the
+# int8 stack's CUDA graph: the kernel captured inside the graph, against the default (between the graph's segments)
+ROWS["ours_int8_auto_fa4graph"] = _switched("ours_int8_auto", "fa4graph", "FlashAttention-4's kernel captured inside "
+                                            "the whole-forward CUDA graph", fa4_in_graph=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1178,7 +1186,9 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             report = pipe.omni_accel.report()
             result["applied"] = [{k: v for k, v in a.items() if k not in ("weight_rel_err", "skipped")}
                                  for a in report["applied"]]
-            for section in ("fp8_activations", "fp8_attention_scales"):
+            # attention_fallbacks: the shapes a packaged kernel (FlashAttention-4, SageAttention) failed on, which
+            # SDPA computed instead -- a row whose kernel never ran says so in its result
+            for section in ("fp8_activations", "fp8_attention_scales", "attention_fallbacks"):
                 if section in report:
                     result[section] = report[section]
         if args.profile and device.type == "cuda":

@@ -170,12 +170,12 @@ def test_auto_applies_cudnn_and_the_long_sequence_route_together_and_restores(fa
     assert not hasattr(pipe.transformer, "_diffusers_hook") or not pipe.transformer._diffusers_hook._hook_order
 
 
-@pytest.mark.parametrize("knobs, long_route", [
-    (dict(compile="max"), False),  # the forward is captured: FA4's launches stay out of the graph
-    (dict(compile="max", cache="tea_cache"), True),  # a cache rules the graph out, so nothing keeps FA4 away
-    (dict(compile=True), True),  # bf16 compile=True captures no graph
+@pytest.mark.parametrize("knobs", [
+    dict(compile="max"),  # the forward is captured: the op runs between the graph's segments
+    dict(compile="max", cache="tea_cache"),  # a cache rules the graph out
+    dict(compile=True),  # bf16 compile=True captures no graph
 ])
-def test_auto_keeps_fa4_out_of_exactly_the_forwards_a_cuda_graph_captures(fa4_on_cpu, monkeypatch, knobs, long_route):
+def test_auto_keeps_the_fa4_route_with_and_without_a_cuda_graph(fa4_on_cpu, monkeypatch, knobs):
     from omni_accel import compiler
 
     pipe, _ = tiny_pipeline("flux")
@@ -185,8 +185,29 @@ def test_auto_keeps_fa4_out_of_exactly_the_forwards_a_cuda_graph_captures(fa4_on
     monkeypatch.setattr(compiler, "cuda_graphs_blocker", lambda ctx: "a cache" if ctx.config.cache else None)
     omni_accel.accelerate(pipe, attention="auto", **knobs)
     (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
-    assert applied["backend"] == "cudnn" and ("long_sequences" in applied) is long_route
+    assert (applied["backend"], applied["long_sequences"]) == ("cudnn", "fa4 from 1 keys")
     omni_accel.restore(pipe)
+
+
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_the_op_runs_between_graph_segments_unless_told_to_stay_in_the_graph(fa4_import_fails, monkeypatch,
+                                                                             in_graph):
+    """The first FA4 call of a shape compiles its kernel, which a capture must not do: by default the op hands its
+    call to ``run_outside_graph`` (a segment boundary under a capture, a plain call otherwise) with the output's
+    shape and dtype; ``IN_GRAPH`` calls the kernel directly."""
+    handed = []
+
+    def outside(call, args, shape, dtype):
+        handed.append((shape, dtype))
+        return call(*args)
+
+    monkeypatch.setattr(fa4, "run_outside_graph", outside)
+    monkeypatch.setattr(fa4, "IN_GRAPH", in_graph)
+    q, k, v = (torch.randn(1, 24, 2, 16) for _ in range(3))
+    out = torch.ops.omni_accel.fa4_attention(q, k, v, None)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(out, want)  # SDPA served: the package does not import here
+    assert handed == ([] if in_graph else [((1, 24, 2, 16), torch.float32)])
 
 
 # ------------------------------------------------------------- the real op where FA4 cannot run: SDPA serves
@@ -213,3 +234,26 @@ def test_compiled_blocks_trace_the_route_and_the_op_without_graph_breaks(fa4_imp
     assert counts["graph_breaks"] == 0
     assert fa4.refused_shapes()  # the compiled blocks called the op
     assert ((compiled - plain).norm() / plain.norm()).item() < 1e-4
+
+
+def test_the_report_lists_the_shapes_fa4_failed_on(fa4_import_fails, monkeypatch):
+    """A package that is found but fails at its first call must not look like the fast kernel at work: report()
+    names the routed kernel with no shapes before the first call and, after it, each shape SDPA computed instead
+    with the reason."""
+    _fa4_available(monkeypatch)
+    monkeypatch.setattr(fa4, "DTYPES", (torch.float32,))
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, attention="fa4")
+    assert pipe.omni_accel.report()["attention_fallbacks"] == {"FlashAttention-4": {}}
+    assert torch.allclose(run(pipe, kwargs), plain, atol=1e-5)
+    (shape, why), = pipe.omni_accel.report()["attention_fallbacks"]["FlashAttention-4"].items()
+    assert shape.startswith("((1, ") and why.startswith(("ImportError", "ModuleNotFoundError")), (shape, why)
+    omni_accel.restore(pipe)
+
+
+def test_a_pipeline_without_a_packaged_kernel_has_no_fallback_section():
+    pipe, _ = tiny_pipeline("flux")
+    omni_accel.accelerate(pipe, attention="sdpa")
+    assert "attention_fallbacks" not in pipe.omni_accel.report()
+    omni_accel.restore(pipe)

@@ -15,7 +15,8 @@ pipeline's own kernel runs; compiled on Hopper in 16-bit it pins cuDNN SDPA (637
 shapes on an H200) and, where flash-attn-4 is installed, sends calls over ``fa4_attention.AUTO_MIN_TOKENS`` keys
 (video) to FlashAttention-4; with ``quant="fp8"`` on Hopper it takes cuDNN's FP8 attention; with ``quant="int8"`` on
 Hopper, where sageattention is installed, calls over ``sage_attention.AUTO_MIN_TOKENS`` keys go to SageAttention
-(whose int8 Q K^T holds the int8 stack's quality bound).
+(whose int8 Q K^T holds the int8 stack's quality bound), and where only flash-attn-4 is, to FlashAttention-4. Both
+long routes also serve forwards a CUDA graph captures: their ops run between the graph's segments.
 """
 
 from __future__ import annotations
@@ -257,16 +258,6 @@ def _int8_stack(ctx: PassContext) -> bool:
     return ctx.config.quant == "int8"
 
 
-def _graph_captured(ctx: PassContext) -> bool:
-    """Whether the compile pass will capture the transformer forward in a CUDA graph (compile="max", or the 8-bit
-    stacks' default graph, and nothing that rules graphs out: a cache, offload, a parallel degree, the variable):
-    auto keeps FlashAttention-4 out of those, where its launches are not verified."""
-    from ..compiler import cuda_graphs_blocker, graphs_by_default
-
-    wanted = ctx.config.compile == "max" or graphs_by_default(ctx)
-    return wanted and cuda_graphs_blocker(ctx) is None
-
-
 def _head_dim(transformer) -> int | None:
     """The attention head size from the transformer's config (diffusers' DiTs name it attention_head_dim, or
     give dim and n_heads)."""
@@ -309,9 +300,9 @@ class AttentionPass(AccelPass):
             return backend, None
         if self._long_routes_apply(ctx):
             rule = choose_auto(ctx.device, **decision)
-            # SageAttention runs between graph segments (sage_attention.py); FA4's launches under a graph are not
-            # verified, so a captured forward keeps cuDNN for every call
-            if rule.long_backend == "sage" or (rule.long_backend == "fa4" and not _graph_captured(ctx)):
+            # under a whole-forward CUDA graph both long routes run between the graph's segments
+            # (cuda_graphs.run_outside_graph: sage_attention.py, fa4_attention.py)
+            if rule.long_backend is not None:
                 return backend, (rule.long_backend, rule.long_min_tokens)
         return backend, None
 
@@ -333,6 +324,9 @@ class AttentionPass(AccelPass):
 
         backend, long_route = self._plan(ctx)
         passed_over = self._passed_over(ctx)
+        routed = {backend.name} | ({long_route[0]} if long_route else set())
+        if ctx.config.sequence_degree == 1:
+            _report_fallbacks(ctx.state, routed)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             details = {"passed_over": list(passed_over)} if passed_over else {}
             if backend.name == "sdpa":
@@ -385,10 +379,23 @@ class AttentionPass(AccelPass):
         route calls."""
         if not self._long_routes_apply(ctx):
             return ()
-        lines = choose_auto(ctx.device, **self._decision(ctx)).passed_over
-        if _graph_captured(ctx):  # a captured forward keeps cuDNN for FA4's calls even where it is installed
-            lines = tuple(line for line in lines if not line.startswith("fa4 "))
-        return lines
+        return choose_auto(ctx.device, **self._decision(ctx)).passed_over
+
+
+# The packaged kernels omni_accel's routes call, by backend name: (the name a report shows, the shapes it failed on
+# in this process). A package that is found but fails at its first call (a missing runtime library, a shape its
+# kernels reject) costs that shape the kernel: SDPA computes it inside the op from then on.
+_PACKAGED_KERNELS = {"fa4": ("FlashAttention-4", fa4_attention.refused_shapes),
+                     "sage": ("SageAttention", sage_attention.refused_shapes)}
+
+
+def _report_fallbacks(state, routed: set[str]) -> None:
+    """``report()["attention_fallbacks"]``: for each packaged kernel this pipeline routes calls to, the call shapes
+    it failed on in this process ({} while it has served every call). Without it a broken install would look, in the
+    report, like the fast kernel at work; the log says it once per shape."""
+    kernels = [_PACKAGED_KERNELS[name] for name in sorted(routed) if name in _PACKAGED_KERNELS]
+    if kernels:
+        state.report_sections["attention_fallbacks"] = lambda: {label: shapes() for label, shapes in kernels}
 
 
 def _weights_device(module: torch.nn.Module, default: torch.device) -> torch.device:

@@ -15,8 +15,14 @@ imported on the first real call only: importing it loads the CuTe DSL compiler (
 A call FA4 cannot serve at run time (an import that fails although the package is found -- a missing CuTe DSL
 runtime, say -- or a shape its kernels reject) is computed by SDPA inside the same op, logged once per shape and
 listed by ``refused_shapes()``, so a model never fails for one attention call; the shape goes straight to SDPA from
-then on. ``auto`` does not route to FA4 in forwards that a CUDA graph captures (``compile="max"``, and the FP8
-stack's default graph): FA4's launches inside a capture have not been verified.
+then on.
+
+Under a whole-forward CUDA graph (``compile="max"``, and the 8-bit stacks' default graph) the op runs between the
+graph's segments (``cuda_graphs.run_outside_graph``), as SageAttention's does: the first FA4 call of a shape
+JIT-compiles its kernel, and a capture must never compile. The calls auto sends here are long (a Wan 81-frame
+self-attention takes 33 ms), so a segment boundary per call costs nothing measurable. ``IN_GRAPH`` captures the
+kernel inside the graph instead (FA4 launches on the current stream); it is the A side of a benchmark row until a
+GPU run shows it replays the current inputs' attention and gains time.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..cuda_graphs import run_outside_graph
 from ..deps import installed, missing_message
 
 logger = logging.getLogger(__name__)
@@ -38,6 +45,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Keys per call from which auto prefers FA4 to cuDNN: measured 32,760 (FA4 1.18x) and 4,352-4,608 (cuDNN 1.1x);
 # between them we keep cuDNN until a measurement says otherwise.
 AUTO_MIN_TOKENS = 16384
+# Whether a captured forward holds FA4's kernel (True) or runs it between graph segments (False, the default: above).
+IN_GRAPH = False
 
 
 def unavailable_reason(device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
@@ -117,8 +126,13 @@ def _fa4_call(query, key, value, scale):
 @torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())
 def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
     """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
-    return call_or_sdpa("FlashAttention-4", _REFUSED, query, key, value, scale,
-                        lambda: _fa4_call(query, key, value, scale))
+
+    def call(q, k, v):
+        return call_or_sdpa("FlashAttention-4", _REFUSED, q, k, v, scale, lambda: _fa4_call(q, k, v, scale))
+
+    if IN_GRAPH:
+        return call(query, key, value)
+    return run_outside_graph(call, (query, key, value), attention_output_shape(query, value), query.dtype)
 
 
 def attention_output_shape(query: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
