@@ -866,8 +866,10 @@ for _name in ("ours_bf16_mk_pdl", "ours_int8", "ours_int8_auto", "ours_int8_sage
                                          modulation_table=False)
 # auto's long-sequence route to FlashAttention-4 (where flash-attn-4 is installed and sageattention is not) under the
 # int8 stack's CUDA graph: the kernel captured inside the graph, against the default (between the graph's segments)
+# (with SageAttention's Hopper kernel installed auto takes that instead, and the row repeats ours_int8_auto)
 ROWS["ours_int8_auto_fa4graph"] = _switched("ours_int8_auto", "fa4graph", "FlashAttention-4's kernel captured inside "
-                                            "the whole-forward CUDA graph", fa4_in_graph=True)
+                                            "the whole-forward CUDA graph", fa4_in_graph=True,
+                                            needs=("flash_attn.cute",))
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

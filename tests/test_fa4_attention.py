@@ -186,6 +186,24 @@ def test_auto_keeps_the_fa4_route_with_and_without_a_cuda_graph(fa4_on_cpu, monk
     omni_accel.accelerate(pipe, attention="auto", **knobs)
     (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
     assert (applied["backend"], applied["long_sequences"]) == ("cudnn", "fa4 from 1 keys")
+    assert pipe.omni_accel.report()["attention_fallbacks"].keys() == {"FlashAttention-4"}
+    omni_accel.restore(pipe)
+
+
+def test_auto_names_flash_attn_4_as_passed_over_under_a_cuda_graph_too(monkeypatch):
+    """Without flash-attn-4, a graphed forward would take FA4 as well once it is installed: the report says so."""
+    from omni_accel import compiler
+
+    monkeypatch.setattr(attn, "_fa4_refusal", lambda device, capability=None: "refused")
+    monkeypatch.setattr(attn, "_installed", lambda package: package != "flash_attn.cute")
+    rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
+    assert rule.long_backend is None and rule.passed_over[0].startswith("fa4 from 16384 keys: flash-attn-4 is not")
+    monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: rule)
+    monkeypatch.setattr(compiler, "cuda_graphs_blocker", lambda ctx: None)  # as on a GPU: the forward is captured
+    pipe, _ = tiny_pipeline("flux")
+    omni_accel.accelerate(pipe, attention="auto", compile="max")
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert applied["passed_over"] == list(rule.passed_over)
     omni_accel.restore(pipe)
 
 
@@ -203,11 +221,14 @@ def test_the_op_runs_between_graph_segments_unless_told_to_stay_in_the_graph(fa4
 
     monkeypatch.setattr(fa4, "run_outside_graph", outside)
     monkeypatch.setattr(fa4, "IN_GRAPH", in_graph)
-    q, k, v = (torch.randn(1, 24, 2, 16) for _ in range(3))
+    # grouped keys and a narrower value: the declared output takes q's tokens and heads and v's head dim
+    q, k, v = torch.randn(1, 24, 4, 16), torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 8)
     out = torch.ops.omni_accel.fa4_attention(q, k, v, None)
-    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, want)  # SDPA served: the package does not import here
-    assert handed == ([] if in_graph else [((1, 24, 2, 16), torch.float32)])
+    assert out.shape == (1, 24, 4, 8) and out.is_contiguous()
+    assert handed == ([] if in_graph else [((1, 24, 4, 8), torch.float32)])
 
 
 # ------------------------------------------------------------- the real op where FA4 cannot run: SDPA serves

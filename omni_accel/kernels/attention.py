@@ -382,17 +382,18 @@ class AttentionPass(AccelPass):
         return choose_auto(ctx.device, **self._decision(ctx)).passed_over
 
 
-# The packaged kernels omni_accel's routes call, by backend name: (the name a report shows, the shapes it failed on
-# in this process). A package that is found but fails at its first call (a missing runtime library, a shape its
-# kernels reject) costs that shape the kernel: SDPA computes it inside the op from then on.
+# The packaged kernels omni_accel's routes call, by backend name: (the name a report shows, its refused_shapes()). A
+# package that is found but fails at a call (a missing runtime library, a shape its kernels reject) costs that shape
+# the kernel: another kernel computes it inside the op from then on (SDPA; for SageAttention's prepared route without
+# its Hopper kernel, PyTorch on the dequantized operands, listed under one marker).
 _PACKAGED_KERNELS = {"fa4": ("FlashAttention-4", fa4_attention.refused_shapes),
                      "sage": ("SageAttention", sage_attention.refused_shapes)}
 
 
 def _report_fallbacks(state, routed: set[str]) -> None:
-    """``report()["attention_fallbacks"]``: for each packaged kernel this pipeline routes calls to, the call shapes
-    it failed on in this process ({} while it has served every call). Without it a broken install would look, in the
-    report, like the fast kernel at work; the log says it once per shape."""
+    """``report()["attention_fallbacks"]``: for each packaged kernel this pipeline routes calls to, what it failed on
+    in this process (process-wide lists; {} means no failure yet, not that a call was served). Without it a broken
+    install would look, in the report, like the fast kernel at work; the log says it once per shape."""
     kernels = [_PACKAGED_KERNELS[name] for name in sorted(routed) if name in _PACKAGED_KERNELS]
     if kernels:
         state.report_sections["attention_fallbacks"] = lambda: {label: shapes() for label, shapes in kernels}

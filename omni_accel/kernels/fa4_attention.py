@@ -18,11 +18,11 @@ listed by ``refused_shapes()``, so a model never fails for one attention call; t
 then on.
 
 Under a whole-forward CUDA graph (``compile="max"``, and the 8-bit stacks' default graph) the op runs between the
-graph's segments (``cuda_graphs.run_outside_graph``), as SageAttention's does: the first FA4 call of a shape
-JIT-compiles its kernel, and a capture must never compile. The calls auto sends here are long (a Wan 81-frame
-self-attention takes 33 ms), so a segment boundary per call costs nothing measurable. ``IN_GRAPH`` captures the
-kernel inside the graph instead (FA4 launches on the current stream); it is the A side of a benchmark row until a
-GPU run shows it replays the current inputs' attention and gains time.
+graph's segments (``cuda_graphs.run_outside_graph``), as SageAttention's does: FA4's launches inside a capture have
+not been verified on a GPU (it launches on the current stream, so they may well be capturable), and a call it
+serves is long (a Wan 81-frame self-attention takes 33 ms), so a segment boundary per call costs little.
+``IN_GRAPH`` captures the kernel inside the graph instead; it is the A side of a benchmark row until a GPU run
+shows it replays the current inputs' attention and gains time.
 """
 
 from __future__ import annotations
