@@ -1189,7 +1189,7 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             result["applied"] = [{k: v for k, v in a.items() if k not in ("weight_rel_err", "skipped")}
                                  for a in report["applied"]]
             # attention_fallbacks: the shapes a packaged kernel (FlashAttention-4, SageAttention) failed on, which
-            # SDPA computed instead -- a row whose kernel never ran says so in its result
+            # another kernel computed inside the op -- a row whose kernel never ran says so in its result
             for section in ("fp8_activations", "fp8_attention_scales", "attention_fallbacks"):
                 if section in report:
                     result[section] = report[section]

@@ -210,9 +210,9 @@ def test_auto_names_flash_attn_4_as_passed_over_under_a_cuda_graph_too(monkeypat
 @pytest.mark.parametrize("in_graph", [False, True])
 def test_the_op_runs_between_graph_segments_unless_told_to_stay_in_the_graph(fa4_import_fails, monkeypatch,
                                                                              in_graph):
-    """The first FA4 call of a shape compiles its kernel, which a capture must not do: by default the op hands its
-    call to ``run_outside_graph`` (a segment boundary under a capture, a plain call otherwise) with the output's
-    shape and dtype; ``IN_GRAPH`` calls the kernel directly."""
+    """FA4's launches inside a capture are unverified: by default the op hands its call to ``run_outside_graph`` (a
+    segment boundary under a capture, a plain call otherwise) with the output's shape and dtype; ``IN_GRAPH`` calls
+    the kernel directly."""
     handed = []
 
     def outside(call, args, shape, dtype):
