@@ -4,6 +4,8 @@
     python benchmarks/bench_attention.py --log-clocks --out benchmarks/results/bench_attention_h200.json
     # a subset
     python benchmarks/bench_attention.py --shapes flux,qwen_image --backends sdpa_cudnn,sage --iters 100
+    # FlashAttention-4's Hopper kernel, one row per tile asked for, beside its own choice and cuDNN
+    python benchmarks/bench_attention.py --shapes flux,wan --inputs randn --fa4-tiles --backends sdpa_cudnn,fa4
     # omni_accel's TMA-fed 8-bit attention kernel, one row per tile, beside cuDNN and SageAttention's kernel
     python benchmarks/bench_attention.py --shapes flux,wan --inputs randn --tma-tiles \
         --backends sdpa_cudnn,omni_sage_kernel,omni_int8_block_fp8_core
@@ -234,6 +236,22 @@ def _fa4() -> Callable:
     return lambda q, k, v: _first(flash_attn_func(q, k, v, causal=False))
 
 
+def _fa4_tile(tile: tuple[int, int, bool, bool]) -> Callable:
+    """FA4's forward with a requested Hopper tile (``fa4_attention.TILE_CANDIDATES``), into a fresh output."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    options = dict(tile_mn=tile[:2], mma_pv_is_rs=tile[2], intra_wg_overlap=tile[3])
+    return lambda q, k, v: _flash_attn_fwd(q, k, v, causal=False, **options)[0]
+
+
+def _fa4_tile_candidates() -> list:
+    from omni_accel.kernels.fa4_attention import TILE_CANDIDATES, tile_name
+
+    return [(f"fa4_{tile_name(tile)}", "BSHD", (lambda tile=tile: _fa4_tile(tile)),
+             f"FlashAttention-4, Hopper tile {tile_name(tile)} asked for", "flash_attn.cute")
+            for tile in TILE_CANDIDATES]
+
+
 def _omni_fa4() -> Callable:
     from omni_accel.kernels.fa4_attention import fa4_attention
 
@@ -255,10 +273,11 @@ def _tma_tile_candidates() -> list:
              f"tile {tile_name(tile)}; kernel only", "triton") for ws in (False, True) for tile in TMA_TILES[ws]]
 
 
-def kernels_for(device: torch.device, wanted: set[str] | None,
-                tma_tiles: bool = False) -> tuple[list[Kernel], dict[str, str]]:
-    """The kernels that can run here (restricted to ``wanted`` if given; with ``tma_tiles`` also one row per tile
-    of the TMA attention kernel), and why each of the others cannot."""
+def kernels_for(device: torch.device, wanted: set[str] | None, tma_tiles: bool = False,
+                fa4_tiles: bool = False) -> tuple[list[Kernel], dict[str, str]]:
+    """The kernels that can run here (restricted to ``wanted`` if given; with ``tma_tiles`` / ``fa4_tiles`` also one
+    row per tile of the TMA attention kernel / of FlashAttention-4's Hopper kernel), and why each of the others
+    cannot."""
     candidates: list[tuple[str, str, Callable[[], Callable], str, str | None]] = [
         # name, layout, builder, note, package that must be importable
         ("sdpa_math", "BSHD", lambda: _sdpa(SDPBackend.MATH), "SDPA math kernel, input dtype", None),
@@ -297,10 +316,11 @@ def kernels_for(device: torch.device, wanted: set[str] | None,
         ("omni_fa4", "BSHD", _omni_fa4, "omni_accel's omni_accel::fa4_attention op (attention='fa4'): flash-attn-4 "
          "behind a torch custom op", "flash_attn.cute"),
     ]
-    if tma_tiles:
-        tiles = _tma_tile_candidates()
-        candidates += tiles
-        wanted = None if wanted is None else wanted | {tile[0] for tile in tiles}
+    for asked, tiles in ((tma_tiles, _tma_tile_candidates), (fa4_tiles, _fa4_tile_candidates)):
+        if asked:
+            rows = tiles()
+            candidates += rows
+            wanted = None if wanted is None else wanted | {row[0] for row in rows}
     # on the CPU only the two SDPA entries that have CPU kernels: the smoke test checks the harness, not kernels
     cpu_ok = {"sdpa_math", "sdpa_default"}
     # the GPU run leaves sdpa_math out unless asked: it materializes the S x S scores (bf16 Wan: 86 GB)
@@ -555,6 +575,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tma-tiles", action="store_true",
                     help="add one row per tile of omni_accel's TMA attention kernel (with and without warp "
                          "specialization; a tile that does not compile costs its row only)")
+    ap.add_argument("--fa4-tiles", action="store_true",
+                    help="add one row per Hopper tile of FlashAttention-4's forward (fa4_attention.TILE_CANDIDATES; "
+                         "a tile that does not compile costs its row only)")
     ap.add_argument("--iters", type=int, default=None, help="timed samples per kernel (default 30; tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; tiny 1)")
     ap.add_argument("--seed", type=int, default=0)
@@ -585,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     args.iters = args.iters or (3 if args.tiny else 30)
     args.warmup = args.warmup or (1 if args.tiny else 10)
     kernels, skipped = kernels_for(device, set(args.backends.split(",")) if args.backends else None,
-                                   tma_tiles=args.tma_tiles)
+                                   tma_tiles=args.tma_tiles, fa4_tiles=args.fa4_tiles)
     result = {"benchmark": "bench_attention", "env": environment(device),
               "config": {"dtype": str(dtype).replace("torch.", ""), "batch": 1, "causal": False, "mask": None,
                          "iters": args.iters, "warmup": args.warmup, "seed": args.seed,

@@ -85,6 +85,7 @@ from benchmarks.bench_transformer import (  # noqa: E402
 )
 from benchmarks.timing import back_to_back_ms, cuda_calls_ms, write_result  # noqa: E402
 from omni_accel.deps import installed  # noqa: E402
+from omni_accel.kernels import fa4_attention  # noqa: E402 -- the FlashAttention-4 tile rows
 
 
 def wan81_spec(tiny: bool) -> dict:
@@ -190,6 +191,8 @@ class Row:
     # kernels.fa4_attention.IN_GRAPH (True: FlashAttention-4's kernel captured inside the whole-forward CUDA graph;
     # False, the default: it runs between the graph's segments)
     fa4_in_graph: bool = False
+    # kernels.fa4_attention.TILE (FlashAttention-4's Hopper tile, fa4_attention.TILE_CANDIDATES; None: FA4's choice)
+    fa4_tile: tuple | None = None
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -233,7 +236,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_fusion", "QK_NORM_ROPE_DIFFUSERS_RMS", "qk_diffusers_rms"),
             ("modulation_table", "MODULATION_TABLE", "modulation_table"),
             ("kernels.epilogue_triton", "LAYERNORM_PARTS", "layernorm_parts"),
-            ("kernels.fa4_attention", "IN_GRAPH", "fa4_in_graph"))
+            ("kernels.fa4_attention", "IN_GRAPH", "fa4_in_graph"),
+            ("kernels.fa4_attention", "TILE", "fa4_tile"))
 
 
 @contextlib.contextmanager
@@ -870,6 +874,18 @@ for _name in ("ours_bf16_mk_pdl", "ours_int8", "ours_int8_auto", "ours_int8_sage
 ROWS["ours_int8_auto_fa4graph"] = _switched("ours_int8_auto", "fa4graph", "FlashAttention-4's kernel captured inside "
                                             "the whole-forward CUDA graph", fa4_in_graph=True,
                                             needs=("flash_attn.cute",))
+# the int8 stack with every attention call FlashAttention-4 serves on it (between the graph's segments)
+ROWS["ours_int8_fa4"] = replace(ROWS["ours_int8"], name="ours_int8_fa4", setup=_ours(
+    attention="fa4", quant="int8", fuse_if_supported=True, compile=True), needs=("flash_attn.cute",), cuda_only=True,
+    note="ours_int8 with FlashAttention-4 (flash-attn-4) for every attention call it serves")
+# FlashAttention-4's Hopper tiles (kernels.fa4_attention.TILE_CANDIDATES) in the stacks that run it: every call
+# (_fa4 rows) or auto's long calls (ours_bf16_mk_pdl, ours_int8_auto without sageattention)
+for _name in ("ours_bf16_mk_pdl_fa4", "ours_int8_fa4", "ours_bf16_mk_pdl", "ours_int8_auto"):
+    for _tile in fa4_attention.TILE_CANDIDATES[1:]:
+        _row = _switched(_name, f"t{fa4_attention.tile_name(_tile)}",
+                         f"FlashAttention-4's Hopper tile {fa4_attention.tile_name(_tile)}", fa4_tile=_tile)
+        ROWS[_row.name] = replace(_row, needs=tuple(dict.fromkeys(_row.needs + ("flash_attn.cute",))),
+                                  cuda_only=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1188,9 +1204,10 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             report = pipe.omni_accel.report()
             result["applied"] = [{k: v for k, v in a.items() if k not in ("weight_rel_err", "skipped")}
                                  for a in report["applied"]]
-            # attention_fallbacks: the shapes a packaged kernel (FlashAttention-4, SageAttention) failed on, which
-            # another kernel computed inside the op -- a row whose kernel never ran says so in its result
-            for section in ("fp8_activations", "fp8_attention_scales", "attention_fallbacks"):
+            # attention_fallbacks / attention_served: the shapes a packaged kernel (FlashAttention-4, SageAttention)
+            # failed on, which another kernel computed inside the op, and the calls it computed (process-wide
+            # counts, so they grow from row to row) -- a row whose kernel never ran says so in its result
+            for section in ("fp8_activations", "fp8_attention_scales", "attention_fallbacks", "attention_served"):
                 if section in report:
                     result[section] = report[section]
         if args.profile and device.type == "cuda":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import types
 
 import pytest
 import torch
@@ -215,9 +216,11 @@ def test_the_op_runs_between_graph_segments_unless_told_to_stay_in_the_graph(fa4
     the kernel directly."""
     handed = []
 
-    def outside(call, args, shape, dtype):
-        handed.append((shape, dtype))
-        return call(*args)
+    def outside(call, args, shape, dtype, writes_out=False):
+        handed.append((shape, dtype, writes_out))
+        out = torch.full(shape, float("nan"), dtype=dtype)  # the next segment's buffer
+        assert call(*args, out=out) is out
+        return out
 
     monkeypatch.setattr(fa4, "run_outside_graph", outside)
     monkeypatch.setattr(fa4, "IN_GRAPH", in_graph)
@@ -228,7 +231,69 @@ def test_the_op_runs_between_graph_segments_unless_told_to_stay_in_the_graph(fa4
                                           enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, want)  # SDPA served: the package does not import here
     assert out.shape == (1, 24, 4, 8) and out.is_contiguous()
-    assert handed == ([] if in_graph else [((1, 24, 4, 8), torch.float32)])
+    assert handed == ([] if in_graph else [((1, 24, 4, 8), torch.float32, True)])
+
+
+@pytest.fixture
+def fake_fa4_interface(monkeypatch):
+    """flash_attn.cute.interface as a stand-in module whose internal forward records its keyword arguments and
+    writes ones (into ``out`` where given)."""
+    calls = []
+
+    def forward(q, k, v, **kwargs):
+        calls.append(kwargs)
+        out = kwargs["out"] if kwargs["out"] is not None else q.new_empty(q.shape)
+        return out.fill_(1), None, None, None, None
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = forward
+    interface.flash_attn_func = lambda q, k, v, **kwargs: (torch.full_like(q, 2), None)
+    cute = types.ModuleType("flash_attn.cute")
+    cute.interface = interface
+    for name, module in (("flash_attn", types.ModuleType("flash_attn")), ("flash_attn.cute", cute),
+                         ("flash_attn.cute.interface", interface)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return interface, calls
+
+
+@pytest.mark.parametrize("tile, asked", [
+    (None, {}),  # FA4's own choice: nothing asked
+    ((128, 176, True, True), dict(tile_mn=(128, 176), mma_pv_is_rs=True, intra_wg_overlap=True)),
+    ((192, 128, True, False), dict(tile_mn=(192, 128), mma_pv_is_rs=True, intra_wg_overlap=False)),
+])
+def test_the_kernel_call_asks_for_the_tile_and_writes_into_the_buffer_given(fake_fa4_interface, monkeypatch, tile,
+                                                                          asked):
+    _, calls = fake_fa4_interface
+    monkeypatch.setattr(fa4, "TILE", tile)
+    q = torch.zeros(1, 8, 2, 16)
+    out = torch.zeros(1, 8, 2, 16)
+    assert fa4._fa4_call(q, q, q, 0.5, out) is out and bool((out == 1).all())
+    assert calls == [dict(softmax_scale=0.5, causal=False, out=out, **asked)]
+    assert bool((fa4._fa4_call(q, q, q, None) == 1).all()) and calls[-1]["out"] is None
+
+
+def test_the_op_counts_the_calls_the_kernel_computed(fake_fa4_interface, monkeypatch):
+    monkeypatch.setattr(fa4, "_REFUSED", {})
+    before = fa4.served_calls("FlashAttention-4")
+    q = torch.zeros(1, 8, 2, 16)
+    for _ in range(3):
+        assert bool((torch.ops.omni_accel.fa4_attention(q, q, q, None) == 1).all())  # the stand-in kernel's ones
+    assert fa4.served_calls("FlashAttention-4") == before + 3 and not fa4.refused_shapes()
+
+
+def test_a_release_without_the_internal_forward_is_called_through_the_public_one(fake_fa4_interface):
+    interface, calls = fake_fa4_interface
+    del interface._flash_attn_fwd
+    q, out = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)
+    assert fa4._fa4_call(q, q, q, None, out) is out and bool((out == 2).all())
+    assert bool((fa4._fa4_call(q, q, q, None) == 2).all()) and not calls
+
+
+def test_tile_candidates_are_named_and_start_with_fa4s_default():
+    assert fa4.TILE_CANDIDATES[0] == (128, 128, True, True)
+    assert [fa4.tile_name(t) for t in fa4.TILE_CANDIDATES[5:7]] == ["128x176_nooverlap", "192x128_nooverlap"]
+    assert fa4.tile_name((128, 128, False, True)) == "128x128_pvsmem"
+    assert fa4.TILE is None  # the library's default: FA4 picks
 
 
 # ------------------------------------------------------------- the real op where FA4 cannot run: SDPA serves
@@ -266,10 +331,13 @@ def test_the_report_lists_the_shapes_fa4_failed_on(fa4_import_fails, monkeypatch
     pipe, kwargs = tiny_pipeline("flux")
     plain = run(pipe, kwargs)
     omni_accel.accelerate(pipe, attention="fa4")
+    served = fa4.served_calls("FlashAttention-4")
     assert pipe.omni_accel.report()["attention_fallbacks"] == {"FlashAttention-4": {}}
+    assert pipe.omni_accel.report()["attention_served"] == {"FlashAttention-4": served}
     assert torch.allclose(run(pipe, kwargs), plain, atol=1e-5)
     (shape, why), = pipe.omni_accel.report()["attention_fallbacks"]["FlashAttention-4"].items()
     assert shape.startswith("((1, ") and why.startswith(("ImportError", "ModuleNotFoundError")), (shape, why)
+    assert pipe.omni_accel.report()["attention_served"] == {"FlashAttention-4": served}  # SDPA computed every call
     omni_accel.restore(pipe)
 
 

@@ -387,16 +387,19 @@ class AttentionPass(AccelPass):
 # the kernel: another kernel computes it inside the op from then on (SDPA; for SageAttention's prepared route without
 # its Hopper kernel, PyTorch on the dequantized operands, listed under one marker).
 _PACKAGED_KERNELS = {"fa4": ("FlashAttention-4", fa4_attention.refused_shapes),
-                     "sage": ("SageAttention", sage_attention.refused_shapes)}
+                     "sage": (sage_attention.KERNEL_NAME, sage_attention.refused_shapes)}
 
 
 def _report_fallbacks(state, routed: set[str]) -> None:
     """``report()["attention_fallbacks"]``: for each packaged kernel this pipeline routes calls to, what it failed on
-    in this process (process-wide lists; {} means no failure yet, not that a call was served). Without it a broken
+    in this process (process-wide lists; {} means no failure yet), and ``report()["attention_served"]``: how many
+    calls it computed (process-wide counts; 0 with no failure means no call reached it). Without them a broken
     install would look, in the report, like the fast kernel at work; the log says it once per shape."""
     kernels = [_PACKAGED_KERNELS[name] for name in sorted(routed) if name in _PACKAGED_KERNELS]
     if kernels:
         state.report_sections["attention_fallbacks"] = lambda: {label: shapes() for label, shapes in kernels}
+        state.report_sections["attention_served"] = lambda: {label: fa4_attention.served_calls(label)
+                                                             for label, _ in kernels}
 
 
 def _weights_device(module: torch.nn.Module, default: torch.device) -> torch.device:

@@ -22,7 +22,12 @@ graph's segments (``cuda_graphs.run_outside_graph``), as SageAttention's does: F
 not been verified on a GPU (it launches on the current stream, so they may well be capturable), and a call it
 serves is long (a Wan 81-frame self-attention takes 33 ms), so a segment boundary per call costs little.
 ``IN_GRAPH`` captures the kernel inside the graph instead; it is the A side of a benchmark row until a GPU run
-shows it replays the current inputs' attention and gains time.
+shows it replays the current inputs' attention and gains time. Between segments the kernel writes its result
+straight into the buffer the next segment reads (FA4's ``out=``), so a replay copies nothing.
+
+``TILE`` asks FA4's Hopper kernel for a tile other than its own choice (128 x 128 at head dim 128, where
+FlashAttention-3's C++ kernel takes 128 x 176 for non-causal calls): ``TILE_CANDIDATES`` are the feasible ones a
+benchmark sweeps (``benchmarks/bench_attention.py --fa4-tiles``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,20 @@ DTYPES = (torch.bfloat16, torch.float16)
 AUTO_MIN_TOKENS = 16384
 # Whether a captured forward holds FA4's kernel (True) or runs it between graph segments (False, the default: above).
 IN_GRAPH = False
+# FA4's Hopper forward tile: (tile_m, tile_n, P.V from registers, intra-warpgroup overlap), or None for FA4's own
+# choice. Other architectures ignore it.
+TILE: tuple[int, int, bool, bool] | None = None
+# Feasible Hopper tiles at head dim 128 (two consumer warp groups of 64 rows, or three without the overlap, within
+# the register and shared-memory budgets), FA4's default first: what the benchmarks sweep.
+TILE_CANDIDATES: tuple[tuple[int, int, bool, bool], ...] = (
+    (128, 128, True, True), (128, 144, True, True), (128, 160, True, True), (128, 176, True, True),
+    (128, 192, True, True), (128, 176, True, False), (192, 128, True, False), (192, 112, True, False))
+
+
+def tile_name(tile: tuple[int, int, bool, bool]) -> str:
+    """``128x176``, with ``_pvsmem`` when P.V reads P from shared memory and ``_nooverlap`` without the overlap."""
+    tile_m, tile_n, pv_in_registers, overlap = tile
+    return f"{tile_m}x{tile_n}{'' if pv_in_registers else '_pvsmem'}{'' if overlap else '_nooverlap'}"
 
 
 def unavailable_reason(device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
@@ -77,6 +96,19 @@ def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_m
 
 _REFUSED: dict[tuple, str] = {}  # (q shape, k shape, v shape, dtype) -> why FA4 failed there
 _REFUSED_LOCK = threading.Lock()
+# kernel name -> calls its package computed in this process (counted where the op runs from Python: eager, compiled
+# blocks, between graph segments; a kernel captured inside a CUDA graph counts once, at the capture)
+_SERVED: dict[str, int] = {}
+
+
+def count_served(kernel: str) -> None:
+    with _REFUSED_LOCK:
+        _SERVED[kernel] = _SERVED.get(kernel, 0) + 1
+
+
+def served_calls(kernel: str) -> int:
+    """How many calls the packaged ``kernel`` ("FlashAttention-4", "SageAttention") computed in this process."""
+    return _SERVED.get(kernel, 0)
 
 
 def listed_shapes(refused: dict) -> dict[str, str]:
@@ -113,26 +145,38 @@ def call_or_sdpa(kernel: str, refused: dict, query: torch.Tensor, key: torch.Ten
         logger.warning("omni_accel: %s failed for q %s, k %s (%s); SDPA computes this shape from now on", kernel,
                        shape[0], shape[1], why)
         return _sdpa(query, key, value, scale)
+    count_served(kernel)
     return out
 
 
-def _fa4_call(query, key, value, scale):
-    from flash_attn.cute.interface import flash_attn_func
+def _fa4_call(query, key, value, scale, out=None):
+    """FA4's forward into ``out`` (None: a new tensor) with ``TILE``'s tile. FA4's internal entry takes both; a
+    release without it gets the public function and a copy."""
+    from flash_attn.cute import interface
 
-    out = flash_attn_func(query, key, value, softmax_scale=scale, causal=False)
-    return out[0] if isinstance(out, tuple) else out  # some versions return (out, lse)
+    forward = getattr(interface, "_flash_attn_fwd", None)
+    if forward is None:
+        result = interface.flash_attn_func(query, key, value, softmax_scale=scale, causal=False)
+        result = result[0] if isinstance(result, tuple) else result  # some versions return (out, lse)
+        return result if out is None else out.copy_(result)
+    tile = {}
+    if TILE is not None:
+        tile = dict(tile_mn=TILE[:2], mma_pv_is_rs=TILE[2], intra_wg_overlap=TILE[3])
+    return forward(query, key, value, softmax_scale=scale, causal=False, out=out, **tile)[0]
 
 
 @torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())
 def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
     """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
 
-    def call(q, k, v):
-        return call_or_sdpa("FlashAttention-4", _REFUSED, q, k, v, scale, lambda: _fa4_call(q, k, v, scale))
+    def call(q, k, v, out=None):
+        result = call_or_sdpa("FlashAttention-4", _REFUSED, q, k, v, scale, lambda: _fa4_call(q, k, v, scale, out))
+        return result if out is None or result is out else out.copy_(result)  # SDPA computed it: into ``out``
 
     if IN_GRAPH:
         return call(query, key, value)
-    return run_outside_graph(call, (query, key, value), attention_output_shape(query, value), query.dtype)
+    return run_outside_graph(call, (query, key, value), attention_output_shape(query, value), query.dtype,
+                             writes_out=True)
 
 
 def attention_output_shape(query: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:

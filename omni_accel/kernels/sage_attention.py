@@ -55,7 +55,8 @@ import torch
 
 from ..cuda_graphs import run_outside_graph
 from ..deps import INSTALL, installed
-from .fa4_attention import _REFUSED_LOCK, attention_output_like, attention_output_shape, call_or_sdpa, listed_shapes
+from .fa4_attention import (_REFUSED_LOCK, attention_output_like, attention_output_shape, call_or_sdpa, count_served,
+                            listed_shapes)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ MAX_HEAD_DIM = 128  # the package pads smaller heads to 64 or 128 and refuses la
 DTYPES = (torch.bfloat16, torch.float16)
 
 _REFUSED: dict[tuple, str] = {}  # (q shape, k shape, v shape, dtype) -> why the package failed there
+KERNEL_NAME = "SageAttention"  # how reports and logs name it
 # Whether the route subtracts K's token mean in the compiled graph and the op skips SageAttention's own (above).
 SMOOTH_KEYS_IN_GRAPH = False
 _HOPPER_ENTRY = "sageattn_qk_int8_pv_fp8_cuda_sm90"  # the function sageattn itself calls on Hopper
@@ -163,7 +165,7 @@ def sage_attention(query, key, value, scale, keys_smoothed=False):
 
     def call(q, k, v):
         return on_default_stream(q.device, lambda: call_or_sdpa(
-            "SageAttention", _REFUSED, q, k, v, scale, lambda: _sage_call(q, k, v, scale, keys_smoothed)))
+            KERNEL_NAME, _REFUSED, q, k, v, scale, lambda: _sage_call(q, k, v, scale, keys_smoothed)))
 
     return run_outside_graph(call, (query, key, value), attention_output_shape(query, value), query.dtype)
 
@@ -308,6 +310,7 @@ def _quantized_call(q8, q_scale, k8, k_scale, v8, v_scale, scale: float, dtype: 
         out = torch.empty(q8.shape, dtype=dtype, device=q8.device)
     with torch.cuda.device(q8.device):  # the kernel launches on the current device (sageattn sets it first)
         kernel(q8, k8, v8, out, q_scale, k_scale, v_scale, 0, 0, _PER_THREAD, scale, 0)  # NHD, not causal, no lse
+    count_served(KERNEL_NAME)
     return out
 
 
