@@ -878,10 +878,16 @@ ROWS["ours_int8_auto_fa4graph"] = _switched("ours_int8_auto", "fa4graph", "Flash
 ROWS["ours_int8_fa4"] = replace(ROWS["ours_int8"], name="ours_int8_fa4", setup=_ours(
     attention="fa4", quant="int8", fuse_if_supported=True, compile=True), needs=("flash_attn.cute",), cuda_only=True,
     note="ours_int8 with FlashAttention-4 (flash-attn-4) for every attention call it serves")
-# FlashAttention-4's Hopper tiles (kernels.fa4_attention.TILE_CANDIDATES) in the stacks that run it: every call
-# (_fa4 rows) or auto's long calls (ours_bf16_mk_pdl, ours_int8_auto without sageattention)
+# The bf16 stack's attention A/B sides are today's ours_bf16_mk_pdl with the attention pinned. Until 2026-12-07
+# (seventh) they kept the switches of their first definition (no GELU in the GEMM's epilogue, no 16-bit q / k kernel,
+# no modulation prefetch), so their files compare more than the attention with ours_bf16_mk_pdl.
+for _name, _attention in (("ours_bf16_mk_pdl_cudnn", "cudnn"), ("ours_bf16_mk_pdl_fa4", "fa4")):
+    ROWS[_name] = replace(ROWS["ours_bf16_mk_pdl"], name=_name, setup=_ours(attention=_attention, compile=True),
+                          needs=ROWS[_name].needs, cuda_only=ROWS[_name].cuda_only, note=ROWS[_name].note)
+# FlashAttention-4's Hopper tiles (kernels.fa4_attention.TILE_CANDIDATES, the first is FA4's own choice) in the stacks
+# that run it: every call (_fa4 rows) or auto's long calls (ours_bf16_mk_pdl, ours_int8_auto without sageattention)
 for _name in ("ours_bf16_mk_pdl_fa4", "ours_int8_fa4", "ours_bf16_mk_pdl", "ours_int8_auto"):
-    for _tile in fa4_attention.TILE_CANDIDATES[1:]:
+    for _tile in fa4_attention.TILE_CANDIDATES:
         _row = _switched(_name, f"t{fa4_attention.tile_name(_tile)}",
                          f"FlashAttention-4's Hopper tile {fa4_attention.tile_name(_tile)}", fa4_tile=_tile)
         ROWS[_row.name] = replace(_row, needs=tuple(dict.fromkeys(_row.needs + ("flash_attn.cute",))),

@@ -858,3 +858,25 @@ def test_peers_bench_schedule_loop_runs_a_pipeline_calls_timesteps_and_fills_the
     # graph here: outside a call, the timing's forwards and the error check's, the linears compute themselves)
     assert fills == [(True, 3, 0)] * (2 * 3)
     assert len(result["paired"]["flux"]["ours_bf16_mk_pdl"]["schedule_ratios"]) == 2
+
+
+def test_attention_ab_rows_are_todays_stack_with_only_the_attention_or_its_tile_changed(bench_peers):
+    """The rows that A/B an attention kernel must differ from the stack they name in that alone: a row that kept
+    older switches once compared GELU-in-GEMM and q / k kernels along with the attention."""
+    import dataclasses
+
+    from omni_accel.kernels import fa4_attention
+
+    rows = bench_peers.ROWS
+    setup_only = {"name", "setup", "needs", "cuda_only", "note"}
+
+    def changed(base, row):
+        return {f.name for f in dataclasses.fields(row) if getattr(row, f.name) != getattr(rows[base], f.name)}
+
+    for name in ("ours_bf16_mk_pdl_cudnn", "ours_bf16_mk_pdl_fa4"):
+        assert changed("ours_bf16_mk_pdl", rows[name]) <= setup_only, name
+    assert changed("ours_int8", rows["ours_int8_fa4"]) <= setup_only
+    for base in ("ours_bf16_mk_pdl_fa4", "ours_int8_fa4", "ours_bf16_mk_pdl", "ours_int8_auto"):
+        for tile in fa4_attention.TILE_CANDIDATES:
+            row = rows[f"{base}_t{fa4_attention.tile_name(tile)}"]
+            assert row.fa4_tile == tile and changed(base, row) <= setup_only | {"fa4_tile"}

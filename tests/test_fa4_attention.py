@@ -35,7 +35,7 @@ def test_auto_keeps_cudnn_and_sends_long_sequences_to_fa4_where_it_runs(monkeypa
     _fa4_available(monkeypatch)
     rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
     assert (rule.backend, rule.long_backend, rule.long_min_tokens) == ("cudnn", "fa4", fa4.AUTO_MIN_TOKENS)
-    assert fa4.AUTO_MIN_TOKENS == 16384
+    assert fa4.AUTO_MIN_TOKENS == 8192
 
 
 @pytest.mark.parametrize("dtype, compiled, fp8_stack, capability, backend", [
@@ -198,7 +198,7 @@ def test_auto_names_flash_attn_4_as_passed_over_under_a_cuda_graph_too(monkeypat
     monkeypatch.setattr(attn, "_fa4_refusal", lambda device, capability=None: "refused")
     monkeypatch.setattr(attn, "_installed", lambda package: package != "flash_attn.cute")
     rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
-    assert rule.long_backend is None and rule.passed_over[0].startswith("fa4 from 16384 keys: flash-attn-4 is not")
+    assert rule.long_backend is None and rule.passed_over[0].startswith("fa4 from 8192 keys: flash-attn-4 is not")
     monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: rule)
     monkeypatch.setattr(compiler, "cuda_graphs_blocker", lambda ctx: None)  # as on a GPU: the forward is captured
     pipe, _ = tiny_pipeline("flux")
@@ -265,6 +265,7 @@ def test_the_kernel_call_asks_for_the_tile_and_writes_into_the_buffer_given(fake
                                                                           asked):
     _, calls = fake_fa4_interface
     monkeypatch.setattr(fa4, "TILE", tile)
+    monkeypatch.setattr(fa4, "_hopper", lambda tensor: True)
     q = torch.zeros(1, 8, 2, 16)
     out = torch.zeros(1, 8, 2, 16)
     assert fa4._fa4_call(q, q, q, 0.5, out) is out and bool((out == 1).all())
@@ -287,6 +288,23 @@ def test_a_release_without_the_internal_forward_is_called_through_the_public_one
     q, out = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)
     assert fa4._fa4_call(q, q, q, None, out) is out and bool((out == 2).all())
     assert bool((fa4._fa4_call(q, q, q, None) == 2).all()) and not calls
+
+
+def test_long_calls_at_head_dim_128_ask_for_the_long_tile_on_hopper_only(fake_fa4_interface, monkeypatch):
+    _, calls = fake_fa4_interface
+    long_tile = dict(tile_mn=(192, 128), mma_pv_is_rs=True, intra_wg_overlap=False)
+    assert fa4.tile_for(fa4.LONG_TILE_MIN_KEYS, 128) == fa4.LONG_TILE == (192, 128, True, False)
+    assert fa4.tile_for(fa4.LONG_TILE_MIN_KEYS - 1, 128) is None  # measured slower at 17,160 keys
+    assert fa4.tile_for(32760, 64) is None  # measured at head dim 128 only
+    monkeypatch.setattr(fa4, "TILE", (128, 144, True, True))
+    assert fa4.tile_for(32760, 128) == fa4.tile_for(100, 64) == (128, 144, True, True)  # the switch overrides
+    monkeypatch.setattr(fa4, "TILE", None)
+    q, k = torch.zeros(1, 8, 2, 128), torch.zeros(1, fa4.LONG_TILE_MIN_KEYS, 2, 128)
+    fa4._fa4_call(q, k, k, None)  # a CPU tensor: no Hopper, FA4 picks
+    monkeypatch.setattr(fa4, "_hopper", lambda tensor: True)
+    fa4._fa4_call(q, k, k, None)
+    fa4._fa4_call(q, k[:, :-1], k[:, :-1], None)
+    assert [{key: c[key] for key in long_tile if key in c} for c in calls] == [{}, long_tile, {}]
 
 
 def test_tile_candidates_are_named_and_start_with_fa4s_default():

@@ -343,7 +343,7 @@ def test_auto_reports_the_kernels_it_passed_over_and_why(monkeypatch, caplog):
     assert (rule.backend, rule.long_backend) == ("cudnn", None)
     assert rule.passed_over == (
         f"sage from 16384 keys: sageattention is not installed; {deps.INSTALL['sageattention']}",
-        f"fa4 from 16384 keys: flash-attn-4 is not installed; {deps.INSTALL['flash_attn.cute']}")
+        f"fa4 from 8192 keys: flash-attn-4 is not installed; {deps.INSTALL['flash_attn.cute']}")
     blackwell = attn.choose_auto(torch.device("cuda"), torch.bfloat16, True, 128, False, (10, 0), int8_stack=True)
     assert not any(line.startswith("sage ") for line in blackwell.passed_over)  # never measured there: no hint
     monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: rule)

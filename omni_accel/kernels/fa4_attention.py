@@ -1,10 +1,12 @@
 """FlashAttention-4 (the ``flash-attn-4`` package, CuTe DSL) as a 16-bit attention kernel: ``attention="fa4"``, and
 ``attention="auto"``'s choice for long sequences on Hopper and newer.
 
-Why: measured on an H200 (``benchmarks/bench_attention.py``, docs/kernels.md), FA4's Hopper kernel is 1.18x faster
-than cuDNN's SDPA at Wan's 81-frame shape (32,760 tokens, 40 heads x 128: 33.2 vs 39.2 ms, 661 vs 561 TFLOP/s)
-and slower at FLUX's and Qwen-Image's 4.4-4.6k tokens (0.48 vs 0.44 ms). So ``auto`` keeps cuDNN and sends only
-calls with at least ``AUTO_MIN_TOKENS`` keys to FA4; ``attention="fa4"`` sends every call it can serve.
+Why: measured (``benchmarks/bench_attention.py``, docs/kernels.md), FA4's Hopper kernel is 1.18x faster than cuDNN's
+SDPA at Wan's 81-frame shape (32,760 tokens, 40 heads x 128; an H200 and an H100 alike) and 1.07-1.17x from 9,360
+to 17,160 tokens (an H100); at 4.4-4.6k tokens it was slower on an H200 (0.48 vs 0.44 ms at FLUX's shape) and on an
+H100 slower at Qwen-Image's (0.47 vs 0.41) but faster at FLUX's (0.42 vs 0.46). So ``auto`` keeps cuDNN and sends
+only calls with at least ``AUTO_MIN_TOKENS`` keys to FA4; ``attention="fa4"`` sends every call it can serve. Inside
+the models, on an H100: Wan at 81 frames 1.10x per step in bf16 and 1.12x in the int8 stack.
 
 How it reaches the model: the same route as FP8 attention (``fp8_attention.route_transformer``): the processors'
 module-global ``dispatch_attention_fn`` is wrapped, and calls this kernel can serve (``eligible``) go to the custom
@@ -25,9 +27,12 @@ serves is long (a Wan 81-frame self-attention takes 33 ms), so a segment boundar
 shows it replays the current inputs' attention and gains time. Between segments the kernel writes its result
 straight into the buffer the next segment reads (FA4's ``out=``), so a replay copies nothing.
 
-``TILE`` asks FA4's Hopper kernel for a tile other than its own choice (128 x 128 at head dim 128, where
-FlashAttention-3's C++ kernel takes 128 x 176 for non-causal calls): ``TILE_CANDIDATES`` are the feasible ones a
-benchmark sweeps (``benchmarks/bench_attention.py --fa4-tiles``).
+The Hopper tile: FA4 picks 128 query rows x 128 keys at head dim 128. Calls with at least ``LONG_TILE_MIN_KEYS``
+keys at head dim 128 ask for ``LONG_TILE`` instead, 192 x 128 over three consumer warp groups: measured on an H100
+at Wan's 81 frames (32,760 keys) 32.2 against 34.0 ms per call, and 1.2 % (bf16) and 2.4 % (int8 stack) off a
+step; at 17,160 keys it was slower (9.7 against 9.2 ms), so shorter calls keep FA4's choice. ``TILE`` overrides both
+(an A/B switch); ``TILE_CANDIDATES`` are the feasible tiles the benchmarks sweep
+(``benchmarks/bench_attention.py --fa4-tiles``).
 """
 
 from __future__ import annotations
@@ -47,19 +52,29 @@ PACKAGE = "flash_attn.cute"  # what flash-attn-4 installs (flash_attn is a names
 MIN_CAPABILITY = (9, 0)  # measured on Hopper; FA4's own kernels also cover Blackwell
 MAX_HEAD_DIM = 256  # FA4's Hopper kernels: head dims 8..256, multiples of 8
 DTYPES = (torch.bfloat16, torch.float16)
-# Keys per call from which auto prefers FA4 to cuDNN: measured 32,760 (FA4 1.18x) and 4,352-4,608 (cuDNN 1.1x);
-# between them we keep cuDNN until a measurement says otherwise.
-AUTO_MIN_TOKENS = 16384
+# Keys per call from which auto prefers FA4 to cuDNN: FA4 won at every length from 9,360 keys up (1.07-1.18x), and
+# below 4,608 the two kernels took turns (GPU and length); between them we keep cuDNN.
+AUTO_MIN_TOKENS = 8192
 # Whether a captured forward holds FA4's kernel (True) or runs it between graph segments (False, the default: above).
 IN_GRAPH = False
-# FA4's Hopper forward tile: (tile_m, tile_n, P.V from registers, intra-warpgroup overlap), or None for FA4's own
-# choice. Other architectures ignore it.
+# FA4's Hopper forward tile for every call: (tile_m, tile_n, P.V from registers, intra-warpgroup overlap); None:
+# the rule below. Other architectures ignore the tile.
 TILE: tuple[int, int, bool, bool] | None = None
+# From this many keys at head dim 128: 192 x 128 without the overlap (above); shorter calls get FA4's own choice.
+LONG_TILE = (192, 128, True, False)
+LONG_TILE_MIN_KEYS = 24576
 # Feasible Hopper tiles at head dim 128 (two consumer warp groups of 64 rows, or three without the overlap, within
 # the register and shared-memory budgets), FA4's default first: what the benchmarks sweep.
 TILE_CANDIDATES: tuple[tuple[int, int, bool, bool], ...] = (
     (128, 128, True, True), (128, 144, True, True), (128, 160, True, True), (128, 176, True, True),
     (128, 192, True, True), (128, 176, True, False), (192, 128, True, False), (192, 112, True, False))
+
+
+def tile_for(keys: int, head_dim: int) -> tuple[int, int, bool, bool] | None:
+    """The tile a call with ``keys`` keys and this head dim asks FA4 for (None: FA4's own choice)."""
+    if TILE is not None:
+        return TILE
+    return LONG_TILE if head_dim == 128 and keys >= LONG_TILE_MIN_KEYS else None
 
 
 def tile_name(tile: tuple[int, int, bool, bool]) -> str:
@@ -149,9 +164,13 @@ def call_or_sdpa(kernel: str, refused: dict, query: torch.Tensor, key: torch.Ten
     return out
 
 
+def _hopper(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] == 9
+
+
 def _fa4_call(query, key, value, scale, out=None):
-    """FA4's forward into ``out`` (None: a new tensor) with ``TILE``'s tile. FA4's internal entry takes both; a
-    release without it gets the public function and a copy."""
+    """FA4's forward into ``out`` (None: a new tensor), on Hopper with ``tile_for``'s tile. FA4's internal entry takes
+    both; a release without it gets the public function and a copy."""
     from flash_attn.cute import interface
 
     forward = getattr(interface, "_flash_attn_fwd", None)
@@ -159,9 +178,9 @@ def _fa4_call(query, key, value, scale, out=None):
         result = interface.flash_attn_func(query, key, value, softmax_scale=scale, causal=False)
         result = result[0] if isinstance(result, tuple) else result  # some versions return (out, lse)
         return result if out is None else out.copy_(result)
-    tile = {}
-    if TILE is not None:
-        tile = dict(tile_mn=TILE[:2], mma_pv_is_rs=TILE[2], intra_wg_overlap=TILE[3])
+    tile, asked = {}, tile_for(key.shape[1], query.shape[-1])
+    if asked is not None and _hopper(query):  # the tiles are Hopper's: FA4 applies a tile asked for anywhere
+        tile = dict(tile_mn=asked[:2], mma_pv_is_rs=asked[2], intra_wg_overlap=asked[3])
     return forward(query, key, value, softmax_scale=scale, causal=False, out=out, **tile)[0]
 
 
