@@ -350,6 +350,7 @@ def _ours(**knobs):
         omni_accel.accelerate(pipe, **kwargs)
         return (lambda: pipe.transformer(**inputs)), (lambda: omni_accel.restore(pipe))
 
+    setup.knobs = knobs  # what the row asks accelerate() for (the A/B rows' test reads it)
     return setup
 
 
@@ -505,8 +506,9 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="ours_fp8_fp8attn_static_fa with FLUX's first single-stream block compiled apart"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
-    # attention="auto" sends calls with >= 16k keys to FlashAttention-4 where flash-attn-4 is installed (Wan 81
-    # frames' self-attention; FLUX stays on cuDNN): these two rows are its A/B sides
+    # attention="auto" sends calls with >= 8,192 keys to FlashAttention-4 where flash-attn-4 is installed (Wan's
+    # self-attention; FLUX at 1024² stays on cuDNN): these two rows are its A/B sides (redefined below as today's
+    # ours_bf16_mk_pdl with the attention pinned)
     Row("ours_bf16_mk_pdl_cudnn", _ours(attention="cudnn", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk_pdl with cuDNN SDPA for every attention call (auto before its FlashAttention-4 route)"),
     Row("ours_bf16_mk_pdl_fa4", _ours(attention="fa4", compile=True), True, inductor=_MK_PDL,
@@ -622,8 +624,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
                "quant='int8' + attention='sage', fuse_qkv, compile=True: the 8-bit stack that holds the quality bound"),
     Row("ours_int8_auto", _ours(attention="auto", quant="int8", fuse_if_supported=True, compile=True), False,
         inductor=_MK_PDL, cuda_only=True,
-        note="quant='int8', attention='auto' (cuDNN on Hopper; SageAttention from 16k keys where installed), "
-             "compile=True"),
+        note="quant='int8', attention='auto' (cuDNN on Hopper; SageAttention from 16k keys where installed, else "
+             "FlashAttention-4 from 8k keys where flash-attn-4 is), compile=True"),
     _int8_sage("ours_int8_sage_keysmooth",
                "ours_int8_sage with K's token mean subtracted in the compiled graph (SageAttention's own off)",
                sage_keys_in_graph=True),
@@ -1160,12 +1162,21 @@ def run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks,
     return result
 
 
+def _attention_served() -> dict[str, int]:
+    """The calls each packaged attention kernel has computed in this process (fa4_attention.served_calls)."""
+    from omni_accel.kernels import sage_attention
+
+    return {label: fa4_attention.served_calls(label)
+            for label in (fa4_attention.KERNEL_NAME, sage_attention.KERNEL_NAME)}
+
+
 def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks, flops, result: dict) -> None:
     import omni_accel
     from omni_accel.kernels import epilogue_fusion, gemm_tuning, quant
 
     undo = lambda: None  # noqa: E731
     rewrites_before = dict(epilogue_fusion.REWRITES)
+    served_before = _attention_served()
     gemm_tuning.reset()  # each row times its GEMMs again (the time counts in its first call)
     try:
         t0 = time.perf_counter()
@@ -1211,8 +1222,8 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             result["applied"] = [{k: v for k, v in a.items() if k not in ("weight_rel_err", "skipped")}
                                  for a in report["applied"]]
             # attention_fallbacks / attention_served: the shapes a packaged kernel (FlashAttention-4, SageAttention)
-            # failed on, which another kernel computed inside the op, and the calls it computed (process-wide
-            # counts, so they grow from row to row) -- a row whose kernel never ran says so in its result
+            # failed on, which another kernel computed inside the op (process-wide), and the calls it computed (made
+            # the row's own below, its profiled forwards included) -- a row whose kernel never ran says so
             for section in ("fp8_activations", "fp8_attention_scales", "attention_fallbacks", "attention_served"):
                 if section in report:
                     result[section] = report[section]
@@ -1225,6 +1236,10 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             result["host_profile"] = host_profile(forward, device)
         if args.profile_loop and device.type == "cuda":
             result["loop_profile"] = profile_loop(forward, device, args.profile_loop)
+        if "attention_served" in result:  # this row's own calls (the report's counts are process-wide)
+            served = _attention_served()
+            result["attention_served"] = {label: served[label] - served_before[label]
+                                          for label in result["attention_served"]}
     except Exception as exc:  # noqa: BLE001 -- one failing config costs its row only
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]

@@ -871,11 +871,18 @@ def test_attention_ab_rows_are_todays_stack_with_only_the_attention_or_its_tile_
     setup_only = {"name", "setup", "needs", "cuda_only", "note"}
 
     def changed(base, row):
-        return {f.name for f in dataclasses.fields(row) if getattr(row, f.name) != getattr(rows[base], f.name)}
+        fields = {f.name for f in dataclasses.fields(row) if getattr(row, f.name) != getattr(rows[base], f.name)}
+        knobs, base_knobs = dict(row.setup.knobs), dict(rows[base].setup.knobs)
+        if knobs.pop("attention") != base_knobs.pop("attention"):
+            fields.add("attention")
+        assert knobs == base_knobs, (row.name, knobs, base_knobs)  # accelerate() asked for the same otherwise
+        return fields - {"setup"}
 
     for name in ("ours_bf16_mk_pdl_cudnn", "ours_bf16_mk_pdl_fa4"):
-        assert changed("ours_bf16_mk_pdl", rows[name]) <= setup_only, name
-    assert changed("ours_int8", rows["ours_int8_fa4"]) <= setup_only
+        assert changed("ours_bf16_mk_pdl", rows[name]) <= setup_only | {"attention"}, name
+    assert changed("ours_int8", rows["ours_int8_fa4"]) <= setup_only | {"attention"}
+    # auto against cuDNN in the int8 stack: also SageAttention's preparation switch, which nothing runs without it
+    assert changed("ours_int8", rows["ours_int8_auto"]) <= setup_only | {"attention", "sage_prep_kernels"}
     for base in ("ours_bf16_mk_pdl_fa4", "ours_int8_fa4", "ours_bf16_mk_pdl", "ours_int8_auto"):
         for tile in fa4_attention.TILE_CANDIDATES:
             row = rows[f"{base}_t{fa4_attention.tile_name(tile)}"]

@@ -239,11 +239,20 @@ def fake_fa4_interface(monkeypatch):
     """flash_attn.cute.interface as a stand-in module whose internal forward records its keyword arguments and
     writes ones (into ``out`` where given)."""
     calls = []
+    unset = object()
 
-    def forward(q, k, v, **kwargs):
-        calls.append(kwargs)
-        out = kwargs["out"] if kwargs["out"] is not None else q.new_empty(q.shape)
+    # FA4 4.0.0b40's keywords (a release without them is called through flash_attn_func)
+    def forward(q, k, v, softmax_scale=unset, causal=unset, out=unset, tile_mn=unset, mma_pv_is_rs=unset,
+                intra_wg_overlap=unset):
+        kwargs = dict(softmax_scale=softmax_scale, causal=causal, out=out, tile_mn=tile_mn, mma_pv_is_rs=mma_pv_is_rs,
+                      intra_wg_overlap=intra_wg_overlap)
+        calls.append({name: value for name, value in kwargs.items() if value is not unset})
+        if forward.fails_with_tile and tile_mn is not unset:
+            raise ValueError("tile does not fit")
+        out = out if out is not None else q.new_empty(q.shape)
         return out.fill_(1), None, None, None, None
+
+    forward.fails_with_tile = False
 
     interface = types.ModuleType("flash_attn.cute.interface")
     interface._flash_attn_fwd = forward
@@ -282,12 +291,36 @@ def test_the_op_counts_the_calls_the_kernel_computed(fake_fa4_interface, monkeyp
     assert fa4.served_calls("FlashAttention-4") == before + 3 and not fa4.refused_shapes()
 
 
-def test_a_release_without_the_internal_forward_is_called_through_the_public_one(fake_fa4_interface):
+@pytest.mark.parametrize("release", ["no internal forward", "other keywords"])
+def test_a_release_without_the_internal_forward_is_called_through_the_public_one(fake_fa4_interface, monkeypatch,
+                                                                                release):
     interface, calls = fake_fa4_interface
-    del interface._flash_attn_fwd
+    if release == "no internal forward":
+        del interface._flash_attn_fwd
+    else:  # an older release's keywords (m_block_size, ...): no out=, no tile_mn
+        interface._flash_attn_fwd = lambda q, k, v, softmax_scale=None, causal=False, m_block_size=128: calls.append(1)
+    monkeypatch.setattr(fa4, "TILE", (128, 144, True, True))
+    monkeypatch.setattr(fa4, "_hopper", lambda tensor: True)  # a tile would be asked for: the public call drops it
     q, out = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)
     assert fa4._fa4_call(q, q, q, None, out) is out and bool((out == 2).all())
     assert bool((fa4._fa4_call(q, q, q, None) == 2).all()) and not calls
+
+
+def test_a_tile_fa4_fails_on_falls_back_to_its_own_tile_for_that_shape(fake_fa4_interface, monkeypatch, caplog):
+    interface, calls = fake_fa4_interface
+    interface._flash_attn_fwd.fails_with_tile = True
+    monkeypatch.setattr(fa4, "_TILE_FAILED", {})
+    monkeypatch.setattr(fa4, "TILE", (128, 176, True, True))
+    monkeypatch.setattr(fa4, "_hopper", lambda tensor: True)
+    caplog.set_level(logging.WARNING, logger=fa4.__name__)
+    q = torch.zeros(1, 8, 2, 16)
+    for _ in range(2):
+        assert bool((fa4._fa4_call(q, q, q, None) == 1).all())  # the kernel served, with its own tile
+    assert ["tile_mn" in call for call in calls] == [True, False, False]  # the tile tried once, then left out
+    assert [r.getMessage() for r in caplog.records] == [
+        "omni_accel: FlashAttention-4 failed with the 128x176 tile for q (1, 8, 2, 16), k (1, 8, 2, 16) "
+        "(ValueError: tile does not fit); its own tile serves this shape from now on"]
+    assert not fa4.refused_shapes()  # the shape keeps FA4
 
 
 def test_long_calls_at_head_dim_128_ask_for_the_long_tile_on_hopper_only(fake_fa4_interface, monkeypatch):
@@ -296,15 +329,20 @@ def test_long_calls_at_head_dim_128_ask_for_the_long_tile_on_hopper_only(fake_fa
     assert fa4.tile_for(fa4.LONG_TILE_MIN_KEYS, 128) == fa4.LONG_TILE == (192, 128, True, False)
     assert fa4.tile_for(fa4.LONG_TILE_MIN_KEYS - 1, 128) is None  # measured slower at 17,160 keys
     assert fa4.tile_for(32760, 64) is None  # measured at head dim 128 only
+    assert fa4.tile_for(32760, 128, value_head_dim=64) is None and fa4.tile_for(32760, 128, grouped=True) is None
     monkeypatch.setattr(fa4, "TILE", (128, 144, True, True))
     assert fa4.tile_for(32760, 128) == fa4.tile_for(100, 64) == (128, 144, True, True)  # the switch overrides
     monkeypatch.setattr(fa4, "TILE", None)
     q, k = torch.zeros(1, 8, 2, 128), torch.zeros(1, fa4.LONG_TILE_MIN_KEYS, 2, 128)
     fa4._fa4_call(q, k, k, None)  # a CPU tensor: no Hopper, FA4 picks
+    monkeypatch.setattr(fa4, "TILE", (128, 144, True, True))
+    fa4._fa4_call(q, k, k, None)  # the switch does not apply off Hopper either
+    monkeypatch.setattr(fa4, "TILE", None)
     monkeypatch.setattr(fa4, "_hopper", lambda tensor: True)
     fa4._fa4_call(q, k, k, None)
     fa4._fa4_call(q, k[:, :-1], k[:, :-1], None)
-    assert [{key: c[key] for key in long_tile if key in c} for c in calls] == [{}, long_tile, {}]
+    fa4._fa4_call(q, k[:, :, :1], k[:, :, :1], None)  # grouped keys
+    assert [{key: c[key] for key in long_tile if key in c} for c in calls] == [{}, {}, long_tile, {}, {}]
 
 
 def test_tile_candidates_are_named_and_start_with_fa4s_default():

@@ -90,6 +90,25 @@ def test_the_op_falls_back_to_sdpa_once_per_shape_and_says_why(monkeypatch, capl
     check_sdpa_fallback(torch.ops.omni_accel.sage_attention, sage.refused_shapes, caplog.records, "SageAttention")
 
 
+def test_the_op_counts_the_calls_the_package_computed_and_not_the_fallbacks(monkeypatch):
+    from omni_accel.kernels import fa4_attention
+
+    monkeypatch.setattr(sage, "_REFUSED", {})
+    monkeypatch.setattr(sage, "_sage_call", lambda q, k, v, scale, smoothed: torch.full_like(q, 3.0))
+    before = fa4_attention.served_calls(sage.KERNEL_NAME)
+    q = torch.zeros(1, 8, 2, 16)
+    for _ in range(2):
+        assert bool((torch.ops.omni_accel.sage_attention(q, q, q, None) == 3).all())
+    assert fa4_attention.served_calls(sage.KERNEL_NAME) == before + 2
+
+    def fails(q, k, v, scale, smoothed):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(sage, "_sage_call", fails)
+    torch.ops.omni_accel.sage_attention(q, q, q, None)  # SDPA computes it: not counted
+    assert fa4_attention.served_calls(sage.KERNEL_NAME) == before + 2 and sage.refused_shapes()
+
+
 def test_the_ops_fake_implementation_gives_the_output_shape_without_the_package():
     with FakeTensorMode():
         q = torch.empty(1, 4608, 24, 128, dtype=torch.bfloat16)

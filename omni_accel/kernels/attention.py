@@ -386,7 +386,7 @@ class AttentionPass(AccelPass):
 # package that is found but fails at a call (a missing runtime library, a shape its kernels reject) costs that shape
 # the kernel: another kernel computes it inside the op from then on (SDPA; for SageAttention's prepared route without
 # its Hopper kernel, PyTorch on the dequantized operands, listed under one marker).
-_PACKAGED_KERNELS = {"fa4": ("FlashAttention-4", fa4_attention.refused_shapes),
+_PACKAGED_KERNELS = {"fa4": (fa4_attention.KERNEL_NAME, fa4_attention.refused_shapes),
                      "sage": (sage_attention.KERNEL_NAME, sage_attention.refused_shapes)}
 
 

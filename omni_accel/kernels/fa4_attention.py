@@ -6,7 +6,8 @@ SDPA at Wan's 81-frame shape (32,760 tokens, 40 heads x 128; an H200 and an H100
 to 17,160 tokens (an H100); at 4.4-4.6k tokens it was slower on an H200 (0.48 vs 0.44 ms at FLUX's shape) and on an
 H100 slower at Qwen-Image's (0.47 vs 0.41) but faster at FLUX's (0.42 vs 0.46). So ``auto`` keeps cuDNN and sends
 only calls with at least ``AUTO_MIN_TOKENS`` keys to FA4; ``attention="fa4"`` sends every call it can serve. Inside
-the models, on an H100: Wan at 81 frames 1.10x per step in bf16 and 1.12x in the int8 stack.
+the models, on an H100: Wan at 81 frames 1.12x per step in the int8 stack (the attention the only change), about
+1.09-1.10x in bf16 (against a cuDNN row that also kept older switches).
 
 How it reaches the model: the same route as FP8 attention (``fp8_attention.route_transformer``): the processors'
 module-global ``dispatch_attention_fn`` is wrapped, and calls this kernel can serve (``eligible``) go to the custom
@@ -28,15 +29,18 @@ shows it replays the current inputs' attention and gains time. Between segments 
 straight into the buffer the next segment reads (FA4's ``out=``), so a replay copies nothing.
 
 The Hopper tile: FA4 picks 128 query rows x 128 keys at head dim 128. Calls with at least ``LONG_TILE_MIN_KEYS``
-keys at head dim 128 ask for ``LONG_TILE`` instead, 192 x 128 over three consumer warp groups: measured on an H100
-at Wan's 81 frames (32,760 keys) 32.2 against 34.0 ms per call, and 1.2 % (bf16) and 2.4 % (int8 stack) off a
-step; at 17,160 keys it was slower (9.7 against 9.2 ms), so shorter calls keep FA4's choice. ``TILE`` overrides both
-(an A/B switch); ``TILE_CANDIDATES`` are the feasible tiles the benchmarks sweep
+keys (q / k and v head dims of 128, no grouped keys) ask for ``LONG_TILE`` instead, 192 x 128 over three consumer
+warp groups: measured on an H100 at Wan's 81 frames (32,760 keys) 32.2 against 34.2 ms per call, and 1.2 % (bf16)
+and 2.4 % (int8 stack) off a step, one round each; around 17k keys it won once (16,896: 5.1 against 5.4 ms) and
+lost once (17,160: 9.7 against 9.0), near the measurement's noise, so the threshold sits between those and Wan's
+length, where it is unmeasured. A tile FA4 fails on falls back to FA4's own for that shape. ``TILE`` overrides the
+rule (an A/B switch); ``TILE_CANDIDATES`` are the feasible tiles the benchmarks sweep
 (``benchmarks/bench_attention.py --fa4-tiles``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 
@@ -49,18 +53,19 @@ from ..deps import installed, missing_message
 logger = logging.getLogger(__name__)
 
 PACKAGE = "flash_attn.cute"  # what flash-attn-4 installs (flash_attn is a namespace package there)
+KERNEL_NAME = "FlashAttention-4"  # how reports and logs name it
 MIN_CAPABILITY = (9, 0)  # measured on Hopper; FA4's own kernels also cover Blackwell
 MAX_HEAD_DIM = 256  # FA4's Hopper kernels: head dims 8..256, multiples of 8
 DTYPES = (torch.bfloat16, torch.float16)
-# Keys per call from which auto prefers FA4 to cuDNN: FA4 won at every length from 9,360 keys up (1.07-1.18x), and
-# below 4,608 the two kernels took turns (GPU and length); between them we keep cuDNN.
+# Keys per call from which auto prefers FA4 to cuDNN: FA4 won at every length measured from 9,360 keys up
+# (1.07-1.18x), and at 4,352-4,608 the two kernels took turns (GPU and length); 8,192 lies between, unmeasured.
 AUTO_MIN_TOKENS = 8192
 # Whether a captured forward holds FA4's kernel (True) or runs it between graph segments (False, the default: above).
 IN_GRAPH = False
 # FA4's Hopper forward tile for every call: (tile_m, tile_n, P.V from registers, intra-warpgroup overlap); None:
 # the rule below. Other architectures ignore the tile.
 TILE: tuple[int, int, bool, bool] | None = None
-# From this many keys at head dim 128: 192 x 128 without the overlap (above); shorter calls get FA4's own choice.
+# From this many keys, head dim 128, no grouped keys: 192 x 128 without the overlap (above); else FA4's own choice.
 LONG_TILE = (192, 128, True, False)
 LONG_TILE_MIN_KEYS = 24576
 # Feasible Hopper tiles at head dim 128 (two consumer warp groups of 64 rows, or three without the overlap, within
@@ -70,11 +75,14 @@ TILE_CANDIDATES: tuple[tuple[int, int, bool, bool], ...] = (
     (128, 192, True, True), (128, 176, True, False), (192, 128, True, False), (192, 112, True, False))
 
 
-def tile_for(keys: int, head_dim: int) -> tuple[int, int, bool, bool] | None:
-    """The tile a call with ``keys`` keys and this head dim asks FA4 for (None: FA4's own choice)."""
+def tile_for(keys: int, head_dim: int, value_head_dim: int | None = None,
+             grouped: bool = False) -> tuple[int, int, bool, bool] | None:
+    """The tile a call with ``keys`` keys asks FA4 for (None: FA4's own choice): ``TILE`` where set, else
+    ``LONG_TILE`` for the measured case only -- q / k and v head dims of 128, as many key heads as query heads."""
     if TILE is not None:
         return TILE
-    return LONG_TILE if head_dim == 128 and keys >= LONG_TILE_MIN_KEYS else None
+    measured = head_dim == 128 and value_head_dim in (None, 128) and not grouped
+    return LONG_TILE if measured and keys >= LONG_TILE_MIN_KEYS else None
 
 
 def tile_name(tile: tuple[int, int, bool, bool]) -> str:
@@ -168,20 +176,51 @@ def _hopper(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] == 9
 
 
+_INTERNAL_KEYWORDS = ("out", "tile_mn", "mma_pv_is_rs", "intra_wg_overlap")
+_TAKES_KEYWORDS: dict = {}  # FA4's internal forward -> whether it takes _INTERNAL_KEYWORDS (read once)
+
+
+def _internal_forward(interface):
+    """FA4's internal forward where it takes an output buffer and a tile (4.0.0b40 does; older releases had other
+    keywords), else None: such a release is called through its public function."""
+    forward = getattr(interface, "_flash_attn_fwd", None)
+    if forward is None:
+        return None
+    if forward not in _TAKES_KEYWORDS:
+        try:
+            _TAKES_KEYWORDS[forward] = set(_INTERNAL_KEYWORDS) <= set(inspect.signature(forward).parameters)
+        except (TypeError, ValueError):  # no signature to read
+            _TAKES_KEYWORDS[forward] = False
+    return forward if _TAKES_KEYWORDS[forward] else None
+
+
+_TILE_FAILED: dict[tuple, str] = {}  # (q shape, k shape, v shape, tile) -> why FA4 failed with that tile
+
+
 def _fa4_call(query, key, value, scale, out=None):
-    """FA4's forward into ``out`` (None: a new tensor), on Hopper with ``tile_for``'s tile. FA4's internal entry takes
-    both; a release without it gets the public function and a copy."""
+    """FA4's forward into ``out`` (None: a new tensor), on Hopper with ``tile_for``'s tile. A tile FA4 fails on is
+    dropped for that shape (logged once) and the call made with FA4's own tile, so a tile never costs a shape the
+    kernel. A release without the internal entry gets the public function (FA4's tile) and a copy."""
     from flash_attn.cute import interface
 
-    forward = getattr(interface, "_flash_attn_fwd", None)
+    forward = _internal_forward(interface)
     if forward is None:
         result = interface.flash_attn_func(query, key, value, softmax_scale=scale, causal=False)
         result = result[0] if isinstance(result, tuple) else result  # some versions return (out, lse)
         return result if out is None else out.copy_(result)
-    tile, asked = {}, tile_for(key.shape[1], query.shape[-1])
-    if asked is not None and _hopper(query):  # the tiles are Hopper's: FA4 applies a tile asked for anywhere
-        tile = dict(tile_mn=asked[:2], mma_pv_is_rs=asked[2], intra_wg_overlap=asked[3])
-    return forward(query, key, value, softmax_scale=scale, causal=False, out=out, **tile)[0]
+    asked = tile_for(key.shape[1], query.shape[-1], value.shape[-1], key.shape[2] != query.shape[2])
+    attempt = (tuple(query.shape), tuple(key.shape), tuple(value.shape), asked)
+    if asked is not None and _hopper(query) and attempt not in _TILE_FAILED:  # FA4 applies a tile on any GPU
+        try:
+            return forward(query, key, value, softmax_scale=scale, causal=False, out=out, tile_mn=asked[:2],
+                           mma_pv_is_rs=asked[2], intra_wg_overlap=asked[3])[0]
+        except Exception as exc:  # noqa: BLE001 -- the tile, not the kernel, failed: FA4's own tile follows
+            with _REFUSED_LOCK:
+                _TILE_FAILED[attempt] = f"{type(exc).__name__}: {exc}"[:300]
+            logger.warning("omni_accel: FlashAttention-4 failed with the %s tile for q %s, k %s (%s); its own tile "
+                           "serves this shape from now on", tile_name(asked), attempt[0], attempt[1],
+                           _TILE_FAILED[attempt])
+    return forward(query, key, value, softmax_scale=scale, causal=False, out=out)[0]
 
 
 @torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())
@@ -189,7 +228,7 @@ def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
 
     def call(q, k, v, out=None):
-        result = call_or_sdpa("FlashAttention-4", _REFUSED, q, k, v, scale, lambda: _fa4_call(q, k, v, scale, out))
+        result = call_or_sdpa(KERNEL_NAME, _REFUSED, q, k, v, scale, lambda: _fa4_call(q, k, v, scale, out))
         return result if out is None or result is out else out.copy_(result)  # SDPA computed it: into ``out``
 
     if IN_GRAPH:
