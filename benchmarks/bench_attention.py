@@ -240,6 +240,9 @@ def _fa4_tile(tile: tuple[int, int, bool, bool]) -> Callable:
     """FA4's forward with a requested Hopper tile (``fa4_attention.TILE_CANDIDATES``), into a fresh output."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
+    if torch.cuda.get_device_capability()[0] != 9:  # FA4 would apply the tile on another GPU too, untuned
+        raise RuntimeError("the tile rows are Hopper's (compute capability 9.x)")
+
     options = dict(tile_mn=tile[:2], mma_pv_is_rs=tile[2], intra_wg_overlap=tile[3])
     return lambda q, k, v: _flash_attn_fwd(q, k, v, causal=False, **options)[0]
 
