@@ -243,7 +243,9 @@ def _fa4_tile(tile: tuple[int, int, bool, bool]) -> Callable:
     if torch.cuda.get_device_capability()[0] != 9:  # FA4 would apply the tile on another GPU too, untuned
         raise RuntimeError("the tile rows are Hopper's (compute capability 9.x)")
 
-    options = dict(tile_mn=tile[:2], mma_pv_is_rs=tile[2], intra_wg_overlap=tile[3])
+    from omni_accel.kernels.fa4_attention import tile_keywords
+
+    options = tile_keywords(tile)
     return lambda q, k, v: _flash_attn_fwd(q, k, v, causal=False, **options)[0]
 
 

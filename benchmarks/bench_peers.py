@@ -506,14 +506,6 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         note="ours_fp8_fp8attn_static_fa with FLUX's first single-stream block compiled apart"),
     Row("ours_bf16_mk_pdl", _ours(attention="auto", compile=True), True, inductor=_MK_PDL,
         note="ours_bf16_mk with programmatic dependent launch of its Triton kernels"),
-    # attention="auto" sends calls with >= 8,192 keys to FlashAttention-4 where flash-attn-4 is installed (Wan's
-    # self-attention; FLUX at 1024² stays on cuDNN): these two rows are its A/B sides (redefined below as today's
-    # ours_bf16_mk_pdl with the attention pinned)
-    Row("ours_bf16_mk_pdl_cudnn", _ours(attention="cudnn", compile=True), True, inductor=_MK_PDL,
-        note="ours_bf16_mk_pdl with cuDNN SDPA for every attention call (auto before its FlashAttention-4 route)"),
-    Row("ours_bf16_mk_pdl_fa4", _ours(attention="fa4", compile=True), True, inductor=_MK_PDL,
-        needs=("flash_attn.cute",), cuda_only=True,
-        note="ours_bf16_mk_pdl with FlashAttention-4 (flash-attn-4) for every attention call it serves"),
     Row("ours_bf16_mk_pdl_graphs", _ours(attention="auto", compile="max"), True, inductor=_MK_PDL,
         note="ours_bf16_mk_pdl + CUDA graph of the whole forward (compile='max'): whether the epilogue kernels' "
              "host-side dispatch is what keeps bf16 from its kernel time"),
@@ -880,12 +872,17 @@ ROWS["ours_int8_auto_fa4graph"] = _switched("ours_int8_auto", "fa4graph", "Flash
 ROWS["ours_int8_fa4"] = replace(ROWS["ours_int8"], name="ours_int8_fa4", setup=_ours(
     attention="fa4", quant="int8", fuse_if_supported=True, compile=True), needs=("flash_attn.cute",), cuda_only=True,
     note="ours_int8 with FlashAttention-4 (flash-attn-4) for every attention call it serves")
-# The bf16 stack's attention A/B sides are today's ours_bf16_mk_pdl with the attention pinned. Until 2026-12-07
-# (seventh) they kept the switches of their first definition (no GELU in the GEMM's epilogue, no 16-bit q / k kernel,
-# no modulation prefetch), so their files compare more than the attention with ours_bf16_mk_pdl.
-for _name, _attention in (("ours_bf16_mk_pdl_cudnn", "cudnn"), ("ours_bf16_mk_pdl_fa4", "fa4")):
-    ROWS[_name] = replace(ROWS["ours_bf16_mk_pdl"], name=_name, setup=_ours(attention=_attention, compile=True),
-                          needs=ROWS[_name].needs, cuda_only=ROWS[_name].cuda_only, note=ROWS[_name].note)
+# attention="auto" sends calls with >= 8,192 keys to FlashAttention-4 where flash-attn-4 is installed (Wan's
+# self-attention; FLUX at 1024² stays on cuDNN). Its A/B sides are today's ours_bf16_mk_pdl with the attention pinned.
+# Until 2026-12-07 (seventh) they kept the switches of their first definition (no GELU in the GEMM's epilogue, no
+# 16-bit q / k kernel, no modulation prefetch), so their files compare more than the attention with ours_bf16_mk_pdl.
+ROWS["ours_bf16_mk_pdl_cudnn"] = replace(
+    ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_cudnn", setup=_ours(attention="cudnn", compile=True),
+    note="ours_bf16_mk_pdl with cuDNN SDPA for every attention call (auto before its FlashAttention-4 route)")
+ROWS["ours_bf16_mk_pdl_fa4"] = replace(
+    ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_fa4", setup=_ours(attention="fa4", compile=True),
+    needs=("flash_attn.cute",), cuda_only=True,
+    note="ours_bf16_mk_pdl with FlashAttention-4 (flash-attn-4) for every attention call it serves")
 # FlashAttention-4's Hopper tiles (kernels.fa4_attention.TILE_CANDIDATES, the first is FA4's own choice) in the stacks
 # that run it: every call (_fa4 rows) or auto's long calls (ours_bf16_mk_pdl, ours_int8_auto without sageattention)
 for _name in ("ours_bf16_mk_pdl_fa4", "ours_int8_fa4", "ours_bf16_mk_pdl", "ours_int8_auto"):

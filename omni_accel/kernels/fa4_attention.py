@@ -85,6 +85,11 @@ def tile_for(keys: int, head_dim: int, value_head_dim: int | None = None,
     return LONG_TILE if measured and keys >= LONG_TILE_MIN_KEYS else None
 
 
+def tile_keywords(tile: tuple[int, int, bool, bool]) -> dict:
+    """``tile`` as the keywords FA4's internal forward takes."""
+    return dict(tile_mn=tile[:2], mma_pv_is_rs=tile[2], intra_wg_overlap=tile[3])
+
+
 def tile_name(tile: tuple[int, int, bool, bool]) -> str:
     """``128x176``, with ``_pvsmem`` when P.V reads P from shared memory and ``_nooverlap`` without the overlap."""
     tile_m, tile_n, pv_in_registers, overlap = tile
@@ -173,6 +178,7 @@ def call_or_sdpa(kernel: str, refused: dict, query: torch.Tensor, key: torch.Ten
 
 
 def _hopper(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is on a Hopper GPU (shared with sage_attention.py)."""
     return tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] == 9
 
 
@@ -212,8 +218,7 @@ def _fa4_call(query, key, value, scale, out=None):
     attempt = (tuple(query.shape), tuple(key.shape), tuple(value.shape), asked)
     if asked is not None and _hopper(query) and attempt not in _TILE_FAILED:  # FA4 applies a tile on any GPU
         try:
-            return forward(query, key, value, softmax_scale=scale, causal=False, out=out, tile_mn=asked[:2],
-                           mma_pv_is_rs=asked[2], intra_wg_overlap=asked[3])[0]
+            return forward(query, key, value, softmax_scale=scale, causal=False, out=out, **tile_keywords(asked))[0]
         except Exception as exc:  # noqa: BLE001 -- the tile, not the kernel, failed: FA4's own tile follows
             with _REFUSED_LOCK:
                 _TILE_FAILED[attempt] = f"{type(exc).__name__}: {exc}"[:300]

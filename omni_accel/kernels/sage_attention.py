@@ -55,8 +55,8 @@ import torch
 
 from ..cuda_graphs import run_outside_graph
 from ..deps import INSTALL, installed
-from .fa4_attention import (_REFUSED_LOCK, attention_output_like, attention_output_shape, call_or_sdpa, count_served,
-                            listed_shapes)
+from .fa4_attention import (_REFUSED_LOCK, _hopper, attention_output_like, attention_output_shape, call_or_sdpa,
+                            count_served, listed_shapes)
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +138,6 @@ def smoothed_keys(key: torch.Tensor) -> torch.Tensor:
     output is unchanged (every query's scores shift by one constant), and the int8 rounding of K gets the range."""
     k = key.float()
     return (k - k.mean(dim=1, keepdim=True)).to(key.dtype)
-
-
-def _hopper(query: torch.Tensor) -> bool:
-    return query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9
 
 
 def _sage_call(query, key, value, scale, keys_smoothed):
