@@ -193,6 +193,9 @@ class Row:
     fa4_in_graph: bool = False
     # kernels.fa4_attention.TILE (FlashAttention-4's Hopper tile, fa4_attention.TILE_CANDIDATES; None: FA4's choice)
     fa4_tile: tuple | None = None
+    # kernels.fa4_attention.TIMED_MIN_TOKENS (None, the default: auto's FA4 route from 8,192 keys; a key count: the
+    # route from there, timing FA4 against cuDNN per shape below 8,192 keys)
+    fa4_timed_min_tokens: int | None = None
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -237,7 +240,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("modulation_table", "MODULATION_TABLE", "modulation_table"),
             ("kernels.epilogue_triton", "LAYERNORM_PARTS", "layernorm_parts"),
             ("kernels.fa4_attention", "IN_GRAPH", "fa4_in_graph"),
-            ("kernels.fa4_attention", "TILE", "fa4_tile"))
+            ("kernels.fa4_attention", "TILE", "fa4_tile"),
+            ("kernels.fa4_attention", "TIMED_MIN_TOKENS", "fa4_timed_min_tokens"))
 
 
 @contextlib.contextmanager
@@ -891,6 +895,14 @@ for _name in ("ours_bf16_mk_pdl_fa4", "ours_int8_fa4", "ours_bf16_mk_pdl", "ours
                          f"FlashAttention-4's Hopper tile {fa4_attention.tile_name(_tile)}", fa4_tile=_tile)
         ROWS[_row.name] = replace(_row, needs=tuple(dict.fromkeys(_row.needs + ("flash_attn.cute",))),
                                   cuda_only=True)
+# auto's FA4 route with the per-shape timing from 4,096 keys (FA4 against cuDNN on each shape's first call below 8,192
+# keys). On 2026-12-07 (eighth) the timing was auto's default for a run: ours_bf16_mk_pdl and ours_int8_auto of
+# bench_peers_h200_flux_timed_20261207.json, bench_peers_h100_flux_timed_rounds_20261207.json and
+# bench_peers_h100_qwen_timed_20261207.json are these rows.
+for _name in ("ours_bf16_mk_pdl", "ours_int8_auto"):
+    _row = _switched(_name, "timed", "FlashAttention-4 timed against cuDNN per shape from 4,096 keys",
+                     fa4_timed_min_tokens=4096)
+    ROWS[_row.name] = replace(_row, needs=tuple(dict.fromkeys(_row.needs + ("flash_attn.cute",))), cuda_only=True)
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1203,6 +1215,7 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
                           ms_per_step_loop=round(statistics.median(loop) * spec["forwards_per_step"], 3))
         result.update(
             ms=round(ms, 3), ms_min=round(timing["ms_min"], 3), ms_max=round(timing["ms_max"], 3),
+            ms_each=timing["ms_each"], gc_while_timed=timing["gc_while_timed"],
             ms_per_step=round(ms * spec["forwards_per_step"], 3),
             tflops=round(flops["total"] / (ms / 1e3) / 1e12, 1),
             first_call_s=round(calibration_s + timing["cold_start_s"], 2), calibration_s=round(calibration_s, 2),
@@ -1221,7 +1234,8 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             # attention_fallbacks / attention_served: the shapes a packaged kernel (FlashAttention-4, SageAttention)
             # failed on, which another kernel computed inside the op (process-wide), and the calls it computed (made
             # the row's own below, its profiled forwards included) -- a row whose kernel never ran says so
-            for section in ("fp8_activations", "fp8_attention_scales", "attention_fallbacks", "attention_served"):
+            for section in ("fp8_activations", "fp8_attention_scales", "attention_fallbacks", "attention_served",
+                            "attention_timed"):
                 if section in report:
                     result[section] = report[section]
         if args.profile and device.type == "cuda":
@@ -1723,8 +1737,9 @@ def main(argv=None) -> int:
                 log(f"{model} {name}: deadline passed; ending the run")
                 write()
                 break
-            shown = {k: entry.get(k) for k in ("ms_per_step", "tflops", "rel_err_vs_eager", "first_call_s",
-                                               "peak_mem_gib", "sm_clock_mhz", "power_w", "error")}
+            shown = {k: entry.get(k) for k in ("ms_per_step", "ms_each", "gc_while_timed", "ms_per_step_schedule",
+                                               "tflops", "rel_err_vs_eager", "first_call_s", "peak_mem_gib",
+                                               "sm_clock_mhz", "power_w", "error")}
             log(f"{model} {name}: {shown}" + (f" kinds {entry['profile']['by_kind_ms']} idle "
                                               f"{entry['profile']['idle_ms']}" if "profile" in entry else ""))
             write()

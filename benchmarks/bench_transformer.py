@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import sample_ms, write_result  # noqa: E402
+from benchmarks.timing import GcPauses, sample_ms, write_result  # noqa: E402
 
 T_START = time.perf_counter()
 
@@ -237,11 +237,13 @@ def time_forwards(fn, device: torch.device, iters: int, warmup: int, on_warm=Non
         torch.cuda.reset_peak_memory_stats(device)
     if on_warm is not None:
         on_warm()  # the clock log's window: timed forwards only, not compilation
-    times = sample_ms(fn, device, iters)
+    with GcPauses() as pauses:
+        times = sample_ms(fn, device, iters)
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times), "cold_start_s": cold,
-            "peak_mem_gib": peak, "out": out}
+            "peak_mem_gib": peak, "out": out, "ms_each": [round(t, 3) for t in times],
+            "gc_while_timed": pauses.summary()}
 
 
 def measure_gemm_tflops(device: torch.device, tiny: bool) -> float | None:

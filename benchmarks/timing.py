@@ -3,6 +3,7 @@ writing of the raw result file."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -10,6 +11,34 @@ import time
 from typing import Callable
 
 import torch
+
+
+class GcPauses:
+    """Python's garbage collections while the block runs: how many per generation and their total milliseconds. A
+    full collection in a process holding a compiler's objects takes milliseconds of host time, which a timed forward
+    that synchronises at its end shows as GPU idle time; this tells such a row from a slower kernel."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.ms = 0.0
+        self._started = 0.0
+
+    def _observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._started) * 1e3
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._observe)
+
+    def summary(self) -> dict:
+        return {"collections_by_generation": list(self.collections), "ms": round(self.ms, 3)}
 
 
 def sample_ms(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:

@@ -206,6 +206,23 @@ def test_graph_timings_cycle_through_enough_input_copies_to_miss_l2():
     assert timing.rotation_copies(2**30) == 2 and timing.rotation_copies(0) == 2
 
 
+def test_gc_pauses_counts_the_collections_inside_the_block_only():
+    """timing.GcPauses: the garbage collections a timed forward paid for, so a row slowed by a full collection (host
+    time that a synchronised forward shows as GPU idle) is told from a slower kernel."""
+    import gc
+
+    from benchmarks import timing
+
+    gc.collect()  # outside the block: not counted
+    with timing.GcPauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()
+    summary = pauses.summary()
+    assert summary["collections_by_generation"] == [1, 0, 1] and summary["ms"] > 0
+    assert pauses._observe not in gc.callbacks
+
+
 def test_peers_rounds_carry_errors_deadlines_and_partly_timed_configs(bench_peers):
     """combine_rounds: a config timed in one round of two counts one round and drops its round number; a failed round
     leaves the timed one's figures and names its error; a deadline passed in a later round stays on the row."""
@@ -887,3 +904,7 @@ def test_attention_ab_rows_are_todays_stack_with_only_the_attention_or_its_tile_
         for tile in fa4_attention.TILE_CANDIDATES:
             row = rows[f"{base}_t{fa4_attention.tile_name(tile)}"]
             assert row.fa4_tile == tile and changed(base, row) <= setup_only | {"fa4_tile"}
+    for base in ("ours_bf16_mk_pdl", "ours_int8_auto"):  # auto's FA4 route timed per shape from 4,096 keys
+        row = rows[f"{base}_timed"]
+        assert row.fa4_timed_min_tokens == 4096 and changed(base, row) <= setup_only | {"fa4_timed_min_tokens"}
+    assert rows["ours_bf16_mk_pdl"].fa4_timed_min_tokens is None  # the library's default: no timing

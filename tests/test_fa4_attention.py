@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 import types
 
 import pytest
@@ -36,6 +37,7 @@ def test_auto_keeps_cudnn_and_sends_long_sequences_to_fa4_where_it_runs(monkeypa
     rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
     assert (rule.backend, rule.long_backend, rule.long_min_tokens) == ("cudnn", "fa4", fa4.AUTO_MIN_TOKENS)
     assert fa4.AUTO_MIN_TOKENS == 8192
+    assert fa4.TIMED_MIN_TOKENS is None  # the per-shape timing below it: a switch, off (measured no gain)
 
 
 @pytest.mark.parametrize("dtype, compiled, fp8_stack, capability, backend", [
@@ -104,9 +106,11 @@ def test_eligible_calls(change, served):
 
 
 # --------------------------------------------------------------------------------------------------- route
-def _sdpa_in_fa4_layout(calls):
-    def kernel(query, key, value, scale):
+def _sdpa_in_fa4_layout(calls, timed_calls=None):
+    def kernel(query, key, value, scale, timed=False):
         calls.append(key.shape[1])
+        if timed_calls is not None:
+            timed_calls.append(timed)
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                              scale=scale)
         return out.transpose(1, 2)
@@ -188,6 +192,7 @@ def test_auto_keeps_the_fa4_route_with_and_without_a_cuda_graph(fa4_on_cpu, monk
     (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
     assert (applied["backend"], applied["long_sequences"]) == ("cudnn", "fa4 from 1 keys")
     assert pipe.omni_accel.report()["attention_fallbacks"].keys() == {"FlashAttention-4"}
+    assert "attention_timed" not in pipe.omni_accel.report()  # the timing switch is off
     omni_accel.restore(pipe)
 
 
@@ -394,6 +399,7 @@ def test_the_report_lists_the_shapes_fa4_failed_on(fa4_import_fails, monkeypatch
     (shape, why), = pipe.omni_accel.report()["attention_fallbacks"]["FlashAttention-4"].items()
     assert shape.startswith("((1, ") and why.startswith(("ImportError", "ModuleNotFoundError")), (shape, why)
     assert pipe.omni_accel.report()["attention_served"] == {"FlashAttention-4": served}  # SDPA computed every call
+    assert "attention_timed" not in pipe.omni_accel.report()  # attention="fa4" times nothing
     omni_accel.restore(pipe)
 
 
@@ -402,3 +408,143 @@ def test_a_pipeline_without_a_packaged_kernel_has_no_fallback_section():
     omni_accel.accelerate(pipe, attention="sdpa")
     assert "attention_fallbacks" not in pipe.omni_accel.report()
     omni_accel.restore(pipe)
+
+
+# ------------------------------------ the switch TIMED_MIN_TOKENS: auto's timed choice between FA4 and SDPA per shape
+@pytest.fixture
+def timed_flags(monkeypatch):
+    """FA4 as if it ran here (SDPA in its layout), recording each call's key count and its ``timed`` flag."""
+    calls, timed = [], []
+    _fa4_available(monkeypatch)
+    monkeypatch.setattr(fa4, "fa4_attention", _sdpa_in_fa4_layout(calls, timed))
+    monkeypatch.setattr(fa4, "DTYPES", (torch.float32,))
+    return calls, timed
+
+
+def test_the_timing_switch_starts_auto_s_route_lower_and_asks_for_the_timed_choice_below_8192(timed_flags,
+                                                                                            monkeypatch):
+    calls, timed = timed_flags
+    monkeypatch.setattr(fa4, "TIMED_MIN_TOKENS", 1)
+    hopper_rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
+    assert hopper_rule.long_min_tokens == fa4.AUTO_MIN_TOKENS  # the table is the same; the pass applies the switch
+    monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: hopper_rule)
+    pipe, kwargs = tiny_pipeline("flux")
+    plain = run(pipe, kwargs)
+    omni_accel.accelerate(pipe, attention="auto")
+    (applied,) = [a for a in pipe.omni_accel.report()["applied"] if a["pass"] == "attention"]
+    assert applied["long_sequences"] == "fa4 from 1 keys (below 8192: the faster of it and cudnn, timed per shape)"
+    assert torch.allclose(run(pipe, kwargs), plain, atol=1e-5)
+    assert calls and set(timed) == {True}  # the tiny model's keys are far below 8,192: every call timed
+    assert pipe.omni_accel.report()["attention_timed"] == fa4.timed_choices()
+    omni_accel.restore(pipe)
+
+
+def test_the_route_asks_for_the_timed_choice_below_its_threshold_only(timed_flags):
+    calls, timed = timed_flags
+    pipe, kwargs = tiny_pipeline("flux")
+    undo = route.route_transformer(pipe.transformer, "fa4", min_tokens=1)
+    run(pipe, kwargs)
+    undo()
+    (keys,) = set(calls)
+    assert set(timed) == {False}  # attention="fa4"'s route: no timing
+    for timed_below, want in ((keys, False), (keys + 1, True)):
+        timed.clear()
+        undo = route.route_transformer(pipe.transformer, "fa4", min_tokens=1, timed_below=timed_below)
+        run(pipe, kwargs)
+        undo()
+        assert set(timed) == {want}
+
+
+@pytest.fixture
+def raced_kernels(monkeypatch):
+    """FA4's call replaced by one that writes ones after ``fa4_delay`` seconds, SDPA delayed by ``sdpa_delay``; the
+    timing shortened; no earlier choices or failures."""
+    monkeypatch.setattr(fa4, "_CHOICES", {})
+    monkeypatch.setattr(fa4, "_REFUSED", {})
+    monkeypatch.setattr(fa4, "TIMED_ROUNDS", 3)
+    monkeypatch.setattr(fa4, "TIMED_CALLS", 2)
+    state = {"fa4_delay": 0.0, "sdpa_delay": 0.0, "fa4_calls": 0, "sdpa_calls": 0, "fa4_fails": False}
+    plain_sdpa = fa4._sdpa
+
+    def fake_fa4(query, key, value, scale, out=None):
+        state["fa4_calls"] += 1
+        if state["fa4_fails"]:
+            raise RuntimeError("no kernel for this shape")
+        time.sleep(state["fa4_delay"])
+        ones = torch.ones_like(query)
+        return ones if out is None else out.copy_(ones)
+
+    def delayed_sdpa(query, key, value, scale):
+        state["sdpa_calls"] += 1
+        time.sleep(state["sdpa_delay"])
+        return plain_sdpa(query, key, value, scale)
+
+    monkeypatch.setattr(fa4, "_fa4_call", fake_fa4)
+    monkeypatch.setattr(fa4, "_sdpa", delayed_sdpa)
+    return state
+
+
+def _qkv():
+    torch.manual_seed(0)
+    return torch.randn(1, 24, 2, 16), torch.randn(1, 24, 2, 16), torch.randn(1, 24, 2, 16)
+
+
+def test_a_shape_faster_on_sdpa_is_served_by_sdpa_after_one_timing(raced_kernels, caplog):
+    raced_kernels["fa4_delay"] = 0.004
+    caplog.set_level(logging.INFO, logger=fa4.__name__)
+    q, k, v = _qkv()
+    served_before = fa4.served_calls("FlashAttention-4")
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(torch.ops.omni_accel.fa4_attention(q, k, v, None, True), want)
+    timing_calls = raced_kernels["fa4_calls"]
+    assert timing_calls == 1 + 3 * 2  # a first call, then three rounds of two
+    for _ in range(3):
+        torch.testing.assert_close(torch.ops.omni_accel.fa4_attention(q, k, v, None, True), want)
+    assert raced_kernels["fa4_calls"] == timing_calls  # timed once per shape
+    assert fa4.served_calls("FlashAttention-4") == served_before  # timing calls do not count as served
+    (shape, choice), = fa4.timed_choices().items()
+    assert shape.startswith("((1, 24, 2, 16), (1, 24, 2, 16), (1, 24, 2, 16), 'float32', 'cpu')")
+    assert choice.startswith("sdpa (fa4 ") and choice.endswith(" ms per call)")
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("omni_accel: attention='auto' timed q (1, 24, 2, 16), k (1, 24, 2, 16) on cpu: sdpa")
+
+
+def test_a_shape_faster_on_fa4_is_served_by_fa4_and_counted(raced_kernels):
+    raced_kernels["sdpa_delay"] = 0.004
+    q, k, v = _qkv()
+    served_before = fa4.served_calls("FlashAttention-4")
+    for _ in range(2):
+        assert bool((torch.ops.omni_accel.fa4_attention(q, k, v, None, True) == 1).all())  # the stand-in's ones
+    assert fa4.served_calls("FlashAttention-4") == served_before + 2
+    assert list(fa4.timed_choices().values())[0].startswith("fa4 (fa4 ")
+
+
+def test_a_shape_fa4_fails_on_goes_to_sdpa_without_a_race(raced_kernels):
+    raced_kernels["fa4_fails"] = True
+    q, k, v = _qkv()
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(torch.ops.omni_accel.fa4_attention(q, k, v, None, True), want)
+    assert raced_kernels["fa4_calls"] == 1  # the failed first call; no timing of a kernel that cannot run
+    assert list(fa4.timed_choices().values())[0].startswith("sdpa (fa4 failed, sdpa ")
+    assert list(fa4.refused_shapes().values()) == ["RuntimeError: no kernel for this shape"]
+
+
+def test_nothing_is_timed_while_a_graph_is_captured(raced_kernels, monkeypatch):
+    """Inside a capture the kernels would be recorded, not run: an untimed shape gets FA4 there and is timed at its
+    next call outside the capture."""
+    raced_kernels["fa4_delay"] = 0.004
+    q, k, v = _qkv()
+    monkeypatch.setattr(fa4, "_capturing", lambda tensor: True)
+    assert fa4.faster_kernel(q, k, v, None) == "fa4" and not fa4.timed_choices()
+    assert raced_kernels["fa4_calls"] == 0
+    monkeypatch.setattr(fa4, "_capturing", lambda tensor: False)
+    assert fa4.faster_kernel(q, k, v, None) == "sdpa" and len(fa4.timed_choices()) == 1
+    monkeypatch.setattr(fa4, "_capturing", lambda tensor: True)
+    assert fa4.faster_kernel(q, k, v, None) == "sdpa"  # timed before the capture: its choice holds inside
+
+
+def test_without_timed_the_op_never_times(raced_kernels):
+    raced_kernels["fa4_delay"] = 0.004
+    q, k, v = _qkv()
+    assert bool((torch.ops.omni_accel.fa4_attention(q, k, v, None) == 1).all())
+    assert raced_kernels["fa4_calls"] == 1 and raced_kernels["sdpa_calls"] == 0 and not fa4.timed_choices()

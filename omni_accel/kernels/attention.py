@@ -121,7 +121,7 @@ AUTO_TABLE: tuple[AutoRule, ...] = (
              long_backend="sage", long_min_tokens=sage_attention.AUTO_MIN_TOKENS, int8_stack=True),
     AutoRule("cuda", (9, 0), _HALF, True, 128, None, "cudnn",
              "compiled, Hopper+, 16-bit, head dim <= 128: cuDNN SDPA is the fastest measured kernel up to 4.6k "
-             "tokens; from 16k keys FlashAttention-4 where installed (1.18x cuDNN at 32.8k)",
+             "tokens; from 8,192 keys FlashAttention-4 where installed (1.07-1.18x cuDNN from 9.4k keys)",
              long_backend="fa4", long_min_tokens=fa4_attention.AUTO_MIN_TOKENS),
     AutoRule("cuda", None, None, False, None, None, "sdpa",
              "eager: PyTorch's own SDPA choice, exactly the plain pipeline's kernel (never slower than not "
@@ -326,7 +326,8 @@ class AttentionPass(AccelPass):
         passed_over = self._passed_over(ctx)
         routed = {backend.name} | ({long_route[0]} if long_route else set())
         if ctx.config.sequence_degree == 1:
-            _report_fallbacks(ctx.state, routed)
+            timed = bool(long_route) and _long_route_bounds(*long_route)[2] > 0
+            _report_fallbacks(ctx.state, routed, timed=timed)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             details = {"passed_over": list(passed_over)} if passed_over else {}
             if backend.name == "sdpa":
@@ -354,9 +355,11 @@ class AttentionPass(AccelPass):
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
                 if long_route:  # auto: long sequences to FlashAttention-4 / SageAttention, the rest to the SDPA kernel
-                    kernel, min_tokens = long_route
-                    undo = _both(route_transformer(transformer, kernel, min_tokens), undo)
-                    details["long_sequences"] = f"{kernel} from {min_tokens} keys"
+                    kernel, min_tokens, timed_below = _long_route_bounds(*long_route)
+                    undo = _both(route_transformer(transformer, kernel, min_tokens, timed_below), undo)
+                    details["long_sequences"] = f"{kernel} from {min_tokens} keys" + (
+                        f" (below {timed_below}: the faster of it and {backend.name}, timed per shape)"
+                        if timed_below > min_tokens else "")
             else:
                 undo = _set_dispatcher_backend(transformer, backend.dispatcher)
             ctx.state.record("attention", undo, component=name, backend=backend.name, requested=ctx.config.attention,
@@ -390,16 +393,28 @@ _PACKAGED_KERNELS = {"fa4": (fa4_attention.KERNEL_NAME, fa4_attention.refused_sh
                      "sage": (sage_attention.KERNEL_NAME, sage_attention.refused_shapes)}
 
 
-def _report_fallbacks(state, routed: set[str]) -> None:
+def _report_fallbacks(state, routed: set[str], timed: bool = False) -> None:
     """``report()["attention_fallbacks"]``: for each packaged kernel this pipeline routes calls to, what it failed on
     in this process (process-wide lists; {} means no failure yet), and ``report()["attention_served"]``: how many
     calls it computed (process-wide counts; 0 with no failure means no call reached it). Without them a broken
-    install would look, in the report, like the fast kernel at work; the log says it once per shape."""
+    install would look, in the report, like the fast kernel at work; the log says it once per shape. With auto's
+    FA4 route, ``report()["attention_timed"]``: the shapes it timed against SDPA (process-wide), times and winner."""
     kernels = [_PACKAGED_KERNELS[name] for name in sorted(routed) if name in _PACKAGED_KERNELS]
     if kernels:
         state.report_sections["attention_fallbacks"] = lambda: {label: shapes() for label, shapes in kernels}
         state.report_sections["attention_served"] = lambda: {label: fa4_attention.served_calls(label)
                                                              for label, _ in kernels}
+    if timed:  # auto's FA4 route: the shapes it timed against SDPA, each with both kernels' times and the winner
+        state.report_sections["attention_timed"] = fa4_attention.timed_choices
+
+
+def _long_route_bounds(kernel: str, min_tokens: int) -> tuple[str, int, int]:
+    """auto's long route as (kernel, first key count routed, key count below which the op times FA4 against SDPA per
+    shape: 0 for none). The timing is FA4's switch ``fa4_attention.TIMED_MIN_TOKENS`` (off by default)."""
+    timed_from = fa4_attention.TIMED_MIN_TOKENS
+    if kernel == "fa4" and timed_from is not None and timed_from < min_tokens:
+        return kernel, timed_from, min_tokens
+    return kernel, min_tokens, 0
 
 
 def _weights_device(module: torch.nn.Module, default: torch.device) -> torch.device:

@@ -9,6 +9,13 @@ only calls with at least ``AUTO_MIN_TOKENS`` keys to FA4; ``attention="fa4"`` se
 the models, on an H100: Wan at 81 frames 1.12x per step in the int8 stack (the attention the only change), about
 1.09-1.10x in bf16 (against a cuDNN row that also kept older switches).
 
+``TIMED_MIN_TOKENS`` (off) makes auto's route take calls from that many keys and time FA4 against SDPA on each
+shape's first call below ``AUTO_MIN_TOKENS`` (``faster_kernel``), the faster serving the shape from then on. Measured
+inside the models it bought nothing: on the models' own activations the two kernels tied at image lengths (FLUX 0.408
+against 0.413 ms per call on an H200, 0.423 against 0.421 on an H100; Qwen-Image 0.391 against 0.390), and a shape
+given to SDPA runs it from Python inside the op, which cost the compiled bf16 Qwen-Image forward, whose host work
+nearly fills its GPU time, 23 % (185 against 151 ms per forward, one H100). It stays a switch for A/B runs.
+
 How it reaches the model: the same route as FP8 attention (``fp8_attention.route_transformer``): the processors'
 module-global ``dispatch_attention_fn`` is wrapped, and calls this kernel can serve (``eligible``) go to the custom
 op ``omni_accel::fa4_attention``, opaque to inductor like SDPA; every other call goes to the original dispatcher.
@@ -42,7 +49,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import statistics
 import threading
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +70,14 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Keys per call from which auto prefers FA4 to cuDNN: FA4 won at every length measured from 9,360 keys up
 # (1.07-1.18x), and at 4,352-4,608 the two kernels took turns (GPU and length); 8,192 lies between, unmeasured.
 AUTO_MIN_TOKENS = 8192
+# None (the default): auto's FA4 route starts at AUTO_MIN_TOKENS. A key count: the route starts there and, below
+# AUTO_MIN_TOKENS, times FA4 against SDPA (the kernel auto pinned: cuDNN) on each shape's first call, keeping the
+# faster (faster_kernel). Measured no gain at image lengths (the module's docstring), so off.
+TIMED_MIN_TOKENS: int | None = None
+# The timing: rounds alternating the two kernels (so clock and power drift hit both), calls per round, median per
+# call. 35 calls of each at the first call of a shape: 30-40 ms at FLUX's length.
+TIMED_ROUNDS = 7
+TIMED_CALLS = 5
 # Whether a captured forward holds FA4's kernel (True) or runs it between graph segments (False, the default: above).
 IN_GRAPH = False
 # FA4's Hopper forward tile for every call: (tile_m, tile_n, P.V from registers, intra-warpgroup overlap); None:
@@ -157,11 +175,12 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: fl
 
 
 def call_or_sdpa(kernel: str, refused: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scale: float | None, call) -> torch.Tensor:
+                 scale: float | None, call, count: bool = True) -> torch.Tensor:
     """``call()`` (a packaged kernel on q, k, v), or SDPA where it failed: a failure is logged once per shape and kept
     in ``refused`` (shape -> why), and that shape goes straight to SDPA from then on. Shared by the routed kernels
-    (FlashAttention-4 here, SageAttention in sage_attention.py)."""
-    shape = (tuple(query.shape), tuple(key.shape), tuple(value.shape), str(query.dtype).replace("torch.", ""))
+    (FlashAttention-4 here, SageAttention in sage_attention.py). ``count``: whether a served call counts in
+    ``served_calls`` (a timing call does not)."""
+    shape = _shape_key(query, key, value)
     if shape in refused:
         return _sdpa(query, key, value, scale)
     try:
@@ -173,8 +192,13 @@ def call_or_sdpa(kernel: str, refused: dict, query: torch.Tensor, key: torch.Ten
         logger.warning("omni_accel: %s failed for q %s, k %s (%s); SDPA computes this shape from now on", kernel,
                        shape[0], shape[1], why)
         return _sdpa(query, key, value, scale)
-    count_served(kernel)
+    if count:
+        count_served(kernel)
     return out
+
+
+def _shape_key(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
+    return tuple(query.shape), tuple(key.shape), tuple(value.shape), str(query.dtype).replace("torch.", "")
 
 
 def _hopper(tensor: torch.Tensor) -> bool:
@@ -228,9 +252,102 @@ def _fa4_call(query, key, value, scale, out=None):
     return forward(query, key, value, softmax_scale=scale, causal=False, out=out)[0]
 
 
+@dataclass(frozen=True)
+class TimedChoice:
+    """What the first call of a shape measured: the kernel that serves the shape, and each kernel's median ms per call
+    (FA4's None where it failed on the shape)."""
+
+    kernel: str  # "fa4" or "sdpa"
+    fa4_ms: float | None
+    sdpa_ms: float
+
+    def describe(self) -> str:
+        fa4 = "failed" if self.fa4_ms is None else f"{self.fa4_ms:.3f} ms"
+        return f"{self.kernel} (fa4 {fa4}, sdpa {self.sdpa_ms:.3f} ms per call)"
+
+
+_CHOICES: dict[tuple, TimedChoice] = {}  # (q shape, k shape, v shape, dtype, device) -> the timed choice
+
+
+def timed_choices() -> dict[str, str]:
+    """The shapes auto's route timed in this process, printable: {shape: "fa4 (fa4 0.410 ms, sdpa 0.465 ms ...)"}."""
+    with _REFUSED_LOCK:
+        return {str(shape): choice.describe() for shape, choice in _CHOICES.items()}
+
+
+def faster_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> str:
+    """"fa4" or "sdpa": which serves this shape, timed on its first call (``TIMED_ROUNDS`` rounds of ``TIMED_CALLS``
+    calls each, alternating, on these very tensors; logged once) and remembered for the process. SDPA runs under the
+    kernel choice in force, which auto pinned to cuDNN. Nothing is timed while a CUDA graph is being captured (the
+    kernels would be recorded, not run): an untimed shape gets FA4 there, a shape timed at an earlier eager call (a
+    graphed forward's first call of a signature is eager) its choice."""
+    shape = (*_shape_key(query, key, value), str(query.device))
+    choice = _CHOICES.get(shape)
+    if choice is not None:
+        return choice.kernel
+    if _capturing(query):
+        return "fa4"
+    choice = _time_both(query, key, value, scale)
+    with _REFUSED_LOCK:
+        _CHOICES[shape] = choice
+    logger.info("omni_accel: attention='auto' timed q %s, k %s on %s: %s serves it", shape[0], shape[1],
+                shape[4], choice.describe())
+    return choice.kernel
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _time_both(query, key, value, scale) -> TimedChoice:
+    def fa4():
+        return call_or_sdpa(KERNEL_NAME, _REFUSED, query, key, value, scale,
+                            lambda: _fa4_call(query, key, value, scale), count=False)
+
+    def sdpa():
+        return _sdpa(query, key, value, scale)
+
+    fa4()  # the first call compiles FA4's kernel (seconds, once per process) or finds it fails on this shape
+    if _shape_key(query, key, value) in _REFUSED:
+        return TimedChoice("sdpa", None, _median_ms(sdpa, TIMED_ROUNDS, TIMED_CALLS, query.device)[0])
+    sdpa()
+    fa4_ms, sdpa_ms = _median_ms((fa4, sdpa), TIMED_ROUNDS, TIMED_CALLS, query.device)
+    return TimedChoice("fa4" if fa4_ms < sdpa_ms else "sdpa", fa4_ms, sdpa_ms)
+
+
+def _median_ms(calls, rounds: int, per_round: int, device: torch.device) -> list[float]:
+    """Each of ``calls``' median ms per call over ``rounds`` rounds (the calls alternating within a round), timed by
+    CUDA events on a GPU, by the wall clock elsewhere."""
+    calls = calls if isinstance(calls, tuple) else (calls,)
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, times in zip(calls, samples):
+            times.append(_elapsed_ms(call, per_round, device) / per_round)
+    return [statistics.median(times) for times in samples]
+
+
+def _elapsed_ms(call, repeats: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    began = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - began) * 1e3
+
+
 @torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())
-def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU."""
+def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                  timed: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale) v by FA4's kernel; q, k, v are (batch, tokens, heads, head dim), 16-bit, on a GPU.
+    ``timed``: the shape is served by whichever of FA4 and SDPA ``faster_kernel`` timed faster (auto's route)."""
+    if timed and faster_kernel(query, key, value, scale) == "sdpa":
+        return _sdpa(query, key, value, scale)  # under a capture, captured like the dispatcher's own SDPA call
 
     def call(q, k, v, out=None):
         result = call_or_sdpa(KERNEL_NAME, _REFUSED, q, k, v, scale, lambda: _fa4_call(q, k, v, scale, out))
@@ -247,7 +364,7 @@ def attention_output_shape(query: torch.Tensor, value: torch.Tensor) -> tuple[in
     return (*query.shape[:-1], value.shape[-1])
 
 
-def attention_output_like(query, key, value, scale):
+def attention_output_like(query, key, value, scale, timed=False):
     """The routed attention ops' fake implementation (``attention_output_shape``)."""
     return query.new_empty(attention_output_shape(query, value))
 

@@ -217,24 +217,27 @@ class _Route:
     depth = 0
     implementation = "triton"
     min_tokens = 0
+    timed_below = 0  # FA4 route: calls with fewer keys are served by the kernel timed faster (fa4_attention.py)
 
 
 class _RouteHook(ModelHook):
-    def __init__(self, implementation: str, min_tokens: int = 0):
+    def __init__(self, implementation: str, min_tokens: int = 0, timed_below: int = 0):
         super().__init__()
         self.implementation = implementation
         self.min_tokens = min_tokens
+        self.timed_below = timed_below
 
     def new_forward(self, module, *args, **kwargs):
         _Route.depth += 1
-        outer = _Route.implementation, _Route.min_tokens
-        _Route.implementation, _Route.min_tokens = self.implementation, self.min_tokens
+        outer = _Route.implementation, _Route.min_tokens, _Route.timed_below
+        _Route.implementation, _Route.min_tokens, _Route.timed_below = (self.implementation, self.min_tokens,
+                                                                        self.timed_below)
         scope_depth = len(_SCOPE)
         try:
             return self.fn_ref.original_forward(*args, **kwargs)
         finally:
             _Route.depth -= 1
-            _Route.implementation, _Route.min_tokens = outer
+            _Route.implementation, _Route.min_tokens, _Route.timed_below = outer
             del _SCOPE[scope_depth:]  # an attention forward that raised skipped its scope's exit hook
 
 
@@ -303,7 +306,7 @@ def _routed_attention(query, key, value, scale):
             return sage_attention.sage_attention(query, sage_attention.smoothed_keys(key), value, scale, True)
         return sage_attention.sage_attention(query, key, value, scale)
     if _Route.implementation == "fa4":
-        return fa4_attention.fa4_attention(query, key, value, scale)
+        return fa4_attention.fa4_attention(query, key, value, scale, key.shape[1] < _Route.timed_below)
     if _Route.implementation == "cudnn":
         from .cudnn_fp8_attention import cudnn_fp8_attention
 
@@ -330,12 +333,13 @@ _ROUTED: dict[str, list] = {}  # module name -> [original dispatch_attention_fn,
 
 
 def route_transformer(transformer: torch.nn.Module, implementation: str = "triton",
-                      min_tokens: int = 0) -> Callable[[], None]:
+                      min_tokens: int = 0, timed_below: int = 0) -> Callable[[], None]:
     """Send ``transformer``'s eligible attention calls to ``implementation`` (an FP8 one, or "fa4" / "sage" for calls
-    with at least ``min_tokens`` keys); return the undo. The modules' ``dispatch_attention_fn`` globals are shared by
+    with at least ``min_tokens`` keys; "fa4" times itself against SDPA per shape for calls with fewer than
+    ``timed_below`` keys); return the undo. The modules' ``dispatch_attention_fn`` globals are shared by
     every pipeline of the family in the process, so they are swapped once and put back with the last routed
     transformer's undo (``hooks.swap_module_global``)."""
-    undo_hook = add_hook(transformer, f"attention_route.{implementation}", _RouteHook(implementation, min_tokens))
+    undo_hook = add_hook(transformer, f"attention_route.{implementation}", _RouteHook(implementation, min_tokens, timed_below))
     # a module without dispatch_attention_fn does not dispatch attention
     _, undo_globals = swap_module_global(transformer, "dispatch_attention_fn", _ROUTED,
                                          lambda current: None if current is None else _make_dispatch(current))
