@@ -1187,6 +1187,7 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
     rewrites_before = dict(epilogue_fusion.REWRITES)
     served_before = _attention_served()
     gemm_tuning.reset()  # each row times its GEMMs again (the time counts in its first call)
+    fa4_attention.reset_timed_choices()  # with the timing switch on, each row times its own shapes
     try:
         t0 = time.perf_counter()
         fn, undo = row.setup(pipe, pipe.transformer, inputs, spec["model"])
