@@ -323,11 +323,11 @@ class AttentionPass(AccelPass):
         from .fp8_attention import route_transformer
 
         backend, long_route = self._plan(ctx)
+        long_route = _long_route_bounds(*long_route) if long_route else None  # (kernel, from keys, timed below)
         passed_over = self._passed_over(ctx)
         routed = {backend.name} | ({long_route[0]} if long_route else set())
         if ctx.config.sequence_degree == 1:
-            timed = bool(long_route) and _long_route_bounds(*long_route)[2] > 0
-            _report_fallbacks(ctx.state, routed, timed=timed)
+            _report_fallbacks(ctx.state, routed, timed=bool(long_route) and long_route[2] > 0)
         for name, transformer in ctx.adapter.transformers_of(ctx.pipe):
             details = {"passed_over": list(passed_over)} if passed_over else {}
             if backend.name == "sdpa":
@@ -355,7 +355,7 @@ class AttentionPass(AccelPass):
             elif backend.sdpa is not None:
                 undo = add_hook(transformer, f"sdpa_kernel.{name}", _SdpaKernelHook(backend.sdpa))
                 if long_route:  # auto: long sequences to FlashAttention-4 / SageAttention, the rest to the SDPA kernel
-                    kernel, min_tokens, timed_below = _long_route_bounds(*long_route)
+                    kernel, min_tokens, timed_below = long_route
                     undo = _both(route_transformer(transformer, kernel, min_tokens, timed_below), undo)
                     details["long_sequences"] = f"{kernel} from {min_tokens} keys" + (
                         f" (below {timed_below}: the faster of it and {backend.name}, timed per shape)"

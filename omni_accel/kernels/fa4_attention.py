@@ -324,16 +324,15 @@ def _time_both(query, key, value, scale) -> TimedChoice:
 
     fa4()  # the first call compiles FA4's kernel (seconds, once per process) or finds it fails on this shape
     if _shape_key(query, key, value) in _REFUSED:
-        return TimedChoice("sdpa", None, _median_ms(sdpa, TIMED_ROUNDS, TIMED_CALLS, query.device)[0])
+        return TimedChoice("sdpa", None, _median_ms((sdpa,), TIMED_ROUNDS, TIMED_CALLS, query.device)[0])
     sdpa()
     fa4_ms, sdpa_ms = _median_ms((fa4, sdpa), TIMED_ROUNDS, TIMED_CALLS, query.device)
     return TimedChoice("sdpa" if sdpa_ms < fa4_ms * (1 - TIMED_SDPA_MARGIN) else "fa4", fa4_ms, sdpa_ms)
 
 
-def _median_ms(calls, rounds: int, per_round: int, device: torch.device) -> list[float]:
+def _median_ms(calls: tuple, rounds: int, per_round: int, device: torch.device) -> list[float]:
     """Each of ``calls``' median ms per call over ``rounds`` rounds (the calls alternating within a round), timed by
     CUDA events on a GPU, by the wall clock elsewhere."""
-    calls = calls if isinstance(calls, tuple) else (calls,)
     samples: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for call, times in zip(calls, samples):

@@ -339,7 +339,8 @@ def route_transformer(transformer: torch.nn.Module, implementation: str = "trito
     ``timed_below`` keys); return the undo. The modules' ``dispatch_attention_fn`` globals are shared by
     every pipeline of the family in the process, so they are swapped once and put back with the last routed
     transformer's undo (``hooks.swap_module_global``)."""
-    undo_hook = add_hook(transformer, f"attention_route.{implementation}", _RouteHook(implementation, min_tokens, timed_below))
+    undo_hook = add_hook(transformer, f"attention_route.{implementation}",
+                         _RouteHook(implementation, min_tokens, timed_below))
     # a module without dispatch_attention_fn does not dispatch attention
     _, undo_globals = swap_module_global(transformer, "dispatch_attention_fn", _ROUTED,
                                          lambda current: None if current is None else _make_dispatch(current))
