@@ -445,6 +445,20 @@ def test_the_timing_switch_starts_auto_s_route_lower_and_times_each_shape_once(r
     assert fa4.timed_choices() == {}
 
 
+@pytest.mark.parametrize("bad", [0, -1, "4096", 4096.0, True])
+def test_a_bad_timing_switch_is_refused_before_anything_is_patched(monkeypatch, bad):
+    _fa4_available(monkeypatch)
+    monkeypatch.setattr(fa4, "TIMED_MIN_TOKENS", bad)
+    hopper_rule = attn.choose_auto(CUDA, torch.bfloat16, True, 128, False, HOPPER)
+    monkeypatch.setattr(attn, "choose_auto", lambda *a, **k: hopper_rule)
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as err:
+        omni_accel.accelerate(pipe, attention="auto")
+    assert str(err.value) == (f"fa4_attention.TIMED_MIN_TOKENS={bad!r} is not a key count: set it to None (off, the "
+                              "default) or to a positive int such as 4096.")
+    assert "omni_accel" not in vars(pipe)
+
+
 @pytest.mark.parametrize("sdpa_ms, kernel", [
     (1.0, "fa4"),  # a tie goes to FA4: SDPA from inside the op costs host time the GPU timing does not see
     (0.98, "fa4"),  # within TIMED_SDPA_MARGIN (3 %)

@@ -307,7 +307,9 @@ class AttentionPass(AccelPass):
         return backend, None
 
     def check(self, ctx: PassContext) -> None:
-        backend, _ = self._plan(ctx)
+        backend, long_route = self._plan(ctx)
+        if long_route:
+            _long_route_bounds(*long_route)  # refuses a bad timing switch before anything is patched
         if backend.name in ("fp8", "fa4") and ctx.config.sequence_degree > 1:
             raise AccelError(
                 f"attention={backend.name!r} cannot be combined with sequence parallelism (sp={ctx.config.sp}): the "
@@ -412,6 +414,9 @@ def _long_route_bounds(kernel: str, min_tokens: int) -> tuple[str, int, int]:
     """auto's long route as (kernel, first key count routed, key count below which the op times FA4 against SDPA per
     shape: 0 for none). The timing is FA4's switch ``fa4_attention.TIMED_MIN_TOKENS`` (off by default)."""
     timed_from = fa4_attention.TIMED_MIN_TOKENS
+    if timed_from is not None and (isinstance(timed_from, bool) or not isinstance(timed_from, int) or timed_from < 1):
+        raise AccelError(f"fa4_attention.TIMED_MIN_TOKENS={timed_from!r} is not a key count: set it to None (off, the "
+                         "default) or to a positive int such as 4096.")
     if kernel == "fa4" and timed_from is not None and timed_from < min_tokens:
         return kernel, timed_from, min_tokens
     return kernel, min_tokens, 0
