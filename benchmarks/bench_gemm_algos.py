@@ -12,6 +12,12 @@ every way in turn, and each way's ``vs_torch`` is the median of its paired ratio
 Each row has its error against the float32 product. The summary weighs each shape by its calls per step: the step's
 GEMM time with torch's calls and with the best candidate wherever it beats torch (an upper bound: the best of several
 noisy ratios is picked).
+
+``--quack CONFIGS`` adds the CuTe DSL GEMMs of the ``quack-kernels`` package (the kernels FlashAttention-4 is built
+beside) as ways ``quack_<tile>_<pp|coop>_c<cluster>`` for the shapes of at least 4,096 rows: its plain GEMM with the
+bias in the epilogue, its ``gemm_act`` with the tanh GELU, its in-place accumulation. ``single_qkv_mlp`` (not in the
+step sum) is the single block's q / k / v and MLP input projections as one GEMM of 21,504 columns, the GELU then
+applied to the MLP's columns by a separate kernel: whether fewer, larger GEMMs pay for losing the GELU epilogue.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +52,14 @@ FLUX_GEMMS = [
     ("text_ff_up_gelu", 512, 3072, 12288, "gelu_bias", 19),
     ("text_ff_down", 512, 12288, 3072, "bias", 19),
 ]
+# not in the step sum (0 calls): q / k / v and the MLP input projection of a single block as one GEMM, the GELU on the
+# MLP's 12,288 columns as a separate pass (a GEMM epilogue applies to every column)
+FUSION_GEMMS = [("single_qkv_mlp", 4608, 3072, 21504, "bias_gelu_tail", 0)]
+GELU_TAIL_FROM = 9216
 TINY_GEMMS = [("tiny", 64, 128, 256, "bias", 1)]
+# quack's Hopper tiles (omni_accel.kernels.quack_gemm's names); "default" is quack's own default config
+QUACK_CONFIGS = "default,256x128_coop_c2x1,256x192_coop_c2x1,128x256_coop_c2x1,128x192_pp_c2x1"
+QUACK_MIN_ROWS = 4096
 
 
 def reference(x, w_t, bias, start, epilogue: str) -> torch.Tensor:
@@ -53,18 +67,38 @@ def reference(x, w_t, bias, start, epilogue: str) -> torch.Tensor:
     if epilogue == "accumulate":
         return start.float() + product
     product = product + bias.float()
+    if epilogue == "bias_gelu_tail":
+        product[:, GELU_TAIL_FROM:] = F.gelu(product[:, GELU_TAIL_FROM:], approximate="tanh")
+        return product
     return F.gelu(product, approximate="tanh") if epilogue == "gelu_bias" else product
+
+
+def gelu_tail_(out: torch.Tensor) -> torch.Tensor:
+    """The fused GEMM's MLP columns through the tanh GELU, in place (what its epilogue cannot do)."""
+    torch.ops.aten.gelu_(out[:, GELU_TAIL_FROM:], approximate="tanh")
+    return out
+
+
+class EagerReps:
+    """``reps`` calls of ``fn`` behind a graph's ``replay`` (for a way whose kernels a capture refuses)."""
+
+    def __init__(self, fn, reps: int):
+        self.fn, self.reps = fn, reps
+
+    def replay(self) -> None:
+        for _ in range(self.reps):
+            self.fn()
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return round(float((out.float() - want).norm() / want.norm()), 6)
 
 
-def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int) -> list[dict]:
+def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int, quack: list[str] = ()) -> list[dict]:
     """torch's call and each candidate, captured once, then timed in ``rounds`` rounds; each round replays every way
     in turn, starting one later each round, so that a drift of the clocks during the shape's run reaches all ways
     alike: ``vs_torch`` is the median over rounds of torch's time in the round over the way's."""
-    from omni_accel.kernels import cublaslt, gemm_tuning
+    from omni_accel.kernels import cublaslt, gemm_tuning, quack_gemm
 
     name, m, k, n, epilogue, calls = spec
     gen = torch.Generator("cpu").manual_seed(0)
@@ -75,25 +109,54 @@ def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int) -> 
     out = start.clone()
     want = reference(x, w_t, bias, start, epilogue)
     base = {"gemm": name, "shape": [m, k, n], "epilogue": epilogue, "calls_per_step": calls}
-    lt_epilogue = gemm_tuning.lt_epilogue(epilogue)
-    ways = {"torch": (lambda: gemm_tuning.torch_call(x, w_t, bias, epilogue, out), {})}
+    tail = epilogue == "bias_gelu_tail"
+    lt_epilogue = gemm_tuning.lt_epilogue("bias" if tail else epilogue)
+    if tail:
+        ways = {"torch": (lambda: gelu_tail_(gemm_tuning.torch_call(x, w_t, bias, "bias", out)), {})}
+    else:
+        ways = {"torch": (lambda: gemm_tuning.torch_call(x, w_t, bias, epilogue, out), {})}
     for algo in cublaslt.algorithms(m, n, k, torch.bfloat16, lt_epilogue, count, device.index or 0):
         def run(algo=algo):
             target = out if epilogue == "accumulate" else torch.empty(m, n, device=device, dtype=torch.bfloat16)
-            return cublaslt.matmul(x, w_t, bias if "bias" in lt_epilogue else None, target, algo, lt_epilogue,
-                                   accumulate=epilogue == "accumulate")
+            result = cublaslt.matmul(x, w_t, bias if "bias" in lt_epilogue else None, target, algo, lt_epilogue,
+                                     accumulate=epilogue == "accumulate")
+            return gelu_tail_(result) if tail else result
         ways[f"algo_{algo.rank}"] = (run, {"waves": round(algo.waves, 3), "workspace": algo.workspace_size,
                                           "config": algo.config})
+    for name in quack if m >= QUACK_MIN_ROWS else ():
+        try:
+            config = quack_gemm.config(name, device)
+        except Exception as exc:  # noqa: BLE001 -- no quack, or a config it cannot take: that way's row says why
+            ways[f"quack_{name}"] = (None, {"error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+
+        def run_quack(config=config):
+            result = quack_gemm.linear(x, w_t, bias, "bias" if tail else epilogue, out, config)
+            return gelu_tail_(result) if tail else result
+        ways[f"quack_{name}"] = (run_quack, {"config": str(config)})
     rows: dict[str, dict] = {}
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     for way, (fn, extra) in ways.items():
         row = rows[way] = {**base, "way": way, **extra}
+        if fn is None:
+            continue
         try:
             out.copy_(start)
-            row["rel_err"] = rel_err(fn(), want)
-            graphs[way] = capture_graph(fn, reps)
+            began = time.perf_counter()
+            result = fn()
+            torch.cuda.synchronize(device)
+            row["first_call_s"] = round(time.perf_counter() - began, 3)  # a quack way compiles in it
+            row["rel_err"] = rel_err(result, want)
+            out.copy_(start)
         except Exception as exc:  # noqa: BLE001 -- one candidate that fails costs its row
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            continue
+        try:
+            graphs[way] = capture_graph(fn, reps)
+        except Exception as exc:  # noqa: BLE001 -- a capture refused: the way is timed as eager calls
+            torch.cuda.synchronize()
+            row["eager_timed"] = f"{type(exc).__name__}: {exc}"[:200]
+            graphs[way] = EagerReps(fn, reps)
     per_round = {way: [ms * 1e3 / reps for ms in times]
                  for way, times in graph_rounds_ms(graphs, iters, rounds).items()}
     for way in graphs:
@@ -123,6 +186,11 @@ def summarize(rows: list[dict]) -> dict:
                                    "best_us": best["us_graph"], "vs_torch": best["vs_torch"]}
         summary["step_ms_torch"] += torch_row["us_graph"] * calls / 1e3
         summary["step_ms_best"] += torch_row["us_graph"] / max(best["vs_torch"], 1.0) * calls / 1e3
+    torch_us = {row["gemm"]: row["us_graph"] for row in rows if row["way"] == "torch" and "us_graph" in row}
+    if {"single_qkv", "single_mlp_gelu", "single_qkv_mlp"} <= set(torch_us):  # the fusion's verdict, torch's calls
+        separate = torch_us["single_qkv"] + torch_us["single_mlp_gelu"]
+        summary["single_fusion"] = {"separate_us": round(separate, 2), "fused_us": torch_us["single_qkv_mlp"],
+                                    "fused_speedup": round(separate / torch_us["single_qkv_mlp"], 4)}
     summary["step_ms_torch"] = round(summary["step_ms_torch"], 3)
     summary["step_ms_best"] = round(summary["step_ms_best"], 3)
     return summary
@@ -134,6 +202,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warm-s", type=float, default=3.0, help="seconds of 8192^3 GEMMs before the first row")
     parser.add_argument("--gemms", default="", help="comma-separated GEMM names (default: all)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every way in turn per shape")
+    parser.add_argument("--quack", nargs="?", const=QUACK_CONFIGS, default="",
+                        help="also time quack-kernels' GEMMs on these configs (comma-separated, e.g. "
+                             f"256x128_coop_c2x1; bare --quack: {QUACK_CONFIGS})")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda":
@@ -141,7 +212,7 @@ def main(argv=None) -> int:
     if args.count < 1 or args.rounds < 1 or args.warm_s < 0:
         parser.error(f"--count {args.count} / --rounds {args.rounds} / --warm-s {args.warm_s}: give at least one "
                      "candidate and one round, and >= 0 seconds")
-    specs = TINY_GEMMS if args.tiny else FLUX_GEMMS
+    specs = TINY_GEMMS if args.tiny else FLUX_GEMMS + FUSION_GEMMS
     if args.gemms:
         wanted = args.gemms.split(",")
         unknown = sorted(set(wanted) - {s[0] for s in specs})
@@ -155,7 +226,8 @@ def main(argv=None) -> int:
         result["warm_up"] = measure_sustained_gemm(device, clocks, args.warm_s)
     clocks.mark()
     for spec in specs:
-        result["rows"] += shape_rows(device, spec, args.count, args.iters, args.reps, args.rounds)
+        result["rows"] += shape_rows(device, spec, args.count, args.iters, args.reps, args.rounds,
+                                     [name for name in args.quack.split(",") if name])
         result["summary"] = summarize(result["rows"])
         write_result(args.out, result)
     log(str(result["summary"]))

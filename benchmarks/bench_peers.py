@@ -85,7 +85,8 @@ from benchmarks.bench_transformer import (  # noqa: E402
 )
 from benchmarks.timing import back_to_back_ms, cuda_calls_ms, write_result  # noqa: E402
 from omni_accel.deps import installed  # noqa: E402
-from omni_accel.kernels import fa4_attention  # noqa: E402 -- the FlashAttention-4 tile rows
+from omni_accel.errors import AccelError  # noqa: E402
+from omni_accel.kernels import fa4_attention, quack_gemm  # noqa: E402 -- the FlashAttention-4 tile rows, quack tiles
 
 
 def wan81_spec(tiny: bool) -> dict:
@@ -196,6 +197,8 @@ class Row:
     # kernels.fa4_attention.TIMED_MIN_TOKENS (None, the default: auto's FA4 route from 8,192 keys; a key count: the
     # route from there, timing FA4 against cuDNN per shape below 8,192 keys)
     fa4_timed_min_tokens: int | None = None
+    # kernels.gemm_tuning.QUACK_CONFIGS (with tuned_gemm: quack-kernels' GEMMs on these tiles among the candidates)
+    quack_configs: tuple = ()
 
 
 # the library's module switches that rows flip for A/B runs: (module, attribute, Row field)
@@ -241,7 +244,8 @@ SWITCHES = (("compiler", "SIGMOID_GELU", "sigmoid_gelu"), ("compiler", "ROTARY_P
             ("kernels.epilogue_triton", "LAYERNORM_PARTS", "layernorm_parts"),
             ("kernels.fa4_attention", "IN_GRAPH", "fa4_in_graph"),
             ("kernels.fa4_attention", "TILE", "fa4_tile"),
-            ("kernels.fa4_attention", "TIMED_MIN_TOKENS", "fa4_timed_min_tokens"))
+            ("kernels.fa4_attention", "TIMED_MIN_TOKENS", "fa4_timed_min_tokens"),
+            ("kernels.gemm_tuning", "QUACK_CONFIGS", "quack_configs"))
 
 
 @contextlib.contextmanager
@@ -903,6 +907,20 @@ for _name in ("ours_bf16_mk_pdl", "ours_int8_auto"):
     _row = _switched(_name, "timed", "FlashAttention-4 timed against cuDNN per shape from 4,096 keys",
                      fa4_timed_min_tokens=4096)
     ROWS[_row.name] = replace(_row, needs=tuple(dict.fromkeys(_row.needs + ("flash_attn.cute",))), cuda_only=True)
+# The 16-bit GEMM tuner on today's stack (the _tuned rows above kept the stack of their day): cuBLASLt's candidates
+# alone, and with quack-kernels' CuTe DSL GEMMs on five Hopper tiles beside them
+QUACK_TILES = ("default", "256x128_coop_c2x1", "256x192_coop_c2x1", "128x256_coop_c2x1", "128x192_pp_c2x1")
+ROWS["ours_bf16_mk_pdl_tunedlt"] = _switched("ours_bf16_mk_pdl", "tunedlt", "16-bit linears on the cuBLASLt "
+                                             "algorithm timed fastest per shape", tuned_gemm=True)
+ROWS["ours_bf16_mk_pdl_tunedquack"] = replace(
+    _switched("ours_bf16_mk_pdl", "tunedquack", "16-bit linears on the fastest per shape of torch's call, cuBLASLt's "
+              f"candidates and quack-kernels' GEMMs on the tiles {', '.join(QUACK_TILES)}", tuned_gemm=True,
+              quack_configs=QUACK_TILES), needs=("quack",), cuda_only=True)
+# Today's bf16 stack under compile="max" (the _max row above kept the stack of its day): the whole-forward CUDA graph,
+# for a forward whose host time nears its GPU time (Qwen-Image's in 16 bits)
+ROWS["ours_bf16_mk_pdl_graph"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_graph",
+                                         setup=_ours(attention="auto", compile="max"),
+                                         note="ours_bf16_mk_pdl with compile='max': the whole-forward CUDA graph")
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1597,6 +1615,9 @@ def parse_args(argv):
     ap.add_argument("--loop-forwards", type=int, default=0,
                     help="also time N forwards launched back to back, as a denoising loop runs them (3 groups): "
                          "ms_loop / ms_per_step_loop per row, beside the per-forward timing; 0 = off")
+    ap.add_argument("--quack-tiles", default=",".join(QUACK_TILES),
+                    help="the quack GEMM tiles of the ours_bf16_mk_pdl_tunedquack row (comma-separated "
+                         "omni_accel.kernels.quack_gemm names)")
     ap.add_argument("--schedule-steps", type=int, default=0,
                     help="also time N forwards at the timesteps of a real N-step schedule inside one pipeline call "
                          "(2 runs): ms_schedule / ms_per_step_schedule per row, what a denoising run costs per step "
@@ -1626,6 +1647,11 @@ def parse_args(argv):
         ap.error(f"--blocks {args.blocks}: give the number of blocks to keep per stack (>= 1), or 0 for all")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give the number of times to time each config (>= 1)")
+    try:
+        for name in args.quack_tiles.split(","):
+            quack_gemm.check_name(name)
+    except AccelError as exc:
+        ap.error(f"--quack-tiles: {exc}")
     if args.check and not args.readme:
         ap.error("--check compares a markdown file's peers-table blocks with their result files: give it with "
                  "--readme FILE")
@@ -1639,6 +1665,8 @@ def main(argv=None) -> int:
         return 0
     if args.readme:
         return update_tables(args.readme, check=args.check)
+    ROWS["ours_bf16_mk_pdl_tunedquack"] = replace(ROWS["ours_bf16_mk_pdl_tunedquack"],
+                                                  quack_configs=tuple(args.quack_tiles.split(",")))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no GPU; use --device cpu --tiny", file=sys.stderr)
@@ -1672,7 +1700,7 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     from omni_accel.kernels.sage_attention import hopper_kernel_built
 
-    packages = ("torchao", "nvidia-cudnn-frontend", "triton", "flash-attn-4", "sageattention")
+    packages = ("torchao", "nvidia-cudnn-frontend", "triton", "flash-attn-4", "quack-kernels", "sageattention")
     versions = {p: _version(p) for p in packages}
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "diffusers": diffusers.__version__, "omni_accel": omni_accel.__version__,

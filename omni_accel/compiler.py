@@ -274,6 +274,7 @@ class CompilePass(AccelPass):
                 f"{CUDA_GRAPHS_ENV}={graphs_env!r} is not understood; set it to 0 to turn off the CUDA graphs of "
                 "compile='max', or to 1 (or unset it) to keep them."
             )
+        _check_quack_configs()
         where = modulation_prefetch.MODULATION_PREFETCH
         if where not in modulation_prefetch.WHERE:
             raise AccelError(f"omni_accel.modulation_prefetch.MODULATION_PREFETCH={where!r} is not one of "
@@ -340,6 +341,18 @@ class CompilePass(AccelPass):
         if ctx.config.compile == "max" or graphs_by_default(ctx):
             _apply_cuda_graphs(ctx)
         logger.info("omni_accel: regional compile of %s", [n for n, _ in ctx.adapter.transformers_of(ctx.pipe)])
+
+
+def _check_quack_configs() -> None:
+    """Refuse a ``gemm_tuning.QUACK_CONFIGS`` that is not a tuple of config names, before anything is patched."""
+    from .kernels import gemm_tuning, quack_gemm
+
+    names = gemm_tuning.QUACK_CONFIGS
+    if not isinstance(names, tuple) or not all(isinstance(name, str) for name in names):
+        raise AccelError(f"gemm_tuning.QUACK_CONFIGS={names!r} is not a tuple of config names: set it to () (off, "
+                         "the default) or to names such as ('256x192_coop_c2x1',).")
+    for name in names:
+        quack_gemm.check_name(name)
 
 
 def _tabulates_modulation(ctx: PassContext, transformer: torch.nn.Module) -> bool:

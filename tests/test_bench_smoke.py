@@ -745,6 +745,38 @@ def test_gemm_algos_summary_weighs_each_shape_by_its_calls_and_keeps_torch_where
     assert summary["step_ms_torch"] == 1.1 and summary["step_ms_best"] == 1.009  # b keeps torch's 50 us
 
 
+def test_gemm_algos_fused_single_block_gemm_applies_the_gelu_to_the_mlp_columns_only_and_gets_a_verdict():
+    module = _load_benchmark("bench_gemm_algos")
+    gen = torch.Generator().manual_seed(0)
+    x, w_t = torch.randn(3, 4, generator=gen), torch.randn(4, module.GELU_TAIL_FROM + 5, generator=gen)
+    bias = torch.randn(module.GELU_TAIL_FROM + 5, generator=gen)
+    plain = torch.addmm(bias, x, w_t)
+    got = module.gelu_tail_(plain.clone())
+    assert torch.equal(got[:, :module.GELU_TAIL_FROM], plain[:, :module.GELU_TAIL_FROM])
+    torch.testing.assert_close(got[:, module.GELU_TAIL_FROM:],
+                               torch.nn.functional.gelu(plain[:, module.GELU_TAIL_FROM:], approximate="tanh"))
+    torch.testing.assert_close(got, module.reference(x, w_t, bias, None, "bias_gelu_tail"))
+    rows = [{"gemm": g, "calls_per_step": c, "way": "torch", "us_graph": us, "vs_torch": 1.0}
+            for g, c, us in (("single_qkv", 38, 300.0), ("single_mlp_gelu", 38, 400.0), ("single_qkv_mlp", 0, 680.0))]
+    rows.append({"gemm": "single_qkv_mlp", "calls_per_step": 0, "way": "quack_default", "us_graph": 650.0,
+                 "vs_torch": 1.05})
+    rows.append({"gemm": "single_qkv", "calls_per_step": 38, "way": "algo_0", "us_graph": 310.0, "vs_torch": 0.97})
+    summary = module.summarize(rows)
+    assert summary["single_fusion"] == {"separate_us": 700.0, "fused_us": 680.0, "fused_speedup": 1.0294}
+    assert summary["step_ms_torch"] == 11.4  # single_qkv's 38 calls; the fused shape (0 calls per step) adds nothing
+
+
+def test_quack_rows_and_the_gemm_benchmark_name_tiles_the_library_takes(bench_peers):
+    from omni_accel.kernels import quack_gemm
+
+    row = bench_peers.ROWS["ours_bf16_mk_pdl_tunedquack"]
+    assert row.quack_configs == bench_peers.QUACK_TILES and row.tuned_gemm and "quack" in row.needs
+    assert bench_peers.ROWS["ours_bf16_mk_pdl_tunedlt"].quack_configs == ()
+    names = list(bench_peers.QUACK_TILES) + _load_benchmark("bench_gemm_algos").QUACK_CONFIGS.split(",")
+    for name in names:
+        quack_gemm.check_name(name)  # raises on a name the library would refuse
+
+
 def test_torchao_fp8_row_quantizes_only_the_bf16_linears_of_a_model_with_float32_modules(bench_peers, monkeypatch):
     """Wan keeps its time embedder in float32 (diffusers' _keep_in_fp32_modules), which torchao's per-row FP8
     refuses: the row's filter takes every bf16 linear and leaves those out, as diffusers' TorchAoConfig does."""

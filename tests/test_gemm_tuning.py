@@ -73,3 +73,90 @@ def test_operand_alignments_take_the_least_of_output_and_bias_with_or_without_a_
     out = base[4:68].view(8, 8)  # 8-byte aligned
     assert gemm_tuning.operand_alignments(x, w_t, None, "accumulate", out)[2] == 8
     assert gemm_tuning.operand_alignments(x, w_t, bias, "accumulate", out)[2] == 2
+
+
+# ---------------------------------------------------------------- quack-kernels' GEMMs among the tuner's candidates
+def test_quack_config_names_parse_to_quack_tiles_and_a_bad_name_is_refused_with_the_form(monkeypatch):
+    import sys
+    import types
+
+    from omni_accel.errors import AccelError
+    from omni_accel.kernels import quack_gemm
+
+    stand_in = types.SimpleNamespace(GemmConfig=lambda **kw: kw, default_config=lambda device: "quack's default")
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", stand_in)
+    assert quack_gemm.config("default") == "quack's default"
+    assert quack_gemm.config("256x208_coop_c1x2") == {"tile_m": 256, "tile_n": 208, "pingpong": False, "cluster_m": 1,
+                                                     "cluster_n": 2, "is_dynamic_persistent": False,
+                                                     "device_capacity": 9}
+    assert quack_gemm.config("128x192_pp_c2x1")["pingpong"] is True
+    with pytest.raises(AccelError) as err:
+        quack_gemm.config("256x192_coop")
+    assert str(err.value) == ("quack GEMM config '256x192_coop' is not a config name: use 'default' or "
+                              "'<tile_m>x<tile_n>_<pp|coop>_c<cluster_m>x<cluster_n>', e.g. '256x192_coop_c2x1'")
+    assert quack_gemm.available(torch.device("cpu")) == "quack's GEMMs need a CUDA GPU, not cpu"
+
+
+def test_quack_ways_time_the_configs_that_run_and_leave_out_a_failing_one_with_a_warning(monkeypatch, caplog):
+    from omni_accel.kernels import quack_gemm
+
+    calls = []
+
+    def fake_linear(x, w_t, bias, epilogue, out, config):
+        if config == "broken":
+            raise RuntimeError("compile failed")
+        calls.append((config, epilogue))
+        return x @ w_t
+
+    monkeypatch.setattr(gemm_tuning, "QUACK_CONFIGS", ("256x192_coop_c2x1", "128x192_pp_c2x1"))
+    monkeypatch.setattr(quack_gemm, "available", lambda device: None)
+    monkeypatch.setattr(quack_gemm, "config", lambda name, device=None: "broken" if name.startswith("128") else name)
+    monkeypatch.setattr(quack_gemm, "linear", fake_linear)
+    x, w = torch.randn(4, 8).to(BF16), torch.randn(6, 8).to(BF16)
+    with caplog.at_level("WARNING"):
+        ways = gemm_tuning._quack_ways(x, w.t(), None, "none", None)
+    assert list(ways) == ["quack_256x192_coop_c2x1"]
+    choice, call = ways["quack_256x192_coop_c2x1"]
+    assert choice == gemm_tuning.QuackChoice("256x192_coop_c2x1", "256x192_coop_c2x1")
+    assert torch.equal(call(), x @ w.t()) and calls == [("256x192_coop_c2x1", "none")] * 2  # first call + this one
+    assert ("quack GEMM 128x192_pp_c2x1 left out for the none epilogue (first at (4, 8) x 6; RuntimeError: compile "
+            "failed)") in caplog.text
+    caplog.clear()  # the failed (config, epilogue) is not compiled again for the next shape, nor warned about
+    assert list(gemm_tuning._quack_ways(torch.randn(2, 8).to(BF16), w.t(), None, "none", None)) == [
+        "quack_256x192_coop_c2x1"] and "left out" not in caplog.text
+    gemm_tuning.reset()
+    assert gemm_tuning._quack_failed == set()
+    # none listed, or quack not runnable here: no quack way
+    monkeypatch.setattr(gemm_tuning, "QUACK_CONFIGS", ())
+    assert gemm_tuning._quack_ways(x, w.t(), None, "none", None) == {}
+    monkeypatch.setattr(gemm_tuning, "QUACK_CONFIGS", ("default",))
+    monkeypatch.setattr(quack_gemm, "available", lambda device: "quack-kernels is not installed")
+    assert gemm_tuning._quack_ways(x, w.t(), None, "none", None) == {}
+
+
+def test_choices_name_a_quack_pick_by_its_config(monkeypatch):
+    key = (0, (4608, 3072), 9216, 3072, 3072, BF16, "bias", (256, 256, 256))
+    monkeypatch.setitem(gemm_tuning._choices, key, gemm_tuning.QuackChoice("256x192_coop_c2x1", object()))
+    monkeypatch.setitem(gemm_tuning._ratios, key, 1.051)
+    assert gemm_tuning.choices() == {"(4608, 3072) x 9216 bfloat16 bias": "quack_256x192_coop_c2x1 (1.051x)"}
+
+
+@pytest.mark.parametrize("bad, shown", [("256x192_coop_c2x1", "'256x192_coop_c2x1'"), (("256x192",), "('256x192',)"),
+                                        ([], "[]")])
+def test_a_bad_quack_config_list_is_refused_before_anything_is_patched(monkeypatch, bad, shown):
+    import omni_accel
+    from omni_accel.errors import AccelError
+    from omni_accel.testing import tiny_pipeline
+
+    monkeypatch.setattr(gemm_tuning, "QUACK_CONFIGS", bad)
+    pipe, _ = tiny_pipeline("flux")
+    with pytest.raises(AccelError) as err:
+        omni_accel.accelerate(pipe, compile=True)
+    if isinstance(bad, tuple):
+        assert str(err.value) == ("quack GEMM config '256x192' is not a config name: use 'default' or "
+                                  "'<tile_m>x<tile_n>_<pp|coop>_c<cluster_m>x<cluster_n>', e.g. '256x192_coop_c2x1'")
+    else:
+        assert str(err.value) == (f"gemm_tuning.QUACK_CONFIGS={shown} is not a tuple of config names: set it to () "
+                                  "(off, the default) or to names such as ('256x192_coop_c2x1',).")
+    assert "omni_accel" not in vars(pipe)

@@ -22,6 +22,10 @@ round once): the same class of difference as between two GPUs, and the pick may 
 graph pass of ``compile=True`` -- the 16-bit linears become ``omni_accel::linear_tuned`` and ``linear_gelu`` /
 ``concat_linear`` tune their GEMMs; off, every op is torch's call. ``choices()`` says what was picked
 (``report()["tuned_gemms"]``).
+
+``QUACK_CONFIGS`` (module switch, empty by default) adds the GEMMs of the ``quack-kernels`` package on the named tile
+configurations (``quack_gemm``) to the candidates timed on Hopper and newer, where quack is installed; each name
+compiles once per epilogue in the first forward. A quack call that fails later gives its shape back to torch's call.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..errors import AccelError
-from . import cublaslt
+from . import cublaslt, quack_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +49,12 @@ ROUNDS = 7
 MIN_GAIN = 1.04  # above the 0.98-1.04x that the heuristic's first candidate timed against torch's call
 MIN_GFLOP = 20.0
 EPILOGUES = ("none", "bias", "gelu_bias", "accumulate")
+QUACK_CONFIGS: tuple[str, ...] = ()  # quack tile configurations also timed, e.g. ("256x192_coop_c2x1",)
 
 _lock = threading.Lock()
-_choices: dict[tuple, object] = {}  # key -> cublaslt.Algorithm, or None for torch's call
+_choices: dict[tuple, object] = {}  # key -> cublaslt.Algorithm, QuackChoice, or None for torch's call
 _ratios: dict[tuple, float] = {}  # key -> the chosen way's median ratio over torch's call
+_quack_failed: set[tuple[str, str]] = set()  # (config name, epilogue) whose first call failed: not tried again
 
 
 def torch_call(x, w_t, bias, epilogue: str, out: torch.Tensor | None) -> torch.Tensor:
@@ -100,6 +107,39 @@ def _time_rounds(ways: dict[str, Callable[[], object]], calls: int, rounds: int)
     return per_round
 
 
+@dataclass(frozen=True)
+class QuackChoice:
+    """A shape's pick among quack's kernels: the configuration's name and quack's config object."""
+
+    name: str
+    config: object
+
+    def run(self, x, w_t, bias, epilogue: str, out) -> torch.Tensor:
+        return quack_gemm.linear(x, w_t, bias, epilogue, out, self.config)
+
+
+def _quack_ways(x, w_t, bias, epilogue: str, scratch) -> dict[str, tuple[QuackChoice, Callable[[], object]]]:
+    """``QUACK_CONFIGS``' kernels for this call where quack runs here: name -> (choice, call); a configuration
+    that fails its first call (its compile, or a shape it refuses) is left out, with a warning."""
+    if not QUACK_CONFIGS or quack_gemm.available(x.device) is not None:
+        return {}
+    ways = {}
+    for name in QUACK_CONFIGS:
+        if (name, epilogue) in _quack_failed:
+            continue
+        try:
+            choice = QuackChoice(name, quack_gemm.config(name, x.device))
+            call = (lambda choice=choice: choice.run(x, w_t, bias, epilogue, scratch))
+            call()
+        except Exception as exc:  # noqa: BLE001 -- quack raises what its compiler raises; the others still time
+            logger.warning("omni_accel: quack GEMM %s left out for the %s epilogue (first at %s x %s; %s: %s)",
+                           name, epilogue, tuple(x.shape), w_t.shape[1], type(exc).__name__, exc)
+            _quack_failed.add((name, epilogue))
+            continue
+        ways[f"quack_{name}"] = (choice, call)
+    return ways
+
+
 def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
     m, k = x.shape
     n = w_t.shape[1]
@@ -114,6 +154,8 @@ def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
         candidates[name] = algo
         ways[name] = (lambda algo=algo: cublaslt.matmul(x, w_t, bias, scratch, algo, lt_epilogue(epilogue),
                                                          accumulate=epilogue == "accumulate"))
+    for name, (choice, call) in _quack_ways(x, w_t, bias, epilogue, scratch).items():
+        candidates[name], ways[name] = choice, call
     per_call_ms = 2 * m * n * k / 500e12 * 1e3  # at ~500 TFLOP/s: about 2 ms per timed group of calls
     way, ratio = pick(_time_rounds(ways, max(3, round(2.0 / per_call_ms)), ROUNDS), MIN_GAIN)
     _ratios[key] = round(ratio, 4)
@@ -156,26 +198,32 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
     algo = _choices[key]
     if algo is None:
         return torch_call(x, w_t, bias, epilogue, out)
-    target = out if epilogue == "accumulate" else torch.empty(x.shape[0], w_t.shape[1], device=x.device,
-                                                              dtype=x.dtype)
     try:
+        if isinstance(algo, QuackChoice):
+            return algo.run(x, w_t, bias, epilogue, out)
+        target = out if epilogue == "accumulate" else torch.empty(x.shape[0], w_t.shape[1], device=x.device,
+                                                                  dtype=x.dtype)
         return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue(epilogue), accumulate=epilogue == "accumulate")
-    except AccelError as exc:  # a refused call costs the shape its tuning, never the forward
-        logger.warning("omni_accel: cuBLASLt refused the tuned GEMM %s (%s); torch's call from now on", key, exc)
+    except Exception as exc:  # noqa: BLE001 -- a refused call costs the shape its tuning, never the forward
+        if not isinstance(exc, AccelError) and not isinstance(algo, QuackChoice):
+            raise
+        logger.warning("omni_accel: the tuned GEMM %s failed (%s); torch's call from now on", key, exc)
         with _lock:
             _choices[key] = None
         return torch_call(x, w_t, bias, epilogue, out)
 
 
 def choices() -> dict[str, str]:
-    """What the tuning picked: "(M, K) x N <dtype> <epilogue>" -> "torch" or "algo_<rank> (<ratio>x)"."""
+    """What the tuning picked: "(M, K) x N <dtype> <epilogue>" -> "torch", "algo_<rank> (<ratio>x)" or
+    "quack_<config> (<ratio>x)"."""
     picked = {}
     with _lock:
         entries = list(_choices.items())
     for key, algo in entries:
         _, (m, k), n, _, _, dtype, epilogue, _ = key
         name = f"({m}, {k}) x {n} {str(dtype).replace('torch.', '')} {epilogue}"
-        picked[name] = "torch" if algo is None else f"algo_{algo.rank} ({_ratios.get(key, 1.0)}x)"
+        way = "torch" if algo is None else f"quack_{algo.name}" if isinstance(algo, QuackChoice) else f"algo_{algo.rank}"
+        picked[name] = way if algo is None else f"{way} ({_ratios.get(key, 1.0)}x)"
     return picked
 
 
@@ -184,3 +232,4 @@ def reset() -> None:
     with _lock:
         _choices.clear()
         _ratios.clear()
+        _quack_failed.clear()
