@@ -58,7 +58,8 @@ FUSION_GEMMS = [("single_qkv_mlp", 4608, 3072, 21504, "bias_gelu_tail", 0)]
 GELU_TAIL_FROM = 9216
 TINY_GEMMS = [("tiny", 64, 128, 256, "bias", 1)]
 # quack's Hopper tiles (omni_accel.kernels.quack_gemm's names); "default" is quack's own default config
-QUACK_CONFIGS = "default,256x128_coop_c2x1,256x192_coop_c2x1,128x256_coop_c2x1,128x192_pp_c2x1"
+# (on Hopper "default" is 128x192_pp_c2x1: the 2026-12-07 file times that kernel twice, 1-5 % apart)
+QUACK_CONFIGS = "256x128_coop_c2x1,256x192_coop_c2x1,128x256_coop_c2x1,128x192_pp_c2x1"
 QUACK_MIN_ROWS = 4096
 
 
@@ -123,17 +124,17 @@ def shape_rows(device, spec, count: int, iters: int, reps: int, rounds: int, qua
             return gelu_tail_(result) if tail else result
         ways[f"algo_{algo.rank}"] = (run, {"waves": round(algo.waves, 3), "workspace": algo.workspace_size,
                                           "config": algo.config})
-    for name in quack if m >= QUACK_MIN_ROWS else ():
+    for tile in quack if m >= QUACK_MIN_ROWS else ():
         try:
-            config = quack_gemm.config(name, device)
+            config = quack_gemm.config(tile, device)
         except Exception as exc:  # noqa: BLE001 -- no quack, or a config it cannot take: that way's row says why
-            ways[f"quack_{name}"] = (None, {"error": f"{type(exc).__name__}: {exc}"[:300]})
+            ways[f"quack_{tile}"] = (None, {"error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
 
         def run_quack(config=config):
             result = quack_gemm.linear(x, w_t, bias, "bias" if tail else epilogue, out, config)
             return gelu_tail_(result) if tail else result
-        ways[f"quack_{name}"] = (run_quack, {"config": str(config)})
+        ways[f"quack_{tile}"] = (run_quack, {"config": str(config)})
     rows: dict[str, dict] = {}
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     for way, (fn, extra) in ways.items():
@@ -221,6 +222,14 @@ def main(argv=None) -> int:
         specs = [s for s in specs if s[0] in wanted]
     clocks = ClockLog(args.log_clocks)
     result = kernel_result("bench_gemm_algos", device)
+    if args.quack:
+        from importlib.metadata import PackageNotFoundError, version
+
+        for package in ("quack-kernels", "nvidia-cutlass-dsl"):
+            try:
+                result["env"][package] = version(package)
+            except PackageNotFoundError:
+                result["env"][package] = None
     torch.randn(8, 8, device=device, dtype=torch.bfloat16) @ torch.randn(8, 8, device=device, dtype=torch.bfloat16)
     if args.warm_s:
         result["warm_up"] = measure_sustained_gemm(device, clocks, args.warm_s)

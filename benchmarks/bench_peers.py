@@ -909,13 +909,20 @@ for _name in ("ours_bf16_mk_pdl", "ours_int8_auto"):
     ROWS[_row.name] = replace(_row, needs=tuple(dict.fromkeys(_row.needs + ("flash_attn.cute",))), cuda_only=True)
 # The 16-bit GEMM tuner on today's stack (the _tuned rows above kept the stack of their day): cuBLASLt's candidates
 # alone, and with quack-kernels' CuTe DSL GEMMs on five Hopper tiles beside them
-QUACK_TILES = ("default", "256x128_coop_c2x1", "256x192_coop_c2x1", "128x256_coop_c2x1", "128x192_pp_c2x1")
+# (quack's "default" on Hopper is its 128 x 192 pingpong tile with a 2 x 1 cluster: left out, it would time it twice)
+QUACK_TILES = ("256x128_coop_c2x1", "256x192_coop_c2x1", "128x256_coop_c2x1", "128x192_pp_c2x1")
 ROWS["ours_bf16_mk_pdl_tunedlt"] = _switched("ours_bf16_mk_pdl", "tunedlt", "16-bit linears on the cuBLASLt "
                                              "algorithm timed fastest per shape", tuned_gemm=True)
-ROWS["ours_bf16_mk_pdl_tunedquack"] = replace(
-    _switched("ours_bf16_mk_pdl", "tunedquack", "16-bit linears on the fastest per shape of torch's call, cuBLASLt's "
-              f"candidates and quack-kernels' GEMMs on the tiles {', '.join(QUACK_TILES)}", tuned_gemm=True,
-              quack_configs=QUACK_TILES), needs=("quack",), cuda_only=True)
+
+
+def quack_row(tiles: tuple) -> Row:
+    """Today's bf16 stack with the GEMM tuner timing quack-kernels' GEMMs on ``tiles`` beside cuBLASLt's candidates."""
+    return replace(_switched("ours_bf16_mk_pdl", "tunedquack", "16-bit linears on the fastest per shape of torch's "
+                             f"call, cuBLASLt's candidates and quack-kernels' GEMMs on the tiles {', '.join(tiles)}",
+                             tuned_gemm=True, quack_configs=tiles), needs=("quack",), cuda_only=True)
+
+
+ROWS["ours_bf16_mk_pdl_tunedquack"] = quack_row(QUACK_TILES)
 # Today's bf16 stack under compile="max" (the _max row above kept the stack of its day): the whole-forward CUDA graph,
 # for a forward whose host time nears its GPU time (Qwen-Image's in 16 bits)
 ROWS["ours_bf16_mk_pdl_graph"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_graph",
@@ -1665,8 +1672,7 @@ def main(argv=None) -> int:
         return 0
     if args.readme:
         return update_tables(args.readme, check=args.check)
-    ROWS["ours_bf16_mk_pdl_tunedquack"] = replace(ROWS["ours_bf16_mk_pdl_tunedquack"],
-                                                  quack_configs=tuple(args.quack_tiles.split(",")))
+    ROWS["ours_bf16_mk_pdl_tunedquack"] = quack_row(tuple(args.quack_tiles.split(",")))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no GPU; use --device cpu --tiny", file=sys.stderr)
@@ -1700,7 +1706,8 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     from omni_accel.kernels.sage_attention import hopper_kernel_built
 
-    packages = ("torchao", "nvidia-cudnn-frontend", "triton", "flash-attn-4", "quack-kernels", "sageattention")
+    packages = ("torchao", "nvidia-cudnn-frontend", "triton", "flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl",
+                "sageattention")
     versions = {p: _version(p) for p in packages}
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "diffusers": diffusers.__version__, "omni_accel": omni_accel.__version__,

@@ -160,3 +160,44 @@ def test_a_bad_quack_config_list_is_refused_before_anything_is_patched(monkeypat
         assert str(err.value) == (f"gemm_tuning.QUACK_CONFIGS={shown} is not a tuple of config names: set it to () "
                                   "(off, the default) or to names such as ('256x192_coop_c2x1',).")
     assert "omni_accel" not in vars(pipe)
+
+
+class _RefusingQuack(gemm_tuning.QuackChoice):
+    def run(self, x, w_t, bias, epilogue, out):
+        raise self.config  # the exception to raise, in the config's place
+
+
+def test_a_refused_quack_call_goes_back_to_torchs_call_once_and_for_good_but_out_of_memory_raises(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x, w, start = torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(4, 6, generator=g)
+    key = ("shape",)
+    monkeypatch.setitem(gemm_tuning._choices, key, "tuned")
+    out = start.clone()
+    refusing = _RefusingQuack("128x192_pp_c2x1", RuntimeError("quack refused the layout"))
+    assert gemm_tuning.run_choice(key, refusing, x, w.t(), None, "accumulate", out) is out
+    torch.testing.assert_close(out, start + x @ w.t())  # torch's call added the product once
+    assert gemm_tuning._choices[key] is None  # and serves the shape from now on
+    monkeypatch.setitem(gemm_tuning._choices, key, "tuned")
+    with pytest.raises(torch.OutOfMemoryError):
+        gemm_tuning.run_choice(key, _RefusingQuack("default", torch.OutOfMemoryError("no memory")), x, w.t(), None,
+                               "none", None)
+    assert gemm_tuning._choices[key] == "tuned"  # the next call may have the memory: the pick stays
+    assert torch.equal(gemm_tuning.run_choice(key, None, x, w.t(), None, "none", None), x @ w.t())
+
+
+def test_a_cublaslt_pick_falls_back_on_its_refusal_and_raises_any_other_error(monkeypatch):
+    from omni_accel.errors import AccelError
+
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    key = ("shape",)
+    errors = iter([AccelError("cuBLASLt refused"), ValueError("a bug")])
+
+    def matmul(*args, **kwargs):
+        raise next(errors)
+
+    monkeypatch.setattr(cublaslt, "matmul", matmul)
+    monkeypatch.setitem(gemm_tuning._choices, key, "algo")
+    assert torch.equal(gemm_tuning.run_choice(key, "algo", x, w.t(), None, "none", None), x @ w.t())
+    assert gemm_tuning._choices[key] is None
+    with pytest.raises(ValueError, match="a bug"):
+        gemm_tuning.run_choice(key, "algo", x, w.t(), None, "none", None)

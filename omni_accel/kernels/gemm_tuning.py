@@ -119,8 +119,9 @@ class QuackChoice:
 
 
 def _quack_ways(x, w_t, bias, epilogue: str, scratch) -> dict[str, tuple[QuackChoice, Callable[[], object]]]:
-    """``QUACK_CONFIGS``' kernels for this call where quack runs here: name -> (choice, call); a configuration
-    that fails its first call (its compile, or a shape it refuses) is left out, with a warning."""
+    """``QUACK_CONFIGS``' kernels for this call where quack runs here: name -> (choice, call). A configuration
+    whose first call fails (mostly its compile, which is per epilogue, not per shape) is left out for that epilogue
+    for the rest of the process, with one warning."""
     if not QUACK_CONFIGS or quack_gemm.available(x.device) is not None:
         return {}
     ways = {}
@@ -192,10 +193,27 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
             if key not in _choices:
                 try:
                     _choices[key] = _tune(key, x, w_t, bias, epilogue, out)
-                except AccelError as exc:  # cuBLASLt refused a candidate: torch's call for this shape
+                except Exception as exc:  # noqa: BLE001 -- a failed tuning costs the shape its tuning only
+                    if not _refusal(exc, QUACK_CONFIGS):  # quack raises what its compiler raises
+                        raise
                     logger.warning("omni_accel: GEMM tuning of %s failed (%s); torch's call", key, exc)
                     _choices[key] = None
-    algo = _choices[key]
+    return run_choice(key, _choices[key], x, w_t, bias, epilogue, out)
+
+
+def _refusal(exc: BaseException, quack_involved: object) -> bool:
+    """Whether ``exc`` is a kernel refusing a call (the shape then goes back to torch's call) rather than an error
+    to raise: cuBLASLt's AccelError, or any error where quack ran -- but never running out of memory, which the
+    next call may not."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    return isinstance(exc, AccelError) or bool(quack_involved)
+
+
+def run_choice(key: tuple, algo: object, x, w_t, bias, epilogue: str, out) -> torch.Tensor:
+    """The call on ``algo`` (a cuBLASLt algorithm, a QuackChoice, or None for torch's call); a refused call puts the
+    shape back on torch's call for good. Both kernels refuse on the host, before launching anything, so an
+    "accumulate" they refused has not touched ``out`` and torch's call adds the product once."""
     if algo is None:
         return torch_call(x, w_t, bias, epilogue, out)
     try:
@@ -205,7 +223,7 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
                                                                   dtype=x.dtype)
         return cublaslt.matmul(x, w_t, bias, target, algo, lt_epilogue(epilogue), accumulate=epilogue == "accumulate")
     except Exception as exc:  # noqa: BLE001 -- a refused call costs the shape its tuning, never the forward
-        if not isinstance(exc, AccelError) and not isinstance(algo, QuackChoice):
+        if not _refusal(exc, isinstance(algo, QuackChoice)):
             raise
         logger.warning("omni_accel: the tuned GEMM %s failed (%s); torch's call from now on", key, exc)
         with _lock:
