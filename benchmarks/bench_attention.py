@@ -67,6 +67,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_transformer import ClockLog  # noqa: E402
+from benchmarks.timing import package_version as _version  # noqa: E402
 from benchmarks.timing import sample_ms, write_result  # noqa: E402
 from omni_accel.deps import installed  # noqa: E402 -- a dotted name whose parent is missing counts as missing
 
@@ -479,15 +480,6 @@ def shape_rows(name: str, shape: tuple[int, int, int], kernels: list[Kernel], ar
 
 
 # ------------------------------------------------------------------------------------------------ env, output
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _driver() -> str | None:
     import subprocess
 

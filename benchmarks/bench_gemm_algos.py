@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_fp8_epilogues import finish, kernel_parser, kernel_result  # noqa: E402
 from benchmarks.bench_transformer import ClockLog, log, measure_sustained_gemm  # noqa: E402
-from benchmarks.timing import capture_graph, graph_rounds_ms, write_result  # noqa: E402
+from benchmarks.timing import capture_graph, graph_rounds_ms, package_version, write_result  # noqa: E402
 
 # (name, rows, in, out, epilogue, calls per step) -- FLUX.1-dev at 1024²: 19 dual blocks (4096 image + 512 text
 # rows), 38 single blocks (4608 rows); the single blocks' proj_out is two GEMMs (omni_accel::concat_linear)
@@ -223,13 +223,7 @@ def main(argv=None) -> int:
     clocks = ClockLog(args.log_clocks)
     result = kernel_result("bench_gemm_algos", device)
     if args.quack:
-        from importlib.metadata import PackageNotFoundError, version
-
-        for package in ("quack-kernels", "nvidia-cutlass-dsl"):
-            try:
-                result["env"][package] = version(package)
-            except PackageNotFoundError:
-                result["env"][package] = None
+        result["env"].update({package: package_version(package) for package in ("quack-kernels", "nvidia-cutlass-dsl")})
     torch.randn(8, 8, device=device, dtype=torch.bfloat16) @ torch.randn(8, 8, device=device, dtype=torch.bfloat16)
     if args.warm_s:
         result["warm_up"] = measure_sustained_gemm(device, clocks, args.warm_s)

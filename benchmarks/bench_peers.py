@@ -84,6 +84,7 @@ from benchmarks.bench_transformer import (  # noqa: E402
     wan_spec,
 )
 from benchmarks.timing import back_to_back_ms, cuda_calls_ms, write_result  # noqa: E402
+from benchmarks.timing import package_version as _version  # noqa: E402
 from omni_accel.deps import installed  # noqa: E402
 from omni_accel.errors import AccelError  # noqa: E402
 from omni_accel.kernels import fa4_attention, quack_gemm  # noqa: E402 -- the FlashAttention-4 tile rows, quack tiles
@@ -1805,15 +1806,6 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 -- no matplotlib: the JSON is what matters
         log(f"plot skipped: {exc!r}")
     return 0
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

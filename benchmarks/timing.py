@@ -138,6 +138,16 @@ def graph_rounds_ms(graphs: dict, iters: int, rounds: int) -> dict[str, list[flo
     return per_round
 
 
+def package_version(package: str) -> str | None:
+    """The installed distribution's version, or None where it is not installed (for the result files' env)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def write_result(path: str, result: dict) -> None:
     """Write ``result`` as indented JSON to ``path``, creating its folder (scripts call this after every row too,
     so that a crash later keeps what was measured)."""

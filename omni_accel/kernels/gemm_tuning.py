@@ -240,8 +240,11 @@ def choices() -> dict[str, str]:
     for key, algo in entries:
         _, (m, k), n, _, _, dtype, epilogue, _ = key
         name = f"({m}, {k}) x {n} {str(dtype).replace('torch.', '')} {epilogue}"
-        way = "torch" if algo is None else f"quack_{algo.name}" if isinstance(algo, QuackChoice) else f"algo_{algo.rank}"
-        picked[name] = way if algo is None else f"{way} ({_ratios.get(key, 1.0)}x)"
+        if algo is None:
+            picked[name] = "torch"
+            continue
+        way = f"quack_{algo.name}" if isinstance(algo, QuackChoice) else f"algo_{algo.rank}"
+        picked[name] = f"{way} ({_ratios.get(key, 1.0)}x)"
     return picked
 
 

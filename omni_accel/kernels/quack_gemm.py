@@ -12,15 +12,14 @@ quack's own default tile. Each (name, epilogue) compiles once per process, on it
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import torch
 
+from ..deps import installed
 from ..errors import AccelError
 
 _NAME = re.compile(r"^(\d+)x(\d+)_(pp|coop)_c(\d+)x(\d+)$")
-EPILOGUES = ("none", "bias", "gelu_bias", "accumulate")
 
 
 def available(device: torch.device) -> str | None:
@@ -29,7 +28,7 @@ def available(device: torch.device) -> str | None:
         return f"quack's GEMMs need a CUDA GPU, not {device.type}"
     if torch.cuda.get_device_capability(device)[0] < 9:
         return "quack's GEMMs need a Hopper or newer GPU (compute capability 9.0+)"
-    if importlib.util.find_spec("quack") is None:
+    if not installed("quack"):
         return "quack-kernels is not installed; pip install quack-kernels"
     return None
 
