@@ -207,6 +207,15 @@ def main(argv=None) -> int:
                         help="also time quack-kernels' GEMMs on these configs (comma-separated, e.g. "
                              f"256x128_coop_c2x1; bare --quack: {QUACK_CONFIGS})")
     args = parser.parse_args(argv)
+    from omni_accel.errors import AccelError
+    from omni_accel.kernels import quack_gemm
+
+    tiles = [tile for tile in args.quack.split(",") if tile]
+    try:
+        for tile in tiles:
+            quack_gemm.check_name(tile)
+    except AccelError as exc:
+        parser.error(f"--quack: {exc}")
     device = torch.device(args.device)
     if device.type != "cuda":
         parser.error(f"--device {args.device}: cuBLASLt's algorithms need a CUDA GPU; run with --device cuda")
@@ -229,8 +238,7 @@ def main(argv=None) -> int:
         result["warm_up"] = measure_sustained_gemm(device, clocks, args.warm_s)
     clocks.mark()
     for spec in specs:
-        result["rows"] += shape_rows(device, spec, args.count, args.iters, args.reps, args.rounds,
-                                     [name for name in args.quack.split(",") if name])
+        result["rows"] += shape_rows(device, spec, args.count, args.iters, args.reps, args.rounds, tiles)
         result["summary"] = summarize(result["rows"])
         write_result(args.out, result)
     log(str(result["summary"]))

@@ -731,6 +731,15 @@ def test_plan_and_algorithm_benches_refuse_the_cpu_and_bad_options_with_the_fix(
     assert f"--device cpu: {gpu_only}; run with --device cuda" in capsys.readouterr().err
 
 
+def test_gemm_algos_refuses_a_bad_quack_tile_name_with_the_form(tmp_path, capsys):
+    module = _load_benchmark("bench_gemm_algos")
+    with pytest.raises(SystemExit):
+        module.main(["--quack", "256x192_coop", "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert ("--quack: quack GEMM config '256x192_coop' is not a config name: use 'default' or "
+            "'<tile_m>x<tile_n>_<pp|coop>_c<cluster_m>x<cluster_n>', e.g. '256x192_coop_c2x1'") in err
+
+
 def test_gemm_algos_summary_weighs_each_shape_by_its_calls_and_keeps_torch_where_no_candidate_wins():
     module = _load_benchmark("bench_gemm_algos")
     rows = [{"gemm": "a", "calls_per_step": 10, "way": "torch", "us_graph": 100.0, "vs_torch": 1.0},
