@@ -83,6 +83,7 @@ from benchmarks.bench_transformer import (  # noqa: E402
     time_forwards,
     wan_spec,
 )
+from benchmarks import step_floor  # noqa: E402
 from benchmarks.timing import back_to_back_ms, cuda_calls_ms, write_result  # noqa: E402
 from benchmarks.timing import package_version as _version  # noqa: E402
 from omni_accel.deps import installed  # noqa: E402
@@ -131,6 +132,7 @@ class Row:
     note: str = ""
     calibrates: bool = False  # one observing forward before timing (static FP8 scales)
     probe: bool = False  # an upper-bound instrument, not a stack a user can run: never one of the summary's ratios
+    model_output: bool = True  # False: the forward returns no model output (the floor rows): no error is measured
     # compiler.INDUCTOR_OPTIONS for this row: {} = none (the rows measured so far), _MK = multi-kernel (the library's
     # GPU default since those measurements), None = whatever the library's default is
     inductor: dict | None = field(default_factory=dict)
@@ -929,6 +931,14 @@ ROWS["ours_bf16_mk_pdl_tunedquack"] = quack_row(QUACK_TILES)
 ROWS["ours_bf16_mk_pdl_graph"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_graph",
                                          setup=_ours(attention="auto", compile="max"),
                                          note="ours_bf16_mk_pdl with compile='max': the whole-forward CUDA graph")
+# The floor of the forward's arithmetic (benchmarks/step_floor.py): its GEMMs and attention calls alone, back to back
+# in one CUDA graph, at the sustained clock they draw; what any stack on these kernels can reach at best
+ROWS["floor_bf16"] = Row("floor_bf16", step_floor.floor_setup("bf16"), True, probe=True, model_output=False,
+                         note="PROBE: the forward's GEMMs (cuBLAS, bias epilogue) and attention calls (cuDNN) alone, "
+                              "q / k / v fused, in one CUDA graph; its output is zeros, not the model's")
+ROWS["floor_int8"] = Row("floor_int8", step_floor.floor_setup("int8"), False, probe=True, model_output=False,
+                         note="PROBE: the forward's GEMMs as omni_accel's int8 GEMM and its attention calls (cuDNN, "
+                              "bf16) alone, q / k / v fused, in one CUDA graph; its output is zeros, not the model's")
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1247,8 +1257,10 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
             tflops=round(flops["total"] / (ms / 1e3) / 1e12, 1),
             first_call_s=round(calibration_s + timing["cold_start_s"], 2), calibration_s=round(calibration_s, 2),
             peak_mem_gib=timing["peak_mem_gib"] and round(timing["peak_mem_gib"], 3),
-            rel_err_vs_eager=round(rel_err(first_tensor(timing["out"]), reference.out), 5), **clock)
-        result.update(fresh_input_check(forward, inputs, reference, result["rel_err_vs_eager"]))
+            rel_err_vs_eager=(round(rel_err(first_tensor(timing["out"]), reference.out), 5) if row.model_output
+                              else None), **clock)
+        if row.model_output:
+            result.update(fresh_input_check(forward, inputs, reference, result["rel_err_vs_eager"]))
         # what the epilogue-fusion pass replaced while this row compiled (none where inductor's cache served a graph)
         result["epilogue_rewrites"] = epilogue_fusion.rewrites_since(rewrites_before)
         result["tuned_gemms"] = gemm_tuning.choices()
@@ -1514,8 +1526,10 @@ def markdown_table(result: dict) -> str:
         if steps:
             run_ratio = f" ({best_run[r['model']] / r['ms_schedule']:.2f})" if r["model"] in best_run else ""
             in_loop += f"{r['ms_per_step_schedule']:.1f}{run_ratio} | " if "ms_schedule" in r else " | "
+        output = _has_model_output(r)
+        error = f"{r['rel_err_vs_eager']:.4f}" if output else "— (no model output)"
         lines.append(f"| {r['model']} | {r['config']} | {r['ms_per_step']:.1f} | {in_loop}{ratio} | {r['tflops']:.0f} | "
-                     f"{r['rel_err_vs_eager']:.4f} | {_fresh_cell(r)} | {r['first_call_s']:.1f} | "
+                     f"{error} | {_fresh_cell(r) if output else ''} | {r['first_call_s']:.1f} | "
                      f"{r.get('peak_mem_gib') or ''} | "
                      f"{r.get('sm_clock_mhz', '')} | {r.get('power_w', '')} |")
     return "\n".join(lines)
@@ -1561,6 +1575,11 @@ def update_tables(markdown_path: str, check: bool = False) -> int:
     with open(markdown_path, "w") as f:
         f.write(new_text)
     return 0
+
+
+def _has_model_output(row: dict) -> bool:
+    """False for the rows whose forward returns no model output (the floor rows; their files' error is 1.0)."""
+    return row.get("rel_err_vs_eager") is not None and (row["config"] not in ROWS or ROWS[row["config"]].model_output)
 
 
 def _fresh_cell(row: dict) -> str:

@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from omni_accel.kernels.timing import calls_ms, in_rounds
+
 
 class GcPauses:
     """Python's garbage collections while the block runs: how many per generation and their total milliseconds. A
@@ -61,13 +63,7 @@ def sample_ms(fn: Callable[[], object], device: torch.device, iters: int) -> lis
 
 def cuda_calls_ms(fn: Callable[[], object], calls: int) -> float:
     """Milliseconds between two CUDA events around ``calls`` calls of ``fn`` launched back to back."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return calls_ms(fn, calls, torch.device("cuda"))
 
 
 def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, groups: int) -> list[float]:
@@ -127,15 +123,11 @@ def capture_graph(fn: Callable[[], object], reps: int = 1) -> "torch.cuda.CUDAGr
 
 
 def graph_rounds_ms(graphs: dict, iters: int, rounds: int) -> dict[str, list[float]]:
-    """Per graph, the median ms of ``iters`` replays in each of ``rounds`` rounds; each round replays every graph in
-    turn, starting one later than the round before, so that a drift of the clocks (10-30 % within seconds on a GPU at
-    its power cap) reaches all of them alike and ratios within a round compare like with like."""
-    names = list(graphs)
-    per_round: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            per_round[name].append(statistics.median(sample_ms(graphs[name].replay, torch.device("cuda"), iters)))
-    return per_round
+    """Per graph, the median ms of ``iters`` replays in each of ``rounds`` rounds, the graphs replayed in turn with
+    the start rotating (``omni_accel.kernels.timing.in_rounds``: a drift of the clocks, 10-30 % within seconds on a
+    GPU at its power cap, reaches all of them alike and ratios within a round compare like with like)."""
+    replays = {name: graph.replay for name, graph in graphs.items()}
+    return in_rounds(replays, rounds, lambda replay: statistics.median(sample_ms(replay, torch.device("cuda"), iters)))
 
 
 def package_version(package: str) -> str | None:

@@ -6,9 +6,9 @@ whole-model compile. ``compile="max"`` adds, on CUDA where the transformer forwa
 parallel pass inside it), a CUDA graph of the whole transformer forward per input signature (``cuda_graphs.py``).
 It used to add inductor's GEMM autotuning too (max-autotune): measured on an H200 at FLUX 1024², the autotuned
 Triton GEMMs lost to cuBLAS (136.6 vs 133.2 ms/step), so "max" now compiles like ``True`` and adds the graphs only.
-``compile=True`` adds the same graph for ``quant="fp8"`` and ``"int8"`` on a GPU, whose forwards are host-bound
-(``graphs_by_default``). On GPUs the blocks' tanh-GELUs are computed in a form inductor codegens cheaply
-(``sigmoid_gelu``).
+``compile=True`` adds the same graph for ``quant="fp8"`` and ``"int8"`` on a GPU, whose forwards are host-bound,
+and for 16-bit weights where the family's adapter asks for it (``graphs_by_default``). On GPUs the blocks'
+tanh-GELUs are computed in a form inductor codegens cheaply (``sigmoid_gelu``).
 """
 
 from __future__ import annotations
@@ -417,8 +417,12 @@ def graphs_by_default(ctx: PassContext) -> bool:
     ms of kernels (with the graph 113 ms; FLUX, where the host kept up, pays 1-2 %). The int8 stack with
     SageAttention, whose Python runs around every attention call, took 119.7 ms per FLUX forward without the graph
     and 82.4 with it (benchmarks/results/bench_peers_h200_flux_int8_sage_levers_20261205.json). A replay costs the host
-    2 ms. bf16 forwards are GPU-bound and keep compile=True as it was (graphs measured no faster there)."""
-    return ctx.config.compile is True and ctx.config.quant in ("fp8", "int8") and ctx.device.type == "cuda"
+    2 ms. 16-bit forwards take the graph where the family's adapter says so (``graphs_16bit``: Qwen-Image, 3.6 %
+    per step of a 28-step run, the graph letting its modulation table in); FLUX's is GPU-bound and tied with and
+    without (1.001x), so it keeps compile=True as it was."""
+    if ctx.config.compile is not True or ctx.device.type != "cuda":
+        return False
+    return ctx.config.quant in ("fp8", "int8") or (ctx.config.quant is None and ctx.adapter.graphs_16bit)
 
 
 def cuda_graphs_blocker(ctx: PassContext) -> str | None:

@@ -875,6 +875,77 @@ def test_frozen_modulation_probe_over_the_int8_stack_and_out_of_the_summary(benc
         bench_peers._frozen_modulation(bench_peers._plain)(wan_pipe, wan_transformer, {}, "wan81")
 
 
+def test_step_floor_records_the_forwards_products_with_qkv_fused_and_every_attention_call(bench_peers):
+    """One tiny FLUX forward recorded: each block's q / k / v (and the text stream's) as one product of three widths,
+    the per-sample modulation products left out, every block's attention call, and the FLOPs of both the analytic
+    count's (the linears' plus the embedders' and the output projection's)."""
+    from benchmarks import step_floor
+    from benchmarks.bench_transformer import analytic_flops
+
+    transformer, pipe, inputs = _tiny_model(bench_peers, "flux")
+    spec = bench_peers.SPECS["flux"](True)
+    calls = step_floor.record(lambda: transformer(**inputs))
+    gemms = [c for c in calls if isinstance(c, step_floor.Gemm)]
+    attention = [c for c in calls if isinstance(c, step_floor.Attention)]
+    cfg, d = spec["cfg"], transformer.inner_dim
+    blocks = cfg["num_layers"] + cfg["num_single_layers"]
+    assert len(attention) == blocks
+    qkv = [c for c in gemms if c.cols == 3 * d and c.inner == d]
+    assert [c.rows for c in qkv] == [spec["n_img"], spec["n_txt"]] * cfg["num_layers"] + [
+        spec["n_img"] + spec["n_txt"]] * cfg["num_single_layers"]
+    assert min(c.rows for c in gemms) >= step_floor.MIN_ROWS  # no one-row modulation product
+    flops = analytic_flops(spec)
+    outside_blocks = 2 * d * (spec["n_img"] * transformer.x_embedder.in_features
+                              + spec["n_txt"] * transformer.context_embedder.in_features
+                              + spec["n_img"] * transformer.proj_out.out_features)
+    assert sum(c.flops for c in gemms) == flops["linear"] + outside_blocks
+    assert sum(c.flops for c in attention) == flops["attention"]
+
+
+def test_step_floor_fuses_only_consecutive_products_of_one_input_and_one_width():
+    from benchmarks.step_floor import Gemm, fuse_projections
+
+    mlp, q, k, v = (Gemm(80, 32, 128, True, 1), Gemm(80, 32, 32, True, 1), Gemm(80, 32, 32, True, 1),
+                    Gemm(80, 32, 32, True, 1))
+    other_input, no_bias = Gemm(80, 32, 32, True, 2), Gemm(80, 32, 32, False, 2)
+    fused = fuse_projections([mlp, q, k, v, other_input, no_bias])
+    assert [(c.cols, c.input_ptr, c.bias) for c in fused] == [(128, 1, True), (96, 1, True), (32, 2, True),
+                                                               (32, 2, False)]
+    assert q.cols == 32  # the recorded calls are left as they were
+
+
+def test_step_floor_rows_replay_zeros_of_the_output_shape_and_refuse_an_unknown_gemm(bench_peers):
+    """Both floor rows run on the CPU, return zeros of the model output's shape (their output is not the model's),
+    touch no module, and stay out of the summary's ratios as probes."""
+    from benchmarks import step_floor
+
+    transformer, pipe, inputs = _tiny_model(bench_peers, "flux")
+    weights = {name: p.clone() for name, p in transformer.named_parameters()}
+    for name in ("floor_bf16", "floor_int8"):
+        row = bench_peers.ROWS[name]
+        assert row.probe
+        fn, undo = row.setup(pipe, transformer, inputs, "flux")
+        with torch.no_grad():
+            out = fn()
+        assert out.shape == transformer(**inputs)[0].shape and not out.any()
+        undo()
+    assert all(torch.equal(p, weights[name]) for name, p in transformer.named_parameters())
+    with pytest.raises(ValueError, match=r"gemm='fp4': use one of \('bf16', 'int8'\)"):
+        step_floor.floor_forward([], "fp4", torch.device("cpu"))
+
+
+def test_floor_rows_measure_no_error_and_the_table_says_so(bench_peers, tmp_path, capsys):
+    out = tmp_path / "floor.json"
+    assert bench_peers.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs", "diffusers_eager,floor_bf16",
+                             "--out", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["floor_bf16"]["rel_err_vs_eager"] is None and "rel_err_fresh_inputs" not in rows["floor_bf16"]
+    assert rows["floor_bf16"]["probe"] and rows["floor_bf16"]["ms"] > 0
+    table = bench_peers.markdown_table(json.loads(out.read_text()))
+    assert "| flux | floor_bf16 |" in table and "— (no model output)" in table
+    assert rows["diffusers_eager"]["rel_err_vs_eager"] == 0.0
+
+
 def test_peers_bench_schedule_loop_runs_a_pipeline_calls_timesteps_and_fills_the_table_once(bench_peers, tmp_path,
                                                                                           monkeypatch):
     """--schedule-steps N times N forwards at the timesteps FluxPipeline passes for N steps, inside one pipeline call

@@ -19,6 +19,7 @@ from omni_accel import AccelError
 from omni_accel.kernels import attention as attn
 from omni_accel.kernels import fa4_attention as fa4
 from omni_accel.kernels import fp8_attention as route
+from omni_accel.kernels import timing as kernel_timing
 from omni_accel.testing import (check_route_takes_every_call, check_sdpa_fallback, run, run_compiled_twice,
                                 tiny_pipeline)
 
@@ -489,7 +490,7 @@ def test_the_route_asks_for_the_timed_choice_below_its_threshold_only(timed_flag
 @pytest.fixture
 def raced_kernels(monkeypatch):
     """FA4's call replaced by one that writes ones and takes ``fa4_ms``, SDPA by the real one taking ``sdpa_ms``, on a
-    fake clock that only the two advance (the timing reads ``time.perf_counter`` on a CPU), so the race's outcome
+    fake clock that only the two advance (kernels.timing reads ``time.perf_counter`` on a CPU), so the race's outcome
     does not depend on this machine's load; the timing shortened; no earlier choices or failures."""
     monkeypatch.setattr(fa4, "_CHOICES", {})
     monkeypatch.setattr(fa4, "_REFUSED", {})
@@ -513,7 +514,7 @@ def raced_kernels(monkeypatch):
 
     monkeypatch.setattr(fa4, "_fa4_call", fake_fa4)
     monkeypatch.setattr(fa4, "_sdpa", timed_sdpa)
-    monkeypatch.setattr(fa4, "time", types.SimpleNamespace(perf_counter=lambda: state["clock_ms"] / 1e3))
+    monkeypatch.setattr(kernel_timing, "time", types.SimpleNamespace(perf_counter=lambda: state["clock_ms"] / 1e3))
     return state
 
 

@@ -1,6 +1,8 @@
 """kernels/gemm_tuning.py and kernels/cublaslt.py on the CPU: which timed way is kept, the fallbacks, the operand
 checks. The timing itself and cuBLASLt's algorithms need a GPU (benchmarks/bench_gemm_algos.py runs them there)."""
 
+import types
+
 import pytest
 import torch
 
@@ -78,7 +80,6 @@ def test_operand_alignments_take_the_least_of_output_and_bias_with_or_without_a_
 # ---------------------------------------------------------------- quack-kernels' GEMMs among the tuner's candidates
 def test_quack_config_names_parse_to_quack_tiles_and_a_bad_name_is_refused_with_the_form(monkeypatch):
     import sys
-    import types
 
     from omni_accel.errors import AccelError
     from omni_accel.kernels import quack_gemm
@@ -183,6 +184,48 @@ def test_a_refused_quack_call_goes_back_to_torchs_call_once_and_for_good_but_out
                                "none", None)
     assert gemm_tuning._choices[key] == "tuned"  # the next call may have the memory: the pick stays
     assert torch.equal(gemm_tuning.run_choice(key, None, x, w.t(), None, "none", None), x @ w.t())
+
+
+@pytest.mark.parametrize("error, outcome", [(RuntimeError("quack failed at launch"), "timed without quack"),
+                                            (torch.OutOfMemoryError("no memory"), "raised")])
+def test_a_quack_error_while_timing_a_shape_times_it_again_without_quack_but_out_of_memory_raises(
+        monkeypatch, caplog, error, outcome):
+    timed = []
+
+    def time_rounds(ways, calls, rounds, device):
+        timed.append(sorted(ways))
+        if "quack_128x192_pp_c2x1" in ways:
+            raise error
+        return {"torch": [2.0, 2.0, 2.0], "algo_0": [1.0, 1.0, 1.0]}
+
+    monkeypatch.setattr(cublaslt, "algorithms", lambda *args, **kwargs: [types.SimpleNamespace(rank=0)])
+    monkeypatch.setattr(gemm_tuning, "_quack_ways", lambda *args: {
+        "quack_128x192_pp_c2x1": (gemm_tuning.QuackChoice("128x192_pp_c2x1", None), lambda: None)})
+    monkeypatch.setattr(gemm_tuning, "_time_rounds", time_rounds)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with caplog.at_level("WARNING"):
+        if outcome == "raised":
+            with pytest.raises(torch.OutOfMemoryError):
+                gemm_tuning._tune(("shape",), x, w.t(), None, "none", None)
+            assert timed == [["algo_0", "quack_128x192_pp_c2x1", "torch"]]
+            return
+        picked = gemm_tuning._tune(("shape",), x, w.t(), None, "none", None)
+    assert picked.rank == 0  # cuBLASLt's candidate, timed in the second pass
+    assert timed == [["algo_0", "quack_128x192_pp_c2x1", "torch"], ["algo_0", "torch"]]
+    assert ("quack's GEMMs failed while timing ('shape',) (RuntimeError: quack failed at launch); timed without "
+            "them") in caplog.text
+
+
+def test_an_error_while_timing_a_shape_without_quack_is_raised(monkeypatch):
+    monkeypatch.setattr(cublaslt, "algorithms", lambda *args, **kwargs: [])
+    monkeypatch.setattr(gemm_tuning, "_quack_ways", lambda *args: {})
+
+    def time_rounds(ways, calls, rounds, device):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(gemm_tuning, "_time_rounds", time_rounds)
+    with pytest.raises(ValueError, match="a bug"):
+        gemm_tuning._tune(("shape",), torch.randn(4, 8), torch.randn(8, 6), None, "none", None)
 
 
 def test_a_cublaslt_pick_falls_back_on_its_refusal_and_raises_any_other_error(monkeypatch):

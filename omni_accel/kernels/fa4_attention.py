@@ -51,7 +51,6 @@ import inspect
 import logging
 import statistics
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +58,7 @@ import torch.nn.functional as F
 
 from ..cuda_graphs import run_outside_graph
 from ..deps import installed, missing_message
+from . import timing
 
 logger = logging.getLogger(__name__)
 
@@ -331,28 +331,10 @@ def _time_both(query, key, value, scale) -> TimedChoice:
 
 
 def _median_ms(calls: tuple, rounds: int, per_round: int, device: torch.device) -> list[float]:
-    """Each of ``calls``' median ms per call over ``rounds`` rounds (the calls alternating within a round), timed by
-    CUDA events on a GPU, by the wall clock elsewhere."""
-    samples: list[list[float]] = [[] for _ in calls]
-    for _ in range(rounds):
-        for call, times in zip(calls, samples):
-            times.append(_elapsed_ms(call, per_round, device) / per_round)
-    return [statistics.median(times) for times in samples]
-
-
-def _elapsed_ms(call, repeats: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    began = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - began) * 1e3
+    """Each of ``calls``' median ms per call over ``rounds`` rounds of ``per_round`` calls (kernels.timing: CUDA
+    events on a GPU, the wall clock elsewhere)."""
+    times = timing.rounds_ms(dict(enumerate(calls)), per_round, rounds, device)
+    return [statistics.median(times[i]) / per_round for i in range(len(calls))]
 
 
 @torch.library.custom_op("omni_accel::fa4_attention", mutates_args=())

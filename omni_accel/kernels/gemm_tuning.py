@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from ..errors import AccelError
-from . import cublaslt, quack_gemm
+from . import cublaslt, quack_gemm, timing
 
 logger = logging.getLogger(__name__)
 
@@ -89,22 +89,13 @@ def pick(per_round: dict[str, list[float]], min_gain: float) -> tuple[str, float
     return best, best_ratio
 
 
-def _time_rounds(ways: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, list[float]]:
-    """ms of ``calls`` back-to-back calls of each way, ``rounds`` times, every way in turn (the start rotating)."""
+def _time_rounds(ways: dict[str, Callable[[], object]], calls: int, rounds: int,
+                 device: torch.device) -> dict[str, list[float]]:
+    """ms of ``calls`` back-to-back calls of each way, ``rounds`` times, every way in turn (the start rotating),
+    after one call of each (a first call may compile or allocate)."""
     for fn in ways.values():
         fn()
-    names = list(ways)
-    per_round: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                ways[name]()
-            end.record()
-            end.synchronize()
-            per_round[name].append(start.elapsed_time(end))
-    return per_round
+    return timing.rounds_ms(ways, calls, rounds, device)
 
 
 @dataclass(frozen=True)
@@ -155,10 +146,21 @@ def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
         candidates[name] = algo
         ways[name] = (lambda algo=algo: cublaslt.matmul(x, w_t, bias, scratch, algo, lt_epilogue(epilogue),
                                                          accumulate=epilogue == "accumulate"))
-    for name, (choice, call) in _quack_ways(x, w_t, bias, epilogue, scratch).items():
+    quack = _quack_ways(x, w_t, bias, epilogue, scratch)
+    for name, (choice, call) in quack.items():
         candidates[name], ways[name] = choice, call
     per_call_ms = 2 * m * n * k / 500e12 * 1e3  # at ~500 TFLOP/s: about 2 ms per timed group of calls
-    way, ratio = pick(_time_rounds(ways, max(3, round(2.0 / per_call_ms)), ROUNDS), MIN_GAIN)
+    calls = max(3, round(2.0 / per_call_ms))
+    try:
+        per_round = _time_rounds(ways, calls, ROUNDS, x.device)
+    except Exception as exc:  # noqa: BLE001 -- quack raises what its compiler raises: the shape is timed without it
+        if not quack or not _refusal(exc, quack_involved=True):
+            raise
+        logger.warning("omni_accel: quack's GEMMs failed while timing %s (%s: %s); timed without them", key,
+                       type(exc).__name__, exc)
+        per_round = _time_rounds({name: fn for name, fn in ways.items() if name not in quack}, calls, ROUNDS,
+                                 x.device)
+    way, ratio = pick(per_round, MIN_GAIN)
     _ratios[key] = round(ratio, 4)
     logger.debug("omni_accel: GEMM %s -> %s (%.3fx torch's call)", key, way, ratio)
     return candidates.get(way)
@@ -193,21 +195,21 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, epilog
             if key not in _choices:
                 try:
                     _choices[key] = _tune(key, x, w_t, bias, epilogue, out)
-                except Exception as exc:  # noqa: BLE001 -- a failed tuning costs the shape its tuning only
-                    if not _refusal(exc, QUACK_CONFIGS):  # quack raises what its compiler raises
+                except Exception as exc:  # noqa: BLE001 -- cuBLASLt's refusal costs the shape its tuning only
+                    if not _refusal(exc, quack_involved=False):  # _tune handles quack's own errors
                         raise
                     logger.warning("omni_accel: GEMM tuning of %s failed (%s); torch's call", key, exc)
                     _choices[key] = None
     return run_choice(key, _choices[key], x, w_t, bias, epilogue, out)
 
 
-def _refusal(exc: BaseException, quack_involved: object) -> bool:
+def _refusal(exc: BaseException, quack_involved: bool) -> bool:
     """Whether ``exc`` is a kernel refusing a call (the shape then goes back to torch's call) rather than an error
     to raise: cuBLASLt's AccelError, or any error where quack ran -- but never running out of memory, which the
     next call may not."""
     if isinstance(exc, torch.OutOfMemoryError):
         return False
-    return isinstance(exc, AccelError) or bool(quack_involved)
+    return isinstance(exc, AccelError) or quack_involved
 
 
 def run_choice(key: tuple, algo: object, x, w_t, bias, epilogue: str, out) -> torch.Tensor:

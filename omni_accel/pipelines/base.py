@@ -238,6 +238,9 @@ class ModelAdapter:
     complex_rotary: tuple[str, ...] = ()
     # compile on GPUs: the modulation linears computed ahead on a second stream (see ModulationPrefetch)
     modulation_prefetch: ModulationPrefetch | None = None
+    # compile=True on GPUs: capture the whole forward in CUDA graphs with 16-bit weights too, as it does for the
+    # 8-bit linears of every family: set where the family's 16-bit denoising loop was measured faster with them
+    graphs_16bit: bool = False
 
     def transformers_of(self, pipe) -> list[tuple[str, object]]:
         """The (name, module) transformers the pipeline actually holds (Wan 2.2 may have two, or one)."""

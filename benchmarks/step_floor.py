@@ -1,0 +1,214 @@
+"""The floor of a forward's arithmetic: its GEMMs and attention calls alone, back to back in one CUDA graph.
+
+On a GPU at its power cap the time of a forward is set by the energy its kernels draw, not by their count: taking
+the memory-bound kernels away lets the clock fall under the GEMMs that remain. How fast the forward's arithmetic can
+run at all, with the kernels a stack uses, is therefore a measurement, not a sum of kernel times taken from a
+profile of the full forward. ``record`` runs one plain forward under a dispatch mode and keeps the shapes of its
+matrix products and attention calls, in order; ``floor_forward`` replays them on buffers of those shapes, with
+nothing between them:
+
+- q / k / v projections that read one input (consecutive products of one tensor with equal output widths) become
+  one product, as the fused projections of an accelerated stack are;
+- products of fewer than ``MIN_ROWS`` rows (one row per sample: the modulation and time embeddings, which a
+  pipeline call computes once with the modulation table) are left out;
+- one weight per shape and one activation per shape, random (between two calls of one shape the calls in between
+  stream far more than the L2 cache holds, so sharing them changes little), the output written to a fresh buffer
+  per call as a forward's are;
+- ``gemm="bf16"``: ``torch.addmm`` / ``torch.mm`` (cuBLAS, the bias in its epilogue); ``gemm="int8"``: omni_accel's
+  int8 GEMM with per-token and per-channel rescale (``omni_accel::int8_mm_rescale``) on int8 operands;
+- attention through SDPA with the recorded q / k / v shapes and strides, cuDNN's kernel on a CUDA GPU.
+
+On a CUDA GPU the calls are captured once in a CUDA graph, so no launch gap is left either. The floor's output is
+not the model's: the probe's forward returns zeros of the model output's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MIN_ROWS = 8
+_aten = torch.ops.aten
+GEMM_OPS = (_aten.addmm.default, _aten.mm.default)
+ATTENTION_OPS = tuple(getattr(_aten, name).default for name in (
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_attention_math") if hasattr(_aten, name))
+GEMMS = ("bf16", "int8")
+
+
+@dataclass
+class Gemm:
+    rows: int
+    inner: int
+    cols: int
+    bias: bool
+    input_ptr: int  # the input's address: consecutive products of one input are one fused product
+    width: int = 0  # one projection's output width (before fusion): what a fused neighbour must match
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.rows * self.inner * self.cols
+
+
+@dataclass
+class Attention:
+    shapes: tuple  # (q, k, v) shapes, (batch, heads, tokens, head dim)
+    strides: tuple
+    dtype: torch.dtype
+
+    @property
+    def flops(self) -> int:
+        (b, h, s_q, d), (_, _, s_k, _), _ = self.shapes
+        return 4 * b * h * s_q * s_k * d
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Gemm | Attention] = []
+        self.dtype: torch.dtype | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in GEMM_OPS:
+            bias, (x, mat2) = (args[0], args[1:3]) if func is _aten.addmm.default else (None, args[:2])
+            self.calls.append(Gemm(x.shape[0], x.shape[1], mat2.shape[1], bias is not None, x.data_ptr()))
+            self.dtype = self.dtype or x.dtype
+        elif func in ATTENTION_OPS:
+            q, k, v = args[:3]
+            self.calls.append(Attention((tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+                                        (q.stride(), k.stride(), v.stride()), q.dtype))
+        return func(*args, **kwargs)
+
+
+def fuse_projections(calls: list) -> list:
+    """Consecutive products of one input with equal output widths (q, k and v) as one product."""
+    fused: list = []
+    for call in calls:
+        last = fused[-1] if fused else None
+        if (isinstance(call, Gemm) and isinstance(last, Gemm) and call.input_ptr == last.input_ptr
+                and (call.rows, call.inner, call.bias) == (last.rows, last.inner, last.bias)
+                and call.cols == last.width):
+            last.cols += call.cols
+            continue
+        if isinstance(call, Gemm):
+            call = Gemm(call.rows, call.inner, call.cols, call.bias, call.input_ptr, width=call.cols)
+        fused.append(call)
+    return fused
+
+
+def record(forward: Callable[[], object]) -> list:
+    """The matrix products (``MIN_ROWS`` rows or more, q / k / v fused) and attention calls of one ``forward``."""
+    recorder = _Recorder()
+    with torch.no_grad(), recorder:
+        forward()
+    calls = fuse_projections(recorder.calls)
+    return [c for c in calls if not isinstance(c, Gemm) or c.rows >= MIN_ROWS]
+
+
+def summary(calls: list) -> dict:
+    gemms = [c for c in calls if isinstance(c, Gemm)]
+    attention = [c for c in calls if isinstance(c, Attention)]
+    return {"gemms": len(gemms), "attention_calls": len(attention),
+            "gemm_tflop": round(sum(c.flops for c in gemms) / 1e12, 3),
+            "attention_tflop": round(sum(c.flops for c in attention) / 1e12, 3),
+            "gemm_shapes": sorted({(c.rows, c.inner, c.cols) for c in gemms})}
+
+
+class _Buffers:
+    """One random tensor per (shape, dtype): the floor's operands."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device, self.tensors = device, {}
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def get(self, shape: tuple, dtype: torch.dtype, scale: float = 1.0, strides: tuple | None = None) -> torch.Tensor:
+        key = (shape, dtype, strides, scale)
+        if key not in self.tensors:
+            if dtype == torch.int8:
+                t = torch.randint(-127, 128, shape, generator=self.generator, device=self.device, dtype=dtype)
+            elif dtype == torch.float32 and scale != 1.0:  # rescale factors: positive
+                t = torch.rand(shape, generator=self.generator, device=self.device) * scale + scale
+            else:
+                t = (torch.randn(shape, generator=self.generator, device=self.device) * scale).to(dtype)
+            if strides is not None:
+                t = torch.empty_strided(shape, strides, dtype=dtype, device=self.device).copy_(t)
+            self.tensors[key] = t
+        return self.tensors[key]
+
+
+def _gemm_call(call: Gemm, gemm: str, dtype: torch.dtype, buffers: _Buffers) -> Callable[[], torch.Tensor]:
+    m, k, n = call.rows, call.inner, call.cols
+    if gemm == "int8":
+        from omni_accel.kernels.int8 import int8_mm_rescale
+
+        x, w = buffers.get((m, k), torch.int8), buffers.get((n, k), torch.int8)
+        x_scale, w_scale = buffers.get((m, 1), torch.float32, 1e-3), buffers.get((1, n), torch.float32, 1e-3)
+        bias = buffers.get((n,), dtype, 0.1) if call.bias else None
+        return lambda: int8_mm_rescale(x, w, x_scale, w_scale, bias, dtype)
+    x, w_t = buffers.get((m, k), dtype), buffers.get((n, k), dtype, k ** -0.5).t()
+    if call.bias:
+        bias = buffers.get((n,), dtype, 0.1)
+        return lambda: torch.addmm(bias, x, w_t)
+    return lambda: torch.mm(x, w_t)
+
+
+def _attention_call(call: Attention, buffers: _Buffers) -> Callable[[], torch.Tensor]:
+    q, k, v = (buffers.get(shape, call.dtype, strides=strides) for shape, strides in zip(call.shapes, call.strides))
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn_attention() -> torch.Tensor:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return cudnn_attention
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def floor_forward(calls: list, gemm: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
+                  ) -> Callable[[], None]:
+    """``calls`` replayed back to back (one CUDA graph on a CUDA GPU, captured at the first call)."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm={gemm!r}: use one of {GEMMS}")
+    buffers = _Buffers(device)
+    steps = [_gemm_call(c, gemm, dtype, buffers) if isinstance(c, Gemm) else _attention_call(c, buffers)
+             for c in calls]
+
+    def run_all() -> None:
+        for step in steps:
+            step()
+
+    if device.type != "cuda":
+        return run_all
+    graph: list[torch.cuda.CUDAGraph] = []
+
+    def replay() -> None:
+        if not graph:
+            from benchmarks.timing import capture_graph
+
+            graph.append(capture_graph(run_all))
+        graph[0].replay()
+
+    return replay
+
+
+def floor_setup(gemm: str):
+    """A bench_peers row's setup: (forward that replays the floor and returns zeros of the output's shape, undo)."""
+    def setup(pipe, transformer, inputs, model):
+        from benchmarks.bench_transformer import first_tensor, log
+
+        outputs = []
+        calls = record(lambda: outputs.append(first_tensor(transformer(**inputs))))
+        zeros = torch.zeros_like(outputs[0])
+        log(f"{model}: floor of {summary(calls)} ({gemm} GEMMs)")
+        replay = floor_forward(calls, gemm, zeros.device, zeros.dtype)
+
+        def forward() -> torch.Tensor:
+            replay()
+            return zeros
+        return forward, lambda: None  # nothing patched: nothing to undo
+    return setup
