@@ -931,14 +931,28 @@ ROWS["ours_bf16_mk_pdl_tunedquack"] = quack_row(QUACK_TILES)
 ROWS["ours_bf16_mk_pdl_graph"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_graph",
                                          setup=_ours(attention="auto", compile="max"),
                                          note="ours_bf16_mk_pdl with compile='max': the whole-forward CUDA graph")
+# ... and without any graph: since compile=True graphs a family whose adapter sets graphs_16bit (Qwen-Image), the
+# default row runs the graph there, and this row is the A side of that choice (ours_bf16_mk_pdl rows in files up to
+# 2026-12-08 ran Qwen-Image without the graph)
+ROWS["ours_bf16_mk_pdl_nograph"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_nograph",
+                                           cuda_graphs=False,
+                                           note="ours_bf16_mk_pdl with OMNI_ACCEL_CUDA_GRAPHS=0: no whole-forward "
+                                                "CUDA graph for any family")
 # The floor of the forward's arithmetic (benchmarks/step_floor.py): its GEMMs and attention calls alone, back to back
-# in one CUDA graph, at the sustained clock they draw; what any stack on these kernels can reach at best
+# in one CUDA graph, at the sustained clock they draw; what a stack on these kernels can reach at best.
+# floor_bf16 joins q / k / v into one product (fuse_qkv=True, which the default bf16 stack does not ask for);
+# floor_bf16_unfused keeps them apart, as the default bf16 stack and diffusers run them; the int8 stack fuses them.
 ROWS["floor_bf16"] = Row("floor_bf16", step_floor.floor_setup("bf16"), True, probe=True, model_output=False,
                          note="PROBE: the forward's GEMMs (cuBLAS, bias epilogue) and attention calls (cuDNN) alone, "
-                              "q / k / v fused, in one CUDA graph; its output is zeros, not the model's")
+                              "q / k / v fused, in one CUDA graph; no model output")
+ROWS["floor_bf16_unfused"] = Row("floor_bf16_unfused", step_floor.floor_setup("bf16", fuse_qkv=False), True,
+                                 probe=True, model_output=False,
+                                 note="PROBE: floor_bf16 with q / k / v as three products, as the default bf16 stack "
+                                      "runs them")
 ROWS["floor_int8"] = Row("floor_int8", step_floor.floor_setup("int8"), False, probe=True, model_output=False,
                          note="PROBE: the forward's GEMMs as omni_accel's int8 GEMM and its attention calls (cuDNN, "
-                              "bf16) alone, q / k / v fused, in one CUDA graph; its output is zeros, not the model's")
+                              "bf16) alone, q / k / v fused as the int8 stack runs them, in one CUDA graph; no model "
+                              "output")
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]
@@ -1244,7 +1258,8 @@ def _run_row(row: Row, spec: dict, pipe, inputs, reference, device, args, clocks
         clock = clocks.since_mark()
         if args.schedule_steps:  # after the per-forward figures' clocks; its own clocks and peak memory
             clocks.mark()
-            result.update(schedule_loop(forward, pipe, inputs, device, args.schedule_steps, spec))
+            result.update(schedule_loop(forward, pipe, inputs, device, args.schedule_steps, spec,
+                                        compare=row.model_output))
             result["schedule_clocks"] = clocks.since_mark()
         ms = timing["ms"]
         if loop:
@@ -1334,14 +1349,15 @@ def schedule_timesteps(pipe, inputs: dict, steps: int, device: torch.device) -> 
     return list(rows.view(steps, hidden.shape[0]))
 
 
-def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int, spec: dict, groups: int = 2) -> dict:
+def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int, spec: dict, groups: int = 2,
+                  compare: bool = True) -> dict:
     """ms per step of a denoising run's forwards: ``steps`` forwards back to back at the timesteps of a real schedule
     (``schedule_timesteps``), inside one pipeline call of an accelerated pipeline (its call hooks run: the
     modulation table fills once per call), median of ``groups`` runs after one untimed run (the first run at a
     schedule may grow the table, which captures a whole-forward CUDA graph again). The peers run the same
     forwards. ``schedule_rel_err_vs_single_forwards``: the run's first and last outputs against the same forwards
     called alone, outside a call (the larger relative error of the two: what computing the modulation once per
-    call changed)."""
+    call changed; not with ``compare=False``, for a forward that returns no model output)."""
     timesteps = schedule_timesteps(pipe, inputs, steps, device)
     if timesteps is None:
         return {"schedule_steps_skipped": "the family declares no schedule (pipelines/<family>.py)"}
@@ -1367,7 +1383,7 @@ def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int,
                     state.end_call()
         # the same steps as single forwards outside a call (a table, if any, is not used there)
         errors = []
-        for i, out in ends.items():
+        for i, out in ends.items() if compare else ():
             inputs["timestep"] = timesteps[i]
             errors.append(rel_err(out, first_tensor(forward())))
     finally:
@@ -1376,7 +1392,7 @@ def schedule_loop(forward, pipe, inputs: dict, device: torch.device, steps: int,
     # begin_call (it resets the peak) or the row's start
     return {"schedule_steps": steps, "ms_schedule": round(statistics.median(per_step), 3),
             "ms_per_step_schedule": round(statistics.median(per_step) * spec["forwards_per_step"], 3),
-            "schedule_rel_err_vs_single_forwards": round(max(errors), 6),
+            "schedule_rel_err_vs_single_forwards": round(max(errors), 6) if errors else None,
             "schedule_peak_mem_gib": peak and round(peak, 3)}
 
 

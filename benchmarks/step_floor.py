@@ -7,8 +7,9 @@ profile of the full forward. ``record`` runs one plain forward under a dispatch 
 matrix products and attention calls, in order; ``floor_forward`` replays them on buffers of those shapes, with
 nothing between them:
 
-- q / k / v projections that read one input (consecutive products of one tensor with equal output widths) become
-  one product, as the fused projections of an accelerated stack are;
+- with ``fuse_qkv`` (the default), q / k / v projections that read one input (consecutive products of one tensor
+  with equal output widths) become one product, as ``fuse_qkv=True`` and the int8 stack run them; without it they
+  stay three, as the default 16-bit stack and diffusers run them;
 - products of fewer than ``MIN_ROWS`` rows (one row per sample: the modulation and time embeddings, which a
   pipeline call computes once with the modulation table) are left out;
 - one weight per shape and one activation per shape, random (between two calls of one shape the calls in between
@@ -16,7 +17,10 @@ nothing between them:
   per call as a forward's are;
 - ``gemm="bf16"``: ``torch.addmm`` / ``torch.mm`` (cuBLAS, the bias in its epilogue); ``gemm="int8"``: omni_accel's
   int8 GEMM with per-token and per-channel rescale (``omni_accel::int8_mm_rescale``) on int8 operands;
-- attention through SDPA with the recorded q / k / v shapes and strides, cuDNN's kernel on a CUDA GPU.
+- attention through SDPA with the recorded q / k / v shapes and strides, cuDNN's kernel on a CUDA GPU. Only
+  unmasked, non-causal attention is recorded; a forward whose attention ran masked, causal, or as ops the recorder
+  does not know (SDPA's math fallback, which decomposes into matrix products) is refused, since its floor would
+  leave the attention out.
 
 On a CUDA GPU the calls are captured once in a CUDA graph, so no launch gap is left either. The floor's output is
 not the model's: the probe's forward returns zeros of the model output's shape.
@@ -33,10 +37,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 MIN_ROWS = 8
 _aten = torch.ops.aten
 GEMM_OPS = (_aten.addmm.default, _aten.mm.default)
-ATTENTION_OPS = tuple(getattr(_aten, name).default for name in (
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_attention_math") if hasattr(_aten, name))
+# SDPA's fused kernels as the dispatcher sees them (the math fallback is a composite: it reaches a dispatch mode as
+# the matrix products it decomposes into, so it is not among them), with the positions of their mask and is_causal
+# arguments
+ATTENTION_OPS = {getattr(_aten, name).default: (mask, causal) for name, mask, causal in (
+    ("_scaled_dot_product_cudnn_attention", 3, 6), ("_scaled_dot_product_flash_attention", None, 4),
+    ("_scaled_dot_product_efficient_attention", 3, 6), ("_scaled_dot_product_flash_attention_for_cpu", None, 4))
+    if hasattr(_aten, name)}
 GEMMS = ("bf16", "int8")
 
 
@@ -79,6 +86,12 @@ class _Recorder(TorchDispatchMode):
             self.calls.append(Gemm(x.shape[0], x.shape[1], mat2.shape[1], bias is not None, x.data_ptr()))
             self.dtype = self.dtype or x.dtype
         elif func in ATTENTION_OPS:
+            mask_at, causal_at = ATTENTION_OPS[func]
+            mask = args[mask_at] if mask_at is not None and len(args) > mask_at else kwargs.get("attn_mask")
+            causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
+            if mask is not None or causal:
+                raise ValueError(f"{func}: masked or causal attention; the floor replays unmasked, non-causal "
+                                 "attention only")
             q, k, v = args[:3]
             self.calls.append(Attention((tuple(q.shape), tuple(k.shape), tuple(v.shape)),
                                         (q.stride(), k.stride(), v.stride()), q.dtype))
@@ -101,12 +114,16 @@ def fuse_projections(calls: list) -> list:
     return fused
 
 
-def record(forward: Callable[[], object]) -> list:
-    """The matrix products (``MIN_ROWS`` rows or more, q / k / v fused) and attention calls of one ``forward``."""
+def record(forward: Callable[[], object], fuse_qkv: bool = True) -> list:
+    """The matrix products (``MIN_ROWS`` rows or more; q / k / v as one with ``fuse_qkv``) and attention calls of one
+    ``forward``; refused where no attention call was seen (it ran as ops the recorder does not know)."""
     recorder = _Recorder()
     with torch.no_grad(), recorder:
         forward()
-    calls = fuse_projections(recorder.calls)
+    if not any(isinstance(c, Attention) for c in recorder.calls):
+        raise ValueError("no fused attention call in the forward (SDPA's math fallback, or attention written as "
+                         "matrix products): the floor would leave the attention out")
+    calls = fuse_projections(recorder.calls) if fuse_qkv else recorder.calls
     return [c for c in calls if not isinstance(c, Gemm) or c.rows >= MIN_ROWS]
 
 
@@ -196,15 +213,15 @@ def floor_forward(calls: list, gemm: str, device: torch.device, dtype: torch.dty
     return replay
 
 
-def floor_setup(gemm: str):
+def floor_setup(gemm: str, fuse_qkv: bool = True):
     """A bench_peers row's setup: (forward that replays the floor and returns zeros of the output's shape, undo)."""
     def setup(pipe, transformer, inputs, model):
         from benchmarks.bench_transformer import first_tensor, log
 
         outputs = []
-        calls = record(lambda: outputs.append(first_tensor(transformer(**inputs))))
+        calls = record(lambda: outputs.append(first_tensor(transformer(**inputs))), fuse_qkv)
         zeros = torch.zeros_like(outputs[0])
-        log(f"{model}: floor of {summary(calls)} ({gemm} GEMMs)")
+        log(f"{model}: floor of {summary(calls)} ({gemm} GEMMs, q / k / v {'fused' if fuse_qkv else 'apart'})")
         replay = floor_forward(calls, gemm, zeros.device, zeros.dtype)
 
         def forward() -> torch.Tensor:

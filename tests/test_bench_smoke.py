@@ -900,6 +900,33 @@ def test_step_floor_records_the_forwards_products_with_qkv_fused_and_every_atten
                               + spec["n_img"] * transformer.proj_out.out_features)
     assert sum(c.flops for c in gemms) == flops["linear"] + outside_blocks
     assert sum(c.flops for c in attention) == flops["attention"]
+    apart = step_floor.record(lambda: transformer(**inputs), fuse_qkv=False)  # as the default 16-bit stack runs
+    assert not [c for c in apart if isinstance(c, step_floor.Gemm) and c.cols == 3 * d and c.inner == d]
+    assert sum(c.flops for c in apart if isinstance(c, step_floor.Gemm)) == flops["linear"] + outside_blocks
+
+
+def test_step_floor_refuses_a_forward_whose_attention_it_cannot_replay():
+    """Masked attention, and attention the recorder does not see as one call (here: written as matrix products),
+    are refused rather than left out of the floor."""
+    from benchmarks import step_floor
+
+    q = torch.randn(1, 2, 16, 8)
+    mask = torch.zeros(16, 16, dtype=torch.bool).fill_diagonal_(True)
+    with pytest.raises(ValueError, match="masked or causal attention; the floor replays unmasked, non-causal"):
+        step_floor.record(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    with pytest.raises(ValueError, match="no fused attention call in the forward"):
+        step_floor.record(lambda: torch.softmax(q @ q.transpose(-1, -2), -1) @ q)
+    assert len(step_floor.record(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))) == 1
+
+
+def test_the_bf16_rows_around_the_16_bit_graph_choice_differ_in_the_graph_alone(bench_peers):
+    """ours_bf16_mk_pdl_nograph is the default bf16 row with the whole-forward graph off (OMNI_ACCEL_CUDA_GRAPHS=0)
+    for every family; ours_bf16_mk_pdl_graph asks for compile='max'."""
+    rows = bench_peers.ROWS
+    base, nograph, graph = rows["ours_bf16_mk_pdl"], rows["ours_bf16_mk_pdl_nograph"], rows["ours_bf16_mk_pdl_graph"]
+    assert base.cuda_graphs and not nograph.cuda_graphs and nograph.setup is base.setup
+    assert base.setup.knobs == {"attention": "auto", "compile": True}
+    assert graph.setup.knobs == {"attention": "auto", "compile": "max"} and graph.cuda_graphs
 
 
 def test_step_floor_fuses_only_consecutive_products_of_one_input_and_one_width():
@@ -921,7 +948,7 @@ def test_step_floor_rows_replay_zeros_of_the_output_shape_and_refuse_an_unknown_
 
     transformer, pipe, inputs = _tiny_model(bench_peers, "flux")
     weights = {name: p.clone() for name, p in transformer.named_parameters()}
-    for name in ("floor_bf16", "floor_int8"):
+    for name in ("floor_bf16", "floor_bf16_unfused", "floor_int8"):
         row = bench_peers.ROWS[name]
         assert row.probe
         fn, undo = row.setup(pipe, transformer, inputs, "flux")
@@ -937,9 +964,11 @@ def test_step_floor_rows_replay_zeros_of_the_output_shape_and_refuse_an_unknown_
 def test_floor_rows_measure_no_error_and_the_table_says_so(bench_peers, tmp_path, capsys):
     out = tmp_path / "floor.json"
     assert bench_peers.main(["--device", "cpu", "--tiny", "--models", "flux", "--configs", "diffusers_eager,floor_bf16",
-                             "--out", str(out)]) == 0
+                             "--schedule-steps", "2", "--out", str(out)]) == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["floor_bf16"]["rel_err_vs_eager"] is None and "rel_err_fresh_inputs" not in rows["floor_bf16"]
+    assert rows["floor_bf16"]["schedule_rel_err_vs_single_forwards"] is None  # no model output to compare
+    assert rows["diffusers_eager"]["schedule_rel_err_vs_single_forwards"] == 0.0
     assert rows["floor_bf16"]["probe"] and rows["floor_bf16"]["ms"] > 0
     table = bench_peers.markdown_table(json.loads(out.read_text()))
     assert "| flux | floor_bf16 |" in table and "— (no model output)" in table

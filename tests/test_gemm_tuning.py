@@ -212,8 +212,10 @@ def test_a_quack_error_while_timing_a_shape_times_it_again_without_quack_but_out
         picked = gemm_tuning._tune(("shape",), x, w.t(), None, "none", None)
     assert picked.rank == 0  # cuBLASLt's candidate, timed in the second pass
     assert timed == [["algo_0", "quack_128x192_pp_c2x1", "torch"], ["algo_0", "torch"]]
-    assert ("quack's GEMMs failed while timing ('shape',) (RuntimeError: quack failed at launch); timed without "
-            "them") in caplog.text
+    assert ("an error while timing ('shape',) with quack's GEMMs among the ways (RuntimeError: quack failed at "
+            "launch); timed again without them, and quack left out for the none epilogue") in caplog.text
+    assert ("128x192_pp_c2x1", "none") in gemm_tuning._quack_failed  # not compiled again for the next shape
+    gemm_tuning.reset()
 
 
 def test_an_error_while_timing_a_shape_without_quack_is_raised(monkeypatch):

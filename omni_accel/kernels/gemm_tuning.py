@@ -156,8 +156,12 @@ def _tune(key: tuple, x, w_t, bias, epilogue: str, out) -> object:
     except Exception as exc:  # noqa: BLE001 -- quack raises what its compiler raises: the shape is timed without it
         if not quack or not _refusal(exc, quack_involved=True):
             raise
-        logger.warning("omni_accel: quack's GEMMs failed while timing %s (%s: %s); timed without them", key,
-                       type(exc).__name__, exc)
+        # which way raised is not known: quack's are left out for this epilogue from now on, and a second error
+        # (one of torch's or cuBLASLt's ways) is raised
+        logger.warning("omni_accel: an error while timing %s with quack's GEMMs among the ways (%s: %s); timed "
+                       "again without them, and quack left out for the %s epilogue", key, type(exc).__name__, exc,
+                       epilogue)
+        _quack_failed.update((choice.name, epilogue) for choice, _ in quack.values())
         per_round = _time_rounds({name: fn for name, fn in ways.items() if name not in quack}, calls, ROUNDS,
                                  x.device)
     way, ratio = pick(per_round, MIN_GAIN)

@@ -17,13 +17,14 @@ def calls_ms(call: Callable[[], object], repeats: int, device: torch.device) -> 
     """Milliseconds of ``repeats`` calls of ``call`` launched back to back: between two CUDA events on a GPU, by the
     wall clock elsewhere."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        with torch.cuda.device(device):  # the events on that device's current stream, where the calls launch
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                call()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
     began = time.perf_counter()
     for _ in range(repeats):
         call()

@@ -109,7 +109,7 @@ ADAPTER = ModelAdapter(
         table=ModulationTable(timestep_per_mille, _embedding_args, conditioning=("additional_t_cond",),
                               applies=_embeds_the_timestep_alone, graphed_only=True)),
     # the 16-bit stack under the graph (and so with the modulation table): per step of a 28-step run on an H100
-    # 258.3-258.8 against 266.8-275.8 ms, paired 1.036x over five rounds; a forward timed alone 0.986x
+    # 258.3-258.8 against 266.8-275.8 ms, paired 1.036x over five rounds; a forward timed alone 0.991x
     # (bench_peers_h100_qwen_image_graph_20261208.json, bench_peers_h100_qwen_image_graph_rounds_20261208.json)
     graphs_16bit=True,
     notes=(
