@@ -932,8 +932,8 @@ ROWS["ours_bf16_mk_pdl_graph"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf
                                          setup=_ours(attention="auto", compile="max"),
                                          note="ours_bf16_mk_pdl with compile='max': the whole-forward CUDA graph")
 # ... and without any graph: since compile=True graphs a family whose adapter sets graphs_16bit (Qwen-Image), the
-# default row runs the graph there, and this row is the A side of that choice (ours_bf16_mk_pdl rows in files up to
-# 2026-12-08 ran Qwen-Image without the graph)
+# default row runs the graph there, and this row is the A side of that choice (ours_bf16_mk_pdl rows in files before
+# bench_peers_h100_qwen_image_floor_unfused_20261208.json ran Qwen-Image without the graph)
 ROWS["ours_bf16_mk_pdl_nograph"] = replace(ROWS["ours_bf16_mk_pdl"], name="ours_bf16_mk_pdl_nograph",
                                            cuda_graphs=False,
                                            note="ours_bf16_mk_pdl with OMNI_ACCEL_CUDA_GRAPHS=0: no whole-forward "
@@ -1064,7 +1064,7 @@ def profile_loop(fn, device: torch.device, calls: int) -> dict:
         fn()
         sync(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            loop_ms = cuda_calls_ms(fn, calls)
+            loop_ms = cuda_calls_ms(fn, calls, device)
     waits = {}
     for evt in prof.profiler.kineto_results.events():
         name = evt.name()

@@ -18,9 +18,10 @@ nothing between them:
 - ``gemm="bf16"``: ``torch.addmm`` / ``torch.mm`` (cuBLAS, the bias in its epilogue); ``gemm="int8"``: omni_accel's
   int8 GEMM with per-token and per-channel rescale (``omni_accel::int8_mm_rescale``) on int8 operands;
 - attention through SDPA with the recorded q / k / v shapes and strides, cuDNN's kernel on a CUDA GPU. Only
-  unmasked, non-causal attention is recorded; a forward whose attention ran masked, causal, or as ops the recorder
-  does not know (SDPA's math fallback, which decomposes into matrix products) is refused, since its floor would
-  leave the attention out.
+  unmasked, non-causal attention is recorded; a forward is refused where an attention call ran masked or causal,
+  where fewer of SDPA's fused kernels ran than it called SDPA (its math fallback decomposes into matrix products),
+  or where no attention call was seen at all (attention written as matrix products): its floor would leave that
+  attention out.
 
 On a CUDA GPU the calls are captured once in a CUDA graph, so no launch gap is left either. The floor's output is
 not the model's: the probe's forward returns zeros of the model output's shape.
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 MIN_ROWS = 8
@@ -98,6 +100,19 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _SdpaCalls(TorchFunctionMode):
+    """Counts the forward's ``scaled_dot_product_attention`` calls, to hold against the fused kernels that ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def fuse_projections(calls: list) -> list:
     """Consecutive products of one input with equal output widths (q, k and v) as one product."""
     fused: list = []
@@ -117,12 +132,16 @@ def fuse_projections(calls: list) -> list:
 def record(forward: Callable[[], object], fuse_qkv: bool = True) -> list:
     """The matrix products (``MIN_ROWS`` rows or more; q / k / v as one with ``fuse_qkv``) and attention calls of one
     ``forward``; refused where no attention call was seen (it ran as ops the recorder does not know)."""
-    recorder = _Recorder()
-    with torch.no_grad(), recorder:
+    recorder, sdpa = _Recorder(), _SdpaCalls()
+    with torch.no_grad(), sdpa, recorder:
         forward()
-    if not any(isinstance(c, Attention) for c in recorder.calls):
+    fused = sum(isinstance(c, Attention) for c in recorder.calls)
+    if not fused:
         raise ValueError("no fused attention call in the forward (SDPA's math fallback, or attention written as "
                          "matrix products): the floor would leave the attention out")
+    if fused != sdpa.calls:
+        raise ValueError(f"{sdpa.calls} scaled_dot_product_attention calls but {fused} ran one of its fused kernels "
+                         "(the others took its math fallback): the floor would leave those out")
     calls = fuse_projections(recorder.calls) if fuse_qkv else recorder.calls
     return [c for c in calls if not isinstance(c, Gemm) or c.rows >= MIN_ROWS]
 

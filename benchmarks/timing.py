@@ -61,9 +61,10 @@ def sample_ms(fn: Callable[[], object], device: torch.device, iters: int) -> lis
     return times
 
 
-def cuda_calls_ms(fn: Callable[[], object], calls: int) -> float:
-    """Milliseconds between two CUDA events around ``calls`` calls of ``fn`` launched back to back."""
-    return calls_ms(fn, calls, torch.device("cuda"))
+def cuda_calls_ms(fn: Callable[[], object], calls: int, device: torch.device | None = None) -> float:
+    """Milliseconds between two CUDA events on ``device`` (the current one by default) around ``calls`` calls of
+    ``fn`` launched back to back."""
+    return calls_ms(fn, calls, device or torch.device("cuda", torch.cuda.current_device()))
 
 
 def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, groups: int) -> list[float]:
@@ -73,7 +74,7 @@ def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, 
     times = []
     for _ in range(groups):
         if device.type == "cuda":
-            times.append(cuda_calls_ms(fn, calls) / calls)
+            times.append(cuda_calls_ms(fn, calls, device) / calls)
         else:
             t0 = time.perf_counter()
             for _ in range(calls):

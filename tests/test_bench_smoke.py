@@ -906,8 +906,8 @@ def test_step_floor_records_the_forwards_products_with_qkv_fused_and_every_atten
 
 
 def test_step_floor_refuses_a_forward_whose_attention_it_cannot_replay():
-    """Masked attention, and attention the recorder does not see as one call (here: written as matrix products),
-    are refused rather than left out of the floor."""
+    """Masked attention, attention the recorder does not see as one call (written as matrix products), and SDPA
+    calls that took its math fallback beside fused ones are refused rather than left out of the floor."""
     from benchmarks import step_floor
 
     q = torch.randn(1, 2, 16, 8)
@@ -916,6 +916,15 @@ def test_step_floor_refuses_a_forward_whose_attention_it_cannot_replay():
         step_floor.record(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     with pytest.raises(ValueError, match="no fused attention call in the forward"):
         step_floor.record(lambda: torch.softmax(q @ q.transpose(-1, -2), -1) @ q)
+
+    def one_on_the_math_fallback():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        with sdpa_kernel(SDPBackend.MATH):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    with pytest.raises(ValueError, match="2 scaled_dot_product_attention calls but 1 ran one of its fused kernels"):
+        step_floor.record(one_on_the_math_fallback)
     assert len(step_floor.record(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))) == 1
 
 

@@ -54,7 +54,9 @@ QUACK_CONFIGS: tuple[str, ...] = ()  # quack tile configurations also timed, e.g
 _lock = threading.Lock()
 _choices: dict[tuple, object] = {}  # key -> cublaslt.Algorithm, QuackChoice, or None for torch's call
 _ratios: dict[tuple, float] = {}  # key -> the chosen way's median ratio over torch's call
-_quack_failed: set[tuple[str, str]] = set()  # (config name, epilogue) whose first call failed: not tried again
+# (config name, epilogue) whose first call failed, or that was among the ways when timing a shape failed: not tried
+# again (until reset())
+_quack_failed: set[tuple[str, str]] = set()
 
 
 def torch_call(x, w_t, bias, epilogue: str, out: torch.Tensor | None) -> torch.Tensor:
