@@ -79,14 +79,12 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[Gemm | Attention] = []
-        self.dtype: torch.dtype | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in GEMM_OPS:
             bias, (x, mat2) = (args[0], args[1:3]) if func is _aten.addmm.default else (None, args[:2])
             self.calls.append(Gemm(x.shape[0], x.shape[1], mat2.shape[1], bias is not None, x.data_ptr()))
-            self.dtype = self.dtype or x.dtype
         elif func in ATTENTION_OPS:
             mask_at, causal_at = ATTENTION_OPS[func]
             mask = args[mask_at] if mask_at is not None and len(args) > mask_at else kwargs.get("attn_mask")
@@ -131,7 +129,7 @@ def fuse_projections(calls: list) -> list:
 
 def record(forward: Callable[[], object], fuse_qkv: bool = True) -> list:
     """The matrix products (``MIN_ROWS`` rows or more; q / k / v as one with ``fuse_qkv``) and attention calls of one
-    ``forward``; refused where no attention call was seen (it ran as ops the recorder does not know)."""
+    ``forward``; refused where an attention call would be left out (the module docstring)."""
     recorder, sdpa = _Recorder(), _SdpaCalls()
     with torch.no_grad(), sdpa, recorder:
         forward()
