@@ -953,6 +953,12 @@ ROWS["floor_int8"] = Row("floor_int8", step_floor.floor_setup("int8"), False, pr
                          note="PROBE: the forward's GEMMs as omni_accel's int8 GEMM and its attention calls (cuDNN, "
                               "bf16) alone, q / k / v fused as the int8 stack runs them, in one CUDA graph; no model "
                               "output")
+# ... with cuDNN's FP8 attention on e4m3 operands: the floor of an int8 stack whose attention is 8-bit, its operands
+# quantized in the kernels that write them (the lever the 8-bit targets are missing)
+ROWS["floor_int8_fp8attn"] = Row("floor_int8_fp8attn", step_floor.floor_setup("int8", attention="fp8"), False,
+                                 probe=True, model_output=False, needs=("cudnn",),
+                                 note="PROBE: floor_int8 with cuDNN's FP8 attention (nvidia-cudnn-frontend) on e4m3 "
+                                      "operands in place of the bf16 attention")
 DEFAULT_CONFIGS = ["diffusers_eager", "diffusers_best", "ours_bf16", "ours_fp8_static", "ours_fp8_fp8attn",
                    "ours_fp8_fp8attn_static", "ours_fp8_full", "ours_bf16_graphs", "ours_fp8_dynamic", "ours_bf16_mk",
                    "ours_fp8_static_mk", "torchao_fp8_rowwise", "torch_compile"]

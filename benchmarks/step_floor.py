@@ -17,7 +17,10 @@ nothing between them:
   per call as a forward's are;
 - ``gemm="bf16"``: ``torch.addmm`` / ``torch.mm`` (cuBLAS, the bias in its epilogue); ``gemm="int8"``: omni_accel's
   int8 GEMM with per-token and per-channel rescale (``omni_accel::int8_mm_rescale``) on int8 operands;
-- attention through SDPA with the recorded q / k / v shapes and strides, cuDNN's kernel on a CUDA GPU. Only
+- ``attention="bf16"``: attention through SDPA with the recorded q / k / v shapes and strides, cuDNN's kernel on a
+  CUDA GPU; ``attention="fp8"``: cuDNN's FP8 attention (``omni_accel::cudnn_fp8_sdpa``, needs
+  ``nvidia-cudnn-frontend`` on a Hopper or newer GPU; emulated on the CPU) on e4m3 operands of those shapes, the
+  floor of a stack whose attention is 8-bit with its operands quantized where they are written. Only
   unmasked, non-causal attention is recorded; a forward is refused where an attention call ran masked or causal,
   where fewer of SDPA's fused kernels ran than it called SDPA (its math fallback decomposes into matrix products),
   or where no attention call was seen at all (attention written as matrix products): its floor would leave that
@@ -47,6 +50,7 @@ ATTENTION_OPS = {getattr(_aten, name).default: (mask, causal) for name, mask, ca
     ("_scaled_dot_product_efficient_attention", 3, 6), ("_scaled_dot_product_flash_attention_for_cpu", None, 4))
     if hasattr(_aten, name)}
 GEMMS = ("bf16", "int8")
+ATTENTIONS = ("bf16", "fp8")
 
 
 @dataclass
@@ -191,6 +195,18 @@ def _gemm_call(call: Gemm, gemm: str, dtype: torch.dtype, buffers: _Buffers) -> 
     return lambda: torch.mm(x, w_t)
 
 
+def _fp8_attention_call(call: Attention, buffers: _Buffers) -> Callable[[], torch.Tensor]:
+    from omni_accel.kernels import cudnn_fp8_attention as fp8
+
+    if buffers.device.type == "cuda" and (reason := fp8.unavailable_reason(buffers.device)):
+        raise RuntimeError(f"the FP8 attention floor needs cuDNN's FP8 attention: {reason}")
+    # cuDNN's FP8 kernel reads (batch, tokens, heads, head dim) e4m3 operands, scaled by one factor each
+    q8, k8, v8 = (buffers.get((b, s, h, d), fp8.FP8_DTYPE) for b, h, s, d in call.shapes)
+    one = buffers.get((1, 1, 1, 1), torch.float32, 0.5)  # rand * 0.5 + 0.5: a positive scale
+    head_dim = call.shapes[0][3]
+    return lambda: fp8.cudnn_fp8_sdpa(q8, k8, v8, one, one, one, one, head_dim ** -0.5)
+
+
 def _attention_call(call: Attention, buffers: _Buffers) -> Callable[[], torch.Tensor]:
     q, k, v = (buffers.get(shape, call.dtype, strides=strides) for shape, strides in zip(call.shapes, call.strides))
     if q.is_cuda:
@@ -203,13 +219,16 @@ def _attention_call(call: Attention, buffers: _Buffers) -> Callable[[], torch.Te
     return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
-def floor_forward(calls: list, gemm: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
-                  ) -> Callable[[], None]:
+def floor_forward(calls: list, gemm: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                  attention: str = "bf16") -> Callable[[], None]:
     """``calls`` replayed back to back (one CUDA graph on a CUDA GPU, captured at the first call)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm={gemm!r}: use one of {GEMMS}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r}: use one of {ATTENTIONS}")
     buffers = _Buffers(device)
-    steps = [_gemm_call(c, gemm, dtype, buffers) if isinstance(c, Gemm) else _attention_call(c, buffers)
+    attention_call = _fp8_attention_call if attention == "fp8" else _attention_call
+    steps = [_gemm_call(c, gemm, dtype, buffers) if isinstance(c, Gemm) else attention_call(c, buffers)
              for c in calls]
 
     def run_all() -> None:
@@ -230,7 +249,7 @@ def floor_forward(calls: list, gemm: str, device: torch.device, dtype: torch.dty
     return replay
 
 
-def floor_setup(gemm: str, fuse_qkv: bool = True):
+def floor_setup(gemm: str, fuse_qkv: bool = True, attention: str = "bf16"):
     """A bench_peers row's setup: (forward that replays the floor and returns zeros of the output's shape, undo)."""
     def setup(pipe, transformer, inputs, model):
         from benchmarks.bench_transformer import first_tensor, log
@@ -238,8 +257,9 @@ def floor_setup(gemm: str, fuse_qkv: bool = True):
         outputs = []
         calls = record(lambda: outputs.append(first_tensor(transformer(**inputs))), fuse_qkv)
         zeros = torch.zeros_like(outputs[0])
-        log(f"{model}: floor of {summary(calls)} ({gemm} GEMMs, q / k / v {'fused' if fuse_qkv else 'apart'})")
-        replay = floor_forward(calls, gemm, zeros.device, zeros.dtype)
+        log(f"{model}: floor of {summary(calls)} ({gemm} GEMMs, q / k / v {'fused' if fuse_qkv else 'apart'}, "
+            f"{attention} attention)")
+        replay = floor_forward(calls, gemm, zeros.device, zeros.dtype, attention)
 
         def forward() -> torch.Tensor:
             replay()

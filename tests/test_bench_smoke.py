@@ -968,6 +968,27 @@ def test_step_floor_rows_replay_zeros_of_the_output_shape_and_refuse_an_unknown_
     assert all(torch.equal(p, weights[name]) for name, p in transformer.named_parameters())
     with pytest.raises(ValueError, match=r"gemm='fp4': use one of \('bf16', 'int8'\)"):
         step_floor.floor_forward([], "fp4", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"attention='int4': use one of \('bf16', 'fp8'\)"):
+        step_floor.floor_forward([], "int8", torch.device("cpu"), attention="int4")
+
+
+def test_step_floor_fp8_attention_runs_cudnns_fp8_op_on_e4m3_operands_of_the_recorded_shapes(monkeypatch):
+    """The FP8-attention floor calls omni_accel::cudnn_fp8_sdpa (emulated on the CPU) once per recorded attention
+    call, on e4m3 (batch, tokens, heads, head dim) operands; a GPU without cuDNN's FP8 attention is refused."""
+    from benchmarks import step_floor
+    from omni_accel.kernels import cudnn_fp8_attention as fp8
+
+    call = step_floor.Attention(((1, 2, 16, 8),) * 3, ((256, 8, 16, 1),) * 3, torch.bfloat16)
+    seen = []
+    real = fp8.cudnn_fp8_sdpa
+    monkeypatch.setattr(fp8, "cudnn_fp8_sdpa", lambda q8, *rest: seen.append((q8.shape, q8.dtype)) or real(q8, *rest))
+    step_floor.floor_forward([call, call], "int8", torch.device("cpu"), attention="fp8")()
+    assert seen == [((1, 16, 2, 8), torch.float8_e4m3fn)] * 2
+    monkeypatch.setattr(fp8, "unavailable_reason", lambda device: "the package is not installed")
+    buffers = step_floor._Buffers(torch.device("cpu"))
+    buffers.device = torch.device("cuda")  # as a GPU without the package would be
+    with pytest.raises(RuntimeError, match="the FP8 attention floor needs cuDNN's FP8 attention: the package is not"):
+        step_floor._fp8_attention_call(call, buffers)
 
 
 def test_floor_rows_measure_no_error_and_the_table_says_so(bench_peers, tmp_path, capsys):
