@@ -84,11 +84,12 @@ from benchmarks.bench_transformer import (  # noqa: E402
     wan_spec,
 )
 from benchmarks import step_floor  # noqa: E402
-from benchmarks.timing import back_to_back_ms, cuda_calls_ms, write_result  # noqa: E402
+from benchmarks.timing import back_to_back_ms, write_result  # noqa: E402
 from benchmarks.timing import package_version as _version  # noqa: E402
 from omni_accel.deps import installed  # noqa: E402
 from omni_accel.errors import AccelError  # noqa: E402
 from omni_accel.kernels import fa4_attention, quack_gemm  # noqa: E402 -- the FlashAttention-4 tile rows, quack tiles
+from omni_accel.kernels.timing import calls_ms  # noqa: E402
 
 
 def wan81_spec(tiny: bool) -> dict:
@@ -911,7 +912,7 @@ for _name in ("ours_bf16_mk_pdl", "ours_int8_auto"):
                      fa4_timed_min_tokens=4096)
     ROWS[_row.name] = replace(_row, needs=tuple(dict.fromkeys(_row.needs + ("flash_attn.cute",))), cuda_only=True)
 # The 16-bit GEMM tuner on today's stack (the _tuned rows above kept the stack of their day): cuBLASLt's candidates
-# alone, and with quack-kernels' CuTe DSL GEMMs on five Hopper tiles beside them
+# alone, and with quack-kernels' CuTe DSL GEMMs on four Hopper tiles beside them
 # (quack's "default" on Hopper is its 128 x 192 pingpong tile with a 2 x 1 cluster: left out, it would time it twice)
 QUACK_TILES = ("256x128_coop_c2x1", "256x192_coop_c2x1", "128x256_coop_c2x1", "128x192_pp_c2x1")
 ROWS["ours_bf16_mk_pdl_tunedlt"] = _switched("ours_bf16_mk_pdl", "tunedlt", "16-bit linears on the cuBLASLt "
@@ -1070,7 +1071,7 @@ def profile_loop(fn, device: torch.device, calls: int) -> dict:
         fn()
         sync(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            loop_ms = cuda_calls_ms(fn, calls, device)
+            loop_ms = calls_ms(fn, calls, device)
     waits = {}
     for evt in prof.profiler.kineto_results.events():
         name = evt.name()

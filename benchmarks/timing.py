@@ -61,26 +61,11 @@ def sample_ms(fn: Callable[[], object], device: torch.device, iters: int) -> lis
     return times
 
 
-def cuda_calls_ms(fn: Callable[[], object], calls: int, device: torch.device | None = None) -> float:
-    """Milliseconds between two CUDA events on ``device`` (the current one by default) around ``calls`` calls of
-    ``fn`` launched back to back."""
-    return calls_ms(fn, calls, device or torch.device("cuda", torch.cuda.current_device()))
-
-
 def back_to_back_ms(fn: Callable[[], object], device: torch.device, calls: int, groups: int) -> list[float]:
     """Per-call milliseconds of ``calls`` calls launched back to back between two events (no sync in between, as a
     denoising loop runs its steps), one figure per group. Unlike ``sample_ms``, the host's work before each call's
     first GPU launch overlaps the previous call's kernels, as it does in a pipeline."""
-    times = []
-    for _ in range(groups):
-        if device.type == "cuda":
-            times.append(cuda_calls_ms(fn, calls, device) / calls)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / calls)
-    return times
+    return [calls_ms(fn, calls, device) / calls for _ in range(groups)]  # CUDA events on a GPU, else the wall clock
 
 
 # Bytes of inputs a graph of calls cycles through: several times an H100 / H200's 50-60 MiB of L2, so that a kernel
